@@ -1,0 +1,23 @@
+# The two commands of the quickstart. Each creates .venv (Python 3.11) when missing.
+PYTHON ?= python3.11
+VENV   := .venv
+STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+
+.PHONY: demo test clean
+
+$(STAMP): pyproject.toml
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	@rm -f $(VENV)/.installed-* && touch $@
+
+## make demo: the embedded default demo on CPU (ARGS='train.steps=40 ...' to override)
+demo: $(STAMP)
+	$(VENV)/bin/jaxreplay train configs/demo.yaml $(ARGS)
+
+## make test: the whole suite, slow end-to-end runs included (PYTEST_ARGS='-m "not slow"' to skip them)
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

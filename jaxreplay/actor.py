@@ -1,0 +1,78 @@
+"""The actor: sample G completions per prompt, score them, freeze their advantages.
+
+Everything the learner needs later is fixed here, at generation time: the
+behaviour log-probs, the group-normalised advantage and the policy version that
+made the rollout. A rollout replayed many steps later keeps all three.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxreplay.config import Config
+from jaxreplay.rl import group_normalized
+from jaxreplay.sampling import Rollout
+from jaxreplay.tasks import ArithmeticTask
+
+SampleFn = Callable[..., Rollout]
+
+
+def item_spec(config: Config, prompt_len: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Shape and dtype of one replay item (one completion with its prompt)."""
+    t = prompt_len + config.sampling.max_new_tokens
+    return {
+        "tokens": ((t,), np.dtype(np.int32)),
+        "attention_mask": ((t,), np.dtype(np.bool_)),
+        "completion_mask": ((t,), np.dtype(np.bool_)),
+        "logprobs": ((t,), np.dtype(np.float32)),
+        "advantage": ((), np.dtype(np.float32)),
+        "reward": ((), np.dtype(np.float32)),
+        "policy_version": ((), np.dtype(np.int32)),
+    }
+
+
+class Actor:
+    def __init__(self, config: Config, task: ArithmeticTask, sample_fn: SampleFn):
+        self.config = config
+        self.task = task
+        self.sample_fn = sample_fn
+        self._base_key = jax.random.PRNGKey(config.run.seed)
+
+    def act(self, params, policy_version: int, actor_step: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """Rollouts for the `actor_step`-th prompt batch; deterministic given params and step."""
+        c = self.config
+        group = c.train.group_size
+        start = time.perf_counter()
+        problems = self.task.train_problems(c.run.seed, actor_step, c.train.prompts_per_step)
+        prompts, prompt_mask = self.task.encode_prompts(problems)
+        prompts, prompt_mask = np.repeat(prompts, group, axis=0), np.repeat(prompt_mask, group, axis=0)
+        key = jax.random.fold_in(self._base_key, actor_step)
+        rollout = jax.device_get(self.sample_fn(params, prompts, prompt_mask, key))
+
+        completions = rollout.tokens[:, self.task.prompt_len:]
+        rewards = np.array(
+            [self.task.reward(problems[i // group], completions[i]) for i in range(len(completions))], np.float32
+        )
+        advantages = group_normalized(rewards.reshape(-1, group)).reshape(-1)
+        items = {
+            "tokens": rollout.tokens.astype(np.int32),
+            "attention_mask": rollout.attention_mask.astype(bool),
+            "completion_mask": rollout.completion_mask.astype(bool),
+            "logprobs": rollout.logprobs.astype(np.float32),
+            "advantage": advantages,
+            "reward": rewards,
+            "policy_version": np.full(len(rewards), policy_version, np.int32),
+        }
+        stats = {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "accuracy": float((rewards == 1.0).mean()),
+            "completion_length": float(rollout.completion_mask.sum(axis=1).mean()),
+            "tokens": int(rollout.completion_mask.sum()),
+            "seconds": time.perf_counter() - start,
+        }
+        return items, stats

@@ -1,0 +1,81 @@
+"""Orbax checkpoints of the learner, tied to the Reverb checkpoint taken with them.
+
+A checkpoint is one Orbax step holding two items: `state` (params, optimizer
+state, RNG key) and `meta` (counters, and the path of the Reverb checkpoint taken
+just before, so a resume restores exactly that buffer, never a newer orphan).
+Orbax finalises a step by an atomic rename, so a half-written one is never listed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+
+@dataclasses.dataclass
+class Progress:
+    """Everything besides arrays that a resume needs to continue exactly."""
+
+    learner_step: int = 0
+    policy_version: int = 0
+    actor_step: int = 0  # index of the next prompt batch in the task's stream
+    replay_checkpoint: Optional[str] = None
+    tokens_generated: int = 0
+    tokens_trained: int = 0
+    time_generate_s: float = 0.0
+    time_train_s: float = 0.0
+    time_replay_s: float = 0.0
+    warmstart_accuracy: Optional[float] = None
+
+
+class Checkpointer:
+    def __init__(self, directory: str | Path, keep: int):
+        self.directory = Path(directory).absolute()
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False),
+        )
+
+    def latest_step(self) -> Optional[int]:
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: Any, progress: Progress) -> None:
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dataclasses.asdict(progress))
+            ),
+            force=True,
+        )
+        self._manager.wait_until_finished()
+
+    def restore(self, state_like: Any, step: Optional[int] = None) -> tuple[Any, Progress]:
+        """Restores onto the structure, shapes, dtypes and shardings of `state_like`."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
+        )
+        return restored.state, Progress(**restored.meta)
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def save_params(path: str | Path, params: Any) -> None:
+    """One-off params snapshot (the cached warm start)."""
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(Path(path).absolute(), params, force=True)
+
+
+def restore_params(path: str | Path, params_like: Any) -> Any:
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params_like)
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(Path(path).absolute(), abstract)

@@ -1,0 +1,58 @@
+"""`jaxreplay` command line: train (and resume) from a YAML config plus dotted overrides."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxreplay", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train, or resume the run in run.dir")
+    train.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. replay.samples_per_insert=4")
+    show = sub.add_parser("config", help="print the resolved config without running")
+    show.add_argument("config")
+    show.add_argument("overrides", nargs="*")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow (under Reverb) is chatty on import
+    from jaxreplay.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, args.overrides)
+        if args.command == "config":
+            import yaml
+
+            from jaxreplay.config import to_dict
+
+            print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+            return 0
+        from jaxreplay.loop import train
+
+        train(config)
+        return 0
+    except ConfigError as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"jaxreplay: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("jaxreplay: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one line for users; --debug for developers
+        if args.debug:
+            traceback.print_exc()
+        print(f"jaxreplay: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

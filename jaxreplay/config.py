@@ -1,0 +1,349 @@
+"""Typed run configuration: YAML file + dotted overrides, validated once at the edge.
+
+Every section is a frozen dataclass. `load_config` is the only way in: it rejects
+unknown keys, wrong types and impossible values (including rate-limiter settings
+that would deadlock) with a `ConfigError` whose one-line message names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the offending key."""
+
+
+Selector = Literal["uniform", "fifo", "lifo", "prioritized"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama/Qwen2/Qwen3-family decoder."""
+
+    vocab_size: int = 32
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    d_ff: int = 384
+    max_seq_len: int = 32
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    attention_bias: bool = False
+    qk_norm: bool = False
+    param_dtype: DType = "float32"
+    compute_dtype: DType = "float32"
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The embedded arithmetic task: `a+b=` with an exact-match reward."""
+
+    name: Literal["arithmetic"] = "arithmetic"
+    min_digits: int = 1
+    max_digits: int = 3
+    operations: tuple[str, ...] = ("+",)
+    eval_size: int = 256
+    data_seed: int = 1234
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """Short supervised warm start, cached in the run dir, so RL starts above zero."""
+
+    steps: int = 200
+    batch_size: int = 64
+    learning_rate: float = 3e-3
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Rollout sampling; the learner scores with the same temperature."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    max_new_tokens: int = 6
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """The Reverb table between actor and learner.
+
+    mode "replay": selector over a FIFO window of `max_size` rollouts, rate-limited to
+    `samples_per_insert`. mode "on_policy": the baseline queue, each rollout trained
+    on exactly once, freshest first (selector/max_size/ratio settings are ignored).
+    """
+
+    mode: Literal["replay", "on_policy"] = "replay"
+    selector: Selector = "uniform"
+    priority_exponent: float = 1.0
+    max_size: int = 512
+    max_times_sampled: int = 0  # 0 = unlimited
+    samples_per_insert: float = 2.0
+    min_size_to_sample: int = 128
+    error_buffer: Optional[float] = None  # None: batch_size + samples_per_insert
+    timeout_s: float = 60.0
+    port: int = 0  # 0 picks a free port
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Learner and actor shapes and the GRPO/PPO update."""
+
+    steps: int = 200
+    batch_size: int = 64  # rollouts per learner step (B)
+    prompts_per_step: int = 8  # prompts per actor step; R = prompts_per_step * group_size
+    group_size: int = 8  # G completions per prompt
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.99
+    grad_clip: float = 1.0
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    kl_coef: float = 0.0  # > 0 adds k3 KL to the warm-start reference policy
+    eval_every: int = 20
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 50  # learner steps between checkpoints (Orbax + Reverb together)
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/demo"
+    seed: int = 0
+    progress_bar: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.train.prompts_per_step * self.train.group_size
+
+    @property
+    def error_buffer(self) -> float:
+        """The limiter's error buffer, resolving the default."""
+        r, t = self.replay, self.train
+        return r.error_buffer if r.error_buffer is not None else float(t.batch_size + r.samples_per_insert)
+
+
+# ----------------------------------------------------------------------------------
+# Parsing and printing
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    """Plain nested dict (tuples as lists): what `load_config` reads back unchanged."""
+
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, tuple):
+            return [plain(v) for v in x]
+        return x
+
+    return plain(dataclasses.asdict(config))
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Reads YAML (or the defaults when `path` is None), applies `a.b=value` overrides, validates."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"malformed YAML in {path}{where}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    for item in overrides:
+        _apply_override(raw, item)
+    config = _build(Config, raw, prefix="")
+    validate(config)
+    return config
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    *parents, leaf = key.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{key}: {part} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key {prefix}{unknown[0]} (known: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, value in raw.items():
+        kwargs[name] = _coerce(hints[name], value, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, prefix=f"{key}.")
+    if origin is typing.Union or origin is types.UnionType:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(inner, value, key)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    if origin is tuple:
+        (inner, _) = typing.get_args(tp)
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return tuple(_coerce(inner, v, f"{key}[{i}]") for i, v in enumerate(items))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    else:  # pragma: no cover - a field type this parser does not know is a bug here
+        raise TypeError(f"unsupported config type {tp} for {key}")
+    raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+
+
+# ----------------------------------------------------------------------------------
+# Validation: impossible values and rate-limiter settings that would deadlock.
+
+
+def _require(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {why}")
+
+
+def validate(c: Config) -> None:
+    m, t, s, r, w = c.model, c.train, c.sampling, c.replay, c.warmstart
+    for key, value in [
+        ("model.vocab_size", m.vocab_size), ("model.d_model", m.d_model), ("model.n_layers", m.n_layers),
+        ("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.head_dim", m.head_dim),
+        ("model.d_ff", m.d_ff), ("model.max_seq_len", m.max_seq_len), ("train.steps", t.steps),
+        ("train.batch_size", t.batch_size), ("train.prompts_per_step", t.prompts_per_step),
+        ("train.group_size", t.group_size), ("train.eval_every", t.eval_every),
+        ("sampling.max_new_tokens", s.max_new_tokens), ("checkpoint.every", c.checkpoint.every),
+        ("checkpoint.keep", c.checkpoint.keep), ("replay.max_size", r.max_size),
+        ("replay.min_size_to_sample", r.min_size_to_sample), ("task.eval_size", c.task.eval_size),
+        ("warmstart.batch_size", w.batch_size), ("task.min_digits", c.task.min_digits),
+    ]:
+        _require(value > 0, key, f"must be positive, got {value}")
+    _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
+             f"must divide model.n_heads ({m.n_heads}), got {m.n_kv_heads}")
+    _require(m.head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {m.head_dim}")
+    _require(m.rope_theta > 0, "model.rope_theta", "must be positive")
+    _require(m.norm_eps > 0, "model.norm_eps", "must be positive")
+    _require(c.task.max_digits >= c.task.min_digits, "task.max_digits",
+             f"must be >= task.min_digits ({c.task.min_digits})")
+    _require(c.task.max_digits <= 9, "task.max_digits", "at most 9 digits are supported")
+    for i, op in enumerate(c.task.operations):
+        _require(op in ("+", "-", "*"), f"task.operations[{i}]", f"{op!r} is not one of +, -, *")
+    _require(len(c.task.operations) > 0, "task.operations", "needs at least one operation")
+    _require(w.steps >= 0, "warmstart.steps", f"must be >= 0, got {w.steps}")
+    _require(w.learning_rate > 0, "warmstart.learning_rate", "must be positive")
+    _require(s.temperature > 0, "sampling.temperature", f"must be positive, got {s.temperature}")
+    _require(0 < s.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {s.top_p}")
+    _require(s.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 disables), got {s.top_k}")
+    _require(t.learning_rate > 0, "train.learning_rate", "must be positive")
+    _require(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+    _require(t.grad_clip > 0, "train.grad_clip", "must be positive")
+    _require(0 <= t.eps_low < 1, "train.eps_low", f"must be in [0, 1), got {t.eps_low}")
+    _require(t.eps_high >= 0, "train.eps_high", f"must be >= 0, got {t.eps_high}")
+    _require(t.kl_coef >= 0, "train.kl_coef", "must be >= 0")
+    _require(t.group_size >= 2, "train.group_size", "needs at least 2 completions per prompt for group advantages")
+    _require(r.timeout_s > 0, "replay.timeout_s", "must be positive")
+    _require(r.max_times_sampled >= 0, "replay.max_times_sampled", "must be >= 0 (0 = unlimited)")
+    _require(0 <= r.port < 65536, "replay.port", "must be a TCP port or 0")
+    _require(r.priority_exponent >= 0, "replay.priority_exponent", "must be >= 0")
+    _require(c.run.dir != "", "run.dir", "must not be empty")
+    _require(m.max_seq_len >= _prompt_len(c) + s.max_new_tokens, "model.max_seq_len",
+             f"{m.max_seq_len} is too short for prompts of {_prompt_len(c)} tokens plus "
+             f"sampling.max_new_tokens={s.max_new_tokens}")
+    _validate_replay(c)
+
+
+def _prompt_len(c: Config) -> int:
+    from jaxreplay.tasks.arithmetic import prompt_length  # the task owns its prompt format
+
+    return prompt_length(c.task)
+
+
+def _validate_replay(c: Config) -> None:
+    """Rejects limiter settings that deadlock the colocated scheduler.
+
+    The scheduler inserts rollouts one at a time and samples `batch_size` at once.
+    With D = inserts * spi - samples, Reverb admits an insert while D + spi <= max_diff
+    and a sample of B while D - B >= min_diff. Some move is always possible iff the
+    window max_diff - min_diff = 2 * error_buffer is at least B + spi.
+    """
+    r, t = c.replay, c.train
+    b = t.batch_size
+    if r.mode == "on_policy":
+        return  # the queue is sized from the batch: see replay.tables
+    spi = r.samples_per_insert
+    _require(spi > 0, "replay.samples_per_insert", f"must be positive, got {spi}")
+    _require(r.min_size_to_sample <= r.max_size, "replay.min_size_to_sample",
+             f"{r.min_size_to_sample} exceeds replay.max_size={r.max_size}: the table can never fill enough to sample")
+    _require(b <= r.max_size, "train.batch_size",
+             f"{b} is larger than replay.max_size={r.max_size}, which the table can never hold")
+    eb = c.error_buffer
+    _require(eb >= max(1.0, spi), "replay.error_buffer",
+             f"{eb} is below max(1, samples_per_insert)={max(1.0, spi)}: Reverb rejects so narrow a window")
+    _require(2 * eb >= b + spi, "replay.error_buffer",
+             f"{eb} deadlocks: the limiter window 2*error_buffer={2 * eb} must hold one batch plus one insert "
+             f"(train.batch_size + samples_per_insert = {b + spi}); raise it to at least {(b + spi) / 2}")

@@ -1,0 +1,81 @@
+"""The learner: one jitted GRPO/PPO update on a batch sampled from replay.
+
+The whole update is visible here: score the replayed sequences under the current
+params, compare with the behaviour log-probs frozen at generation time, clip,
+optionally penalise KL to a reference, then one optax step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxreplay.config import Config, TrainConfig
+from jaxreplay.models import forward
+from jaxreplay.rl import kl_penalty, masked_mean
+from jaxreplay.rl.losses import LOSSES
+from jaxreplay.sampling import token_entropy, token_logprobs
+
+Batch = dict[str, jax.Array]
+TrainStep = Callable[[Any, Any, Batch, Any], tuple[Any, Any, dict[str, jax.Array]]]
+
+# Replayed fields the update reads; the actor writes these (and more) into the table.
+BATCH_KEYS = ("tokens", "attention_mask", "completion_mask", "logprobs", "advantage")
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping at a constant learning rate."""
+    return optax.chain(
+        optax.clip_by_global_norm(config.grad_clip),
+        optax.adamw(config.learning_rate, b1=config.adam_b1, b2=config.adam_b2, weight_decay=config.weight_decay),
+    )
+
+
+def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransformation) -> TrainStep:
+    """Returns `step(params, opt_state, batch, ref_params) -> (params, opt_state, metrics)`, jitted.
+
+    params and opt_state are donated: the caller must use the returned ones.
+    `ref_params` is only read when `train.kl_coef > 0` (pass None otherwise).
+    """
+    train, temperature = config.train, config.sampling.temperature
+    loss_impl = LOSSES["grpo"]
+
+    def loss_fn(params, batch: Batch, ref_params):
+        logits = forward(graphdef, params, batch["tokens"], batch["attention_mask"])
+        logprobs = token_logprobs(logits, batch["tokens"], temperature)
+        mask = batch["completion_mask"]
+        loss, metrics = loss_impl(
+            logprobs, batch["logprobs"], batch["advantage"], mask, eps_low=train.eps_low, eps_high=train.eps_high
+        )
+        metrics["pg_loss"] = loss
+        if train.kl_coef > 0:
+            ref_logits = forward(graphdef, jax.lax.stop_gradient(ref_params), batch["tokens"], batch["attention_mask"])
+            kl = kl_penalty(logprobs, token_logprobs(ref_logits, batch["tokens"], temperature), mask)
+            loss = loss + train.kl_coef * kl
+            metrics["kl_ref"] = kl
+        metrics["entropy"] = masked_mean(token_entropy(logits, temperature), mask)
+        return loss, metrics
+
+    def step(params, opt_state, batch: Batch, ref_params):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, ref_params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics["loss"] = loss
+        metrics["grad_norm"] = optax.global_norm(grads)
+        return params, opt_state, metrics
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def to_device_batch(batch: dict[str, Any]) -> Batch:
+    """Host numpy -> device arrays with the dtypes the update expects."""
+    return {
+        "tokens": jnp.asarray(batch["tokens"], jnp.int32),
+        "attention_mask": jnp.asarray(batch["attention_mask"], bool),
+        "completion_mask": jnp.asarray(batch["completion_mask"], bool),
+        "logprobs": jnp.asarray(batch["logprobs"], jnp.float32),
+        "advantage": jnp.asarray(batch["advantage"], jnp.float32),
+    }

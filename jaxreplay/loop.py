@@ -1,0 +1,216 @@
+"""Colocated training: one process, one policy, and the Reverb rate limiter as the scheduler.
+
+Each turn takes the first move the table allows:
+  1. insert waiting rollouts while the limiter admits inserts;
+  2. otherwise take a learner step while it admits a sample of `batch_size`;
+  3. otherwise, with nothing waiting, generate the next batch of rollouts.
+Nothing ever blocks on the limiter in this thread, so this cannot deadlock as long
+as the limiter window fits one batch plus one insert (checked in config).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+from tqdm import tqdm
+
+from jaxreplay.actor import Actor, item_spec
+from jaxreplay.checkpoint import Checkpointer, Progress
+from jaxreplay.config import Config, ConfigError, to_dict
+from jaxreplay.eval import evaluate
+from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
+from jaxreplay.metrics import MetricsWriter
+from jaxreplay.models import init_params
+from jaxreplay.replay import ReplayServer, RolloutReader, RolloutWriter, build_table
+from jaxreplay.sampling import make_sampler
+from jaxreplay.tasks import make_task
+from jaxreplay.warmstart import warm_start
+
+
+class SchedulerStuckError(RuntimeError):
+    """Neither an insert nor a sample is admitted: the limiter settings are inconsistent."""
+
+
+def _insertable(server: ReplayServer, n: int) -> int:
+    """Largest k <= n that the limiter admits now (admission is monotone in k)."""
+    if server.can_insert(n):
+        return n
+    lo, hi = 0, n  # can_insert(lo) holds (vacuously for 0), can_insert(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if server.can_insert(mid) else (lo, mid)
+    return lo
+
+
+def _save_config(run_dir: Path, config: Config) -> None:
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Runs (or resumes) a colocated training run; returns the run summary."""
+    c = config
+    run_dir = Path(c.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _save_config(run_dir, c)
+
+    task = make_task(c.task)
+    if task.tokenizer.vocab_size > c.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: {c.model.vocab_size} is smaller than the tokenizer's {task.tokenizer.vocab_size}"
+        )
+    tok = task.tokenizer
+    graphdef, params = init_params(c.model, c.run.seed)
+    sample_fn = make_sampler(
+        graphdef, c.model, max_new_tokens=c.sampling.max_new_tokens, temperature=c.sampling.temperature,
+        top_p=c.sampling.top_p, top_k=c.sampling.top_k, eos_id=tok.eos_id, pad_id=tok.pad_id,
+    )
+    greedy_fn = make_sampler(
+        graphdef, c.model, max_new_tokens=c.sampling.max_new_tokens, greedy=True, eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
+    )
+
+    start = time.perf_counter()
+    params, cached = warm_start(graphdef, params, task, c, run_dir / "warmstart")
+    log(f"warm start {'loaded from cache' if cached else f'trained for {c.warmstart.steps} steps'} "
+        f"({time.perf_counter() - start:.1f}s)")
+    ref_params = jax.tree.map(jnp.copy, params) if c.train.kl_coef > 0 else None
+
+    optimizer = make_optimizer(c.train)
+    opt_state = optimizer.init(params)
+    train_step = make_train_step(graphdef, c, optimizer)
+    actor = Actor(c, task, sample_fn)
+
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.checkpoint.keep)
+    progress = Progress()
+    if checkpointer.latest_step() is not None:
+        state, progress = checkpointer.restore({"params": params, "opt_state": opt_state})
+        params, opt_state = state["params"], state["opt_state"]
+        log(f"resumed from step {progress.learner_step} (policy version {progress.policy_version})")
+
+    spec = item_spec(c, task.prompt_len)
+    server = ReplayServer(
+        build_table(c, spec), checkpoint_root=run_dir / "replay", restore_from=progress.replay_checkpoint,
+        port=c.replay.port,
+    )
+    metrics = MetricsWriter(run_dir)
+    bar = tqdm(total=c.train.steps, initial=progress.learner_step, disable=not c.run.progress_bar,
+               desc="train", unit="step", dynamic_ncols=True)
+    try:
+        writer = RolloutWriter(server, spec, timeout_s=c.replay.timeout_s)
+        reader = RolloutReader(server, spec, timeout_s=c.replay.timeout_s)
+        if progress.warmstart_accuracy is None:
+            progress.warmstart_accuracy = evaluate(params, task, greedy_fn)
+            metrics.write(0, {"eval/accuracy": progress.warmstart_accuracy})
+        log(f"eval/accuracy at start: {progress.warmstart_accuracy:.3f}")
+
+        pending: Optional[dict[str, np.ndarray]] = None
+        actor_stats: dict[str, float] = {}
+        last_saved = progress.learner_step
+        eval_accuracy = progress.warmstart_accuracy
+        while progress.learner_step < c.train.steps:
+            if pending is not None and (n := _insertable(server, len(pending["reward"]))) > 0:
+                t0 = time.perf_counter()
+                writer.insert({k: v[:n] for k, v in pending.items()})
+                progress.time_replay_s += time.perf_counter() - t0
+                pending = {k: v[n:] for k, v in pending.items()} if n < len(pending["reward"]) else None
+            elif server.can_sample(c.train.batch_size):
+                t0 = time.perf_counter()
+                batch, info = reader.sample(c.train.batch_size)
+                t1 = time.perf_counter()
+                params, opt_state, step_metrics = train_step(params, opt_state, to_device_batch(batch), ref_params)
+                step_metrics = jax.device_get(step_metrics)
+                t2 = time.perf_counter()
+                progress.time_replay_s += t1 - t0
+                progress.time_train_s += t2 - t1
+                progress.learner_step += 1
+                progress.tokens_trained += int(batch["completion_mask"].sum())
+                staleness = progress.policy_version - batch["policy_version"]
+                progress.policy_version += 1
+
+                table = server.info()
+                record = {
+                    **{k: float(v) for k, v in step_metrics.items()},
+                    **actor_stats,
+                    "batch/reward_mean": float(batch["reward"].mean()),
+                    "replay/size": table.size,
+                    "replay/inserts": table.inserts,
+                    "replay/samples": table.samples,
+                    "replay/ratio": table.samples / max(table.inserts, 1),
+                    "replay/times_sampled_mean": float(np.mean(info.times_sampled)),
+                    "staleness/mean": float(staleness.mean()),
+                    "staleness/max": int(staleness.max()),
+                    "policy_version": progress.policy_version,
+                    "tokens/generated": progress.tokens_generated,
+                    "tokens/trained": progress.tokens_trained,
+                    "time/generate_s": progress.time_generate_s,
+                    "time/train_s": progress.time_train_s,
+                    "time/replay_s": progress.time_replay_s,
+                }
+                step = progress.learner_step
+                if step % c.train.eval_every == 0 or step == c.train.steps:
+                    eval_accuracy = record["eval/accuracy"] = evaluate(params, task, greedy_fn)
+                metrics.write(step, record)
+                bar.update(1)
+                bar.set_postfix(acc=f"{actor_stats.get('accuracy', 0):.2f}", eval=f"{eval_accuracy:.2f}",
+                                ratio=f"{record['replay/ratio']:.2f}", refresh=False)
+                if step - last_saved >= c.checkpoint.every and pending is None:
+                    _checkpoint(checkpointer, server, params, opt_state, progress)
+                    last_saved = step
+            elif pending is None:
+                items, stats = actor.act(params, progress.policy_version, progress.actor_step)
+                progress.actor_step += 1
+                progress.tokens_generated += stats["tokens"]
+                progress.time_generate_s += stats["seconds"]
+                actor_stats = {k: stats[k] for k in ("reward_mean", "reward_std", "accuracy", "completion_length")}
+                pending = items
+            else:
+                raise SchedulerStuckError(f"the limiter admits neither an insert nor a sample: {server.describe()}")
+        if last_saved != progress.learner_step:
+            _checkpoint(checkpointer, server, params, opt_state, progress)
+        bar.close()
+
+        table = server.info()
+        summary = {
+            "steps": progress.learner_step,
+            "seconds": round(time.perf_counter() - start, 1),
+            "eval/accuracy_start": progress.warmstart_accuracy,
+            "eval/accuracy_end": eval_accuracy,
+            "replay/ratio": table.samples / max(table.inserts, 1),
+            "replay/samples_per_insert_target": 1.0 if c.replay.mode == "on_policy" else c.replay.samples_per_insert,
+            "replay/inserts": table.inserts,
+            "replay/samples": table.samples,
+            "tokens/generated": progress.tokens_generated,
+            "tokens/trained": progress.tokens_trained,
+            "time/generate_s": round(progress.time_generate_s, 2),
+            "time/train_s": round(progress.time_train_s, 2),
+            "time/replay_s": round(progress.time_replay_s, 2),
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log(
+            f"done: {summary['steps']} steps in {summary['seconds']}s | eval/accuracy "
+            f"{summary['eval/accuracy_start']:.3f} -> {summary['eval/accuracy_end']:.3f} | replay/ratio "
+            f"{summary['replay/ratio']:.2f} (target {summary['replay/samples_per_insert_target']:g}) | "
+            f"generate {summary['time/generate_s']}s, train {summary['time/train_s']}s, "
+            f"replay {summary['time/replay_s']}s | {run_dir}"
+        )
+        return summary
+    finally:
+        bar.close()
+        metrics.close()
+        server.stop()
+        checkpointer.close()
+
+
+def _checkpoint(checkpointer: Checkpointer, server: ReplayServer, params, opt_state, progress: Progress) -> None:
+    """Reverb first, then Orbax naming it: a crash in between leaves the older pair intact."""
+    t0 = time.perf_counter()
+    progress.replay_checkpoint = server.checkpoint()
+    progress.time_replay_s += time.perf_counter() - t0
+    checkpointer.save(progress.learner_step, {"params": params, "opt_state": opt_state}, progress)

@@ -1,0 +1,27 @@
+"""The policy model: a Llama/Qwen2/Qwen3-family decoder and its pure functional wrappers."""
+
+from jaxreplay.models.transformer import (
+    KVCache,
+    Transformer,
+    apply,
+    count_params,
+    dtype_of,
+    forward,
+    init_cache,
+    init_params,
+    positions_from_mask,
+    split,
+)
+
+__all__ = [
+    "KVCache",
+    "Transformer",
+    "apply",
+    "count_params",
+    "dtype_of",
+    "forward",
+    "init_cache",
+    "init_params",
+    "positions_from_mask",
+    "split",
+]

@@ -1,0 +1,304 @@
+"""A Llama/Qwen2/Qwen3-family decoder in Flax NNX, plus the pure functions jit uses.
+
+One residual stream, `n_layers` pre-norm blocks (RMSNorm -> GQA attention with RoPE
+-> RMSNorm -> SwiGLU MLP), a final RMSNorm and an (optionally tied) unembedding.
+Parameters are stored in `param_dtype`, cast to `compute_dtype` where used; norms,
+RoPE, softmax and the logits are computed in float32.
+
+Parameter names are plain so the HF importer maps them one to one; every linear
+kernel is [in, out]:
+
+    embed.embedding                          [V, D]
+    layers[i].input_norm.scale               [D]
+    layers[i].attn.{q,k,v}_proj.kernel       [D, heads * head_dim]   (+ .bias if attention_bias)
+    layers[i].attn.{q,k}_norm.scale          [head_dim]              (if qk_norm)
+    layers[i].attn.o_proj.kernel             [n_heads * head_dim, D]
+    layers[i].post_attn_norm.scale           [D]
+    layers[i].mlp.{gate,up}_proj.kernel      [D, d_ff]
+    layers[i].mlp.down_proj.kernel           [d_ff, D]
+    final_norm.scale                         [D]
+    lm_head.kernel                           [D, V]                  (if not tie_embeddings)
+
+Masking convention (one rule for full sequences and for the KV cache): tokens live
+in *slots* 0..S-1. The query in slot q sees the key in slot s iff `s <= q` and
+`key_mask[b, s]`. Without a cache the slots are the T input tokens, so `key_mask`
+is [B, T]. With a cache the slots are the cache's `max_len` entries, the T new
+tokens are written to slots `cache_index .. cache_index + T - 1`, and `key_mask`
+is [B, max_len] (True for every slot holding a real token, the new ones included).
+Left padding is just `key_mask == False` on the leading slots; RoPE uses the
+explicit `positions`, so a left-padded row gets the same logits as an unpadded one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxreplay.config import ModelConfig
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def dtype_of(name: str) -> jnp.dtype:
+    """The jnp dtype for a config dtype string."""
+    return _DTYPES[name]
+
+
+# ----------------------------------------------------------------------------------
+# KV cache
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer, stacked: [n_layers, B, max_len, n_kv_heads, head_dim].
+
+    Keys are stored after RoPE (and q/k norm), in `compute_dtype`. Which slots are
+    valid is not stored here: it is the caller's `key_mask` (see the module doc).
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+    """An all-zero cache for `batch` rows of up to `max_len` slots."""
+    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    zeros = jnp.zeros(shape, dtype_of(cfg.compute_dtype))
+    return KVCache(k=zeros, v=zeros)
+
+
+# ----------------------------------------------------------------------------------
+# Building blocks
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias), kernel [in, out]."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, param_dtype, compute_dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), param_dtype)) if bias else None
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x.astype(self.compute_dtype) @ self.kernel.value.astype(self.compute_dtype)
+        if self.bias is not None:
+            y = y + self.bias.value.astype(self.compute_dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale over the last axis, computed in float32."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, HF "rotate_half" layout: pairs are (x[i], x[i + head_dim/2]).
+
+    x: [B, T, heads, head_dim]; positions: [B, T] int.
+    """
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1])
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention: query head h reads kv head h // (n_heads // n_kv_heads)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pd, cd = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
+        d, hd = cfg.d_model, cfg.head_dim
+        lin = dict(param_dtype=pd, compute_dtype=cd, rngs=rngs)
+        self.q_proj = Linear(d, cfg.n_heads * hd, bias=cfg.attention_bias, **lin)
+        self.k_proj = Linear(d, cfg.n_kv_heads * hd, bias=cfg.attention_bias, **lin)
+        self.v_proj = Linear(d, cfg.n_kv_heads * hd, bias=cfg.attention_bias, **lin)
+        self.o_proj = Linear(cfg.n_heads * hd, d, bias=False, **lin)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=pd)
+            self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=pd)
+        else:
+            self.q_norm = self.k_norm = None
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
+        self.rope_theta = cfg.rope_theta
+
+    def __call__(self, x, positions, key_mask, kv=None, cache_index=None):
+        """x [B, T, D] -> ([B, T, D], (k, v) of this layer: the updated cache or this call's keys)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+
+        if kv is None:
+            query_slots = jnp.arange(t)
+        else:  # write the new keys into their slots, then attend over the whole cache
+            k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, cache_index, 0, 0))
+            v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, cache_index, 0, 0))
+            query_slots = cache_index + jnp.arange(t)
+        key_slots = jnp.arange(k.shape[1])
+        mask = (key_slots[None, :] <= query_slots[:, None])[None] & key_mask[:, None, :]  # [B, T, S]
+
+        groups = self.n_heads // self.n_kv_heads
+        q = q.reshape(b, t, self.n_kv_heads, groups, self.head_dim)
+        scores = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(self.head_dim)
+        # A finite floor, not -inf, so a query with no visible key (a pad slot) gives
+        # a harmless uniform average instead of NaN.
+        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(q.dtype)).reshape(b, t, -1)
+        return self.o_proj(out), (k, v)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        lin = dict(bias=False, param_dtype=dtype_of(cfg.param_dtype), compute_dtype=dtype_of(cfg.compute_dtype),
+                   rngs=rngs)
+        self.gate_proj = Linear(cfg.d_model, cfg.d_ff, **lin)
+        self.up_proj = Linear(cfg.d_model, cfg.d_ff, **lin)
+        self.down_proj = Linear(cfg.d_ff, cfg.d_model, **lin)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pd = dtype_of(cfg.param_dtype)
+        self.input_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, positions, key_mask, kv=None, cache_index=None):
+        h, kv = self.attn(self.input_norm(x), positions, key_mask, kv, cache_index)
+        x = x + h
+        return x + self.mlp(self.post_attn_norm(x)), kv
+
+
+class Embed(nnx.Module):
+    """Token embedding table [V, D]; `attend` is the tied unembedding."""
+
+    def __init__(self, vocab: int, dim: int, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(stddev=0.02)
+        self.embedding = nnx.Param(init(rngs.params(), (vocab, dim), param_dtype))
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding.value, tokens, axis=0).astype(self.compute_dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        table = self.embedding.value.astype(self.compute_dtype)
+        return jnp.einsum("btd,vd->btv", x, table, preferred_element_type=jnp.float32)
+
+
+class Transformer(nnx.Module):
+    """The decoder. See the module docstring for parameter names and the mask rule."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        if cfg.n_heads % cfg.n_kv_heads:
+            raise ValueError(f"n_kv_heads={cfg.n_kv_heads} must divide n_heads={cfg.n_heads}")
+        if cfg.head_dim % 2:
+            raise ValueError(f"head_dim={cfg.head_dim} must be even for RoPE")
+        pd, cd = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
+        self.cfg = cfg
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, param_dtype=pd, compute_dtype=cd, rngs=rngs)
+        self.layers = [Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)]
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd)
+        self.lm_head = None if cfg.tie_embeddings else Linear(
+            cfg.d_model, cfg.vocab_size, bias=False, param_dtype=pd, compute_dtype=cd, rngs=rngs)
+
+    def __call__(self, tokens, positions, key_mask, cache: Optional[KVCache] = None, cache_index=None):
+        """tokens, positions [B, T] int32; key_mask bool ([B, T], or [B, max_len] with a cache).
+
+        Returns (logits [B, T, V] float32, the updated cache or None). With a cache,
+        `cache_index` (an int or traced int32 scalar) is the slot of tokens[:, 0].
+        """
+        h, cache = self.hidden(tokens, positions, key_mask, cache, cache_index)
+        return self.unembed(h), cache
+
+    def hidden(self, tokens, positions, key_mask, cache: Optional[KVCache] = None, cache_index=None):
+        """The final-normed residual stream [B, T, D]; split from `unembed` so callers
+        that need only some positions' logits (prefill) skip the [B, T, V] product."""
+        if cache is not None and cache_index is None:
+            raise ValueError("a cache needs cache_index: the slot the first new token is written to")
+        x = self.embed(tokens)
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x, (k, v) = layer(x, positions, key_mask, kv, cache_index)
+            ks.append(k)
+            vs.append(v)
+        new_cache = None if cache is None else KVCache(jnp.stack(ks), jnp.stack(vs))
+        return self.final_norm(x), new_cache
+
+    def unembed(self, h: jax.Array) -> jax.Array:
+        """[B, T, D] -> float32 logits [B, T, V]."""
+        if self.lm_head is None:
+            return self.embed.attend(h)
+        kernel = self.lm_head.kernel.value.astype(h.dtype)
+        return jnp.einsum("btd,dv->btv", h, kernel, preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------------
+# Pure functions over (graphdef, params): what jitted code calls.
+
+
+def split(model: Transformer) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params): static structure and an nnx.State of every nnx.Param.
+
+    Raises if the model holds any non-Param state, so params are the whole model.
+    """
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, params
+
+
+def init_params(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
+    """A freshly initialised model, split. The same seed gives the same params."""
+    return split(Transformer(cfg, rngs=nnx.Rngs(params=seed)))
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+    """RoPE positions for a left-padded row: 0 at the first real token; pads get 0."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def apply(graphdef, params, tokens, positions, key_mask, cache=None, cache_index=None):
+    """Functional `Transformer.__call__`: (logits f32, new cache or None)."""
+    return nnx.merge(graphdef, params)(tokens, positions, key_mask, cache, cache_index)
+
+
+def forward(graphdef, params, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    """Scores whole sequences: logits [B, T, V] float32, logits[:, t] predicting tokens[:, t+1].
+
+    `attention_mask` [B, T] bool marks real tokens (False on left padding and on pad
+    after EOS); positions are its cumsum, so padding changes no real logit.
+    """
+    attention_mask = attention_mask.astype(bool)
+    logits, _ = apply(graphdef, params, tokens, positions_from_mask(attention_mask), attention_mask)
+    return logits
+
+
+def count_params(params) -> int:
+    """Total number of scalars in a params pytree."""
+    return int(sum(x.size for x in jax.tree.leaves(params)))

@@ -1,0 +1,184 @@
+"""Rollouts: one jitted prefill + `lax.while_loop` decode over a KV cache.
+
+`make_sampler` closes over the model structure and the sampling settings and returns
+one jitted function of (params, prompts, mask, rng); new params, prompts or keys of
+the same shapes reuse the compiled program. Prompts are LEFT-padded, so every row's
+next token is written to the same cache slot and the cache index is a scalar.
+
+`token_logprobs` / `token_entropy` are the learner's side of the same contract: entry
+t scores tokens[t] under the distribution computed from logits[t - 1].
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxreplay.config import ModelConfig
+from jaxreplay.models.transformer import init_cache, positions_from_mask
+
+
+class Rollout(NamedTuple):
+    tokens: jax.Array  # [B, P+N] int32: left-padded prompt, then completion, pad after EOS
+    attention_mask: jax.Array  # [B, P+N] bool: real prompt tokens + completion through EOS
+    completion_mask: jax.Array  # [B, P+N] bool: completion tokens, the EOS token included
+    logprobs: jax.Array  # [B, P+N] f32: log-prob of each completion token under the
+    #                      sampling distribution (after temperature/top-k/top-p); 0 elsewhere
+
+
+# ----------------------------------------------------------------------------------
+# Distributions
+
+
+def filter_logits(logits: jax.Array, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """The sampling distribution's logits: divide by temperature, then keep the top_k
+    largest (0 = off), then the smallest set whose probability reaches top_p (1 = off).
+    Dropped tokens get -inf, so `log_softmax` of the result is the renormalised
+    log-probability. Ties at either threshold are kept. Settings are Python numbers:
+    they are compile-time constants.
+    """
+    logits = logits.astype(jnp.float32) / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits >= kth, logits, -jnp.inf)
+    if top_p < 1.0:
+        desc = -jnp.sort(-logits, axis=-1)
+        probs = jax.nn.softmax(desc, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs  # the most likely token is always kept
+        cutoff = jnp.min(jnp.where(mass_before < top_p, desc, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
+    return logits
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """[B, T]: entry t = log softmax(logits[t-1] / temperature)[tokens[t]]; entry 0 = 0."""
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
+    picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return jnp.pad(picked, ((0, 0), (1, 0)))
+
+
+def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """[B, T]: entry t = entropy of softmax(logits[t-1] / temperature); entry 0 = 0."""
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
+    ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return jnp.pad(ent, ((0, 0), (1, 0)))
+
+
+# ----------------------------------------------------------------------------------
+# Sampler
+
+
+class _Decode(NamedTuple):
+    """The while-loop carry. Slot P + i is the next one to fill."""
+
+    i: jax.Array  # int32 scalar: completion tokens emitted so far
+    logits: jax.Array  # [B, V] f32: next-token logits
+    cache: object  # KVCache
+    tokens: jax.Array  # [B, L]
+    mask: jax.Array  # [B, L] bool: real tokens (the attention mask, and the cache's key mask)
+    logprobs: jax.Array  # [B, L]
+    done: jax.Array  # [B] bool: the row has emitted EOS
+    rng: jax.Array
+
+
+def make_sampler(
+    graphdef,
+    model_cfg: ModelConfig,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    greedy: bool = False,
+    eos_id: int,
+    pad_id: int,
+) -> Callable[[nnx.State, jax.Array, jax.Array, jax.Array], Rollout]:
+    """A jitted `sample(params, prompt_tokens [B, P] int32, prompt_mask [B, P] bool, rng) -> Rollout`.
+
+    Each row emits up to `max_new_tokens`; after its EOS it emits `pad_id` with masks
+    False and logprob 0, and the loop stops once every row is done. `greedy` takes the
+    argmax and reports temperature-1 log-probs. Compiles once per (B, P) and dtypes.
+    """
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if not greedy and temperature <= 0:
+        raise ValueError(f"temperature must be positive (use greedy=True for argmax), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 disables), got {top_k}")
+    n_new = max_new_tokens
+
+    def choose(logits, rng):
+        """[B, V] logits -> (token [B] int32, its log-prob [B] under the sampling distribution)."""
+        if greedy:
+            logits = logits.astype(jnp.float32)
+            token = jnp.argmax(logits, axis=-1)
+        else:
+            logits = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+            token = jax.random.categorical(rng, logits, axis=-1)
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
+        return token.astype(jnp.int32), logp
+
+    @jax.jit
+    def sample(params, prompt_tokens, prompt_mask, rng) -> Rollout:
+        batch, p = prompt_tokens.shape
+        length = p + n_new
+        if length > model_cfg.max_seq_len:
+            raise ValueError(f"prompt length {p} + max_new_tokens {n_new} = {length} exceeds "
+                             f"model max_seq_len {model_cfg.max_seq_len}")
+        model = nnx.merge(graphdef, params)
+        prompt_mask = prompt_mask.astype(bool)
+        n_prompt = prompt_mask.sum(axis=-1).astype(jnp.int32)
+
+        def emit(s: _Decode) -> _Decode:
+            """Samples the token for slot P + i from s.logits; finished rows get pad."""
+            rng, key = jax.random.split(s.rng)
+            token, logp = choose(s.logits, key)
+            live = ~s.done
+            token = jnp.where(live, token, pad_id)
+            slot = p + s.i
+            put = lambda buf, col: jax.lax.dynamic_update_slice(buf, col[:, None].astype(buf.dtype), (0, slot))
+            return s._replace(
+                i=s.i + 1,
+                tokens=put(s.tokens, token),
+                mask=put(s.mask, live),
+                logprobs=put(s.logprobs, jnp.where(live, logp, 0.0)),
+                done=s.done | (live & (token == eos_id)),
+                rng=rng,
+            )
+
+        def step(s: _Decode) -> _Decode:
+            """Runs the model on the token in slot P + i - 1, then emits slot P + i."""
+            slot = p + s.i - 1
+            token = jax.lax.dynamic_slice_in_dim(s.tokens, slot, 1, axis=1)
+            position = (n_prompt + s.i - 1)[:, None]
+            h, cache = model.hidden(token, position, s.mask, s.cache, slot)
+            return emit(s._replace(logits=model.unembed(h)[:, 0], cache=cache))
+
+        def running(s: _Decode) -> jax.Array:
+            return (s.i < n_new) & ~jnp.all(s.done)
+
+        # Prefill the prompt into slots 0..P-1; only the last slot's logits are needed.
+        mask = jnp.zeros((batch, length), bool).at[:, :p].set(prompt_mask)
+        h, cache = model.hidden(prompt_tokens, positions_from_mask(prompt_mask), mask,
+                                init_cache(model_cfg, batch, length), 0)
+        state = _Decode(
+            i=jnp.zeros((), jnp.int32),
+            logits=model.unembed(h[:, -1:])[:, 0],
+            cache=cache,
+            tokens=jnp.full((batch, length), pad_id, jnp.int32).at[:, :p].set(prompt_tokens.astype(jnp.int32)),
+            mask=mask,
+            logprobs=jnp.zeros((batch, length), jnp.float32),
+            done=jnp.zeros((batch,), bool),
+            rng=rng,
+        )
+        state = jax.lax.while_loop(running, step, emit(state))
+        completion = state.mask & (jnp.arange(length) >= p)[None, :]
+        return Rollout(tokens=state.tokens, attention_mask=state.mask, completion_mask=completion,
+                       logprobs=state.logprobs)
+
+    return sample

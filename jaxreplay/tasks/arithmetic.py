@@ -1,0 +1,144 @@
+"""The embedded default task: integer arithmetic with an exact-match reward.
+
+Generated in-process, so the demo needs no download. Problems are drawn from a
+seeded stream indexed by the actor step (resuming is just remembering the step);
+a fixed held-out eval set is never drawn for training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import numpy as np
+
+from jaxreplay.config import TaskConfig
+
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+
+
+def prompt_length(config: TaskConfig) -> int:
+    """BOS + two operands + operator + '=': every prompt is left-padded to this."""
+    return 1 + 2 * config.max_digits + 2
+
+
+class CharTokenizer:
+    """Digits, operators and three specials; small enough for a 32-entry vocabulary."""
+
+    PAD, BOS, EOS = 0, 1, 2
+    _CHARS = "0123456789+-*="
+
+    def __init__(self):
+        self._to_id = {c: i + 3 for i, c in enumerate(self._CHARS)}
+        self._to_char = {i: c for c, i in self._to_id.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return 3 + len(self._CHARS)
+
+    @property
+    def pad_id(self) -> int:
+        return self.PAD
+
+    @property
+    def eos_id(self) -> int:
+        return self.EOS
+
+    def encode(self, text: str) -> list[int]:
+        return [self._to_id[c] for c in text]
+
+    def decode(self, ids) -> str:
+        """Characters up to the first EOS; pads and unknown specials are dropped."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == self.EOS:
+                break
+            out.append(self._to_char.get(i, ""))
+        return "".join(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    a: int
+    op: str
+    b: int
+
+    @property
+    def text(self) -> str:
+        return f"{self.a}{self.op}{self.b}="
+
+    @property
+    def answer(self) -> str:
+        return str(_OPS[self.op](self.a, self.b))
+
+
+class ArithmeticTask:
+    """Prompts, rewards, supervised examples and the held-out eval set."""
+
+    def __init__(self, config: TaskConfig):
+        self.config = config
+        self.tokenizer = CharTokenizer()
+        self.prompt_len = prompt_length(config)
+        answer_digits = 2 * config.max_digits if "*" in config.operations else config.max_digits + 1
+        self.answer_len = answer_digits + ("-" in config.operations) + 1  # + sign, + EOS
+        eval_rng = np.random.default_rng([config.data_seed, 0xE7A1])
+        self.eval_problems = self._unique_problems(eval_rng, config.eval_size)
+        self._held_out = frozenset(self.eval_problems)
+
+    # -- problem streams ---------------------------------------------------------
+    def _draw(self, rng: np.random.Generator) -> Problem:
+        c = self.config
+        digits = rng.integers(c.min_digits, c.max_digits + 1, size=2)
+        lo = np.where(digits == 1, 0, 10 ** (digits - 1))
+        a, b = (int(rng.integers(lo[i], 10 ** digits[i])) for i in range(2))
+        return Problem(a, str(rng.choice(list(c.operations))), b)
+
+    def _unique_problems(self, rng: np.random.Generator, n: int) -> list[Problem]:
+        seen: dict[Problem, None] = {}
+        for _ in range(50 * n):
+            seen.setdefault(self._draw(rng), None)
+            if len(seen) == n:
+                break
+        return list(seen)
+
+    def train_problems(self, seed: int, index: int, n: int) -> list[Problem]:
+        """The `index`-th batch of the training stream: deterministic, never an eval problem."""
+        rng = np.random.default_rng([seed, index])
+        out = []
+        while len(out) < n:
+            p = self._draw(rng)
+            if p not in self._held_out:
+                out.append(p)
+        return out
+
+    # -- encoding ----------------------------------------------------------------
+    def encode_prompts(self, problems: list[Problem]) -> tuple[np.ndarray, np.ndarray]:
+        """Left-padded prompt tokens [n, prompt_len] and their mask."""
+        tokens = np.full((len(problems), self.prompt_len), self.tokenizer.PAD, np.int32)
+        for i, p in enumerate(problems):
+            ids = [self.tokenizer.BOS] + self.tokenizer.encode(p.text)
+            tokens[i, self.prompt_len - len(ids):] = ids
+        return tokens, tokens != self.tokenizer.PAD
+
+    def reward(self, problem: Problem, completion_ids) -> float:
+        """1.0 for the exact answer followed by EOS, else 0.0."""
+        ids = [int(i) for i in completion_ids]
+        if self.tokenizer.EOS not in ids:
+            return 0.0
+        return float(self.tokenizer.decode(ids) == problem.answer)
+
+    def supervised_batch(self, seed: int, index: int, n: int, max_new_tokens: int):
+        """Prompt + answer + EOS, left-padded prompts, with a mask over the answer tokens."""
+        problems = self.train_problems(seed, index, n)
+        prompts, prompt_mask = self.encode_prompts(problems)
+        answers = np.full((n, max_new_tokens), self.tokenizer.PAD, np.int32)
+        answer_mask = np.zeros((n, max_new_tokens), bool)
+        for i, p in enumerate(problems):
+            ids = (self.tokenizer.encode(p.answer) + [self.tokenizer.EOS])[:max_new_tokens]
+            answers[i, : len(ids)] = ids
+            answer_mask[i, : len(ids)] = True
+        tokens = np.concatenate([prompts, answers], axis=1)
+        attention_mask = np.concatenate([prompt_mask, answer_mask], axis=1)
+        loss_mask = np.concatenate([np.zeros_like(prompt_mask), answer_mask], axis=1)
+        return tokens, attention_mask, loss_mask
