@@ -341,6 +341,9 @@ def _validate_replay(c: Config) -> None:
              f"{r.min_size_to_sample} exceeds replay.max_size={r.max_size}: the table can never fill enough to sample")
     _require(b <= r.max_size, "train.batch_size",
              f"{b} is larger than replay.max_size={r.max_size}, which the table can never hold")
+    _require(r.max_times_sampled == 0, "replay.max_times_sampled",
+             "must be 0 in replay mode: items deleted mid-batch can stall a sample Reverb cannot time out "
+             "(use replay.mode=on_policy for sample-once)")
     eb = c.error_buffer
     _require(eb >= max(1.0, spi), "replay.error_buffer",
              f"{eb} is below max(1, samples_per_insert)={max(1.0, spi)}: Reverb rejects so narrow a window")

@@ -40,12 +40,13 @@ class SchedulerStuckError(RuntimeError):
 
 def _insertable(server: ReplayServer, n: int) -> int:
     """Largest k <= n that the limiter admits now (admission is monotone in k)."""
-    if server.can_insert(n):
+    state = server.info()
+    if state.can_insert(n):
         return n
     lo, hi = 0, n  # can_insert(lo) holds (vacuously for 0), can_insert(hi) does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if server.can_insert(mid) else (lo, mid)
+        lo, hi = (mid, hi) if state.can_insert(mid) else (lo, mid)
     return lo
 
 
@@ -87,14 +88,16 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     train_step = make_train_step(graphdef, c, optimizer)
     actor = Actor(c, task, sample_fn)
 
+    spec = item_spec(c, task.prompt_len)
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.checkpoint.keep)
     progress = Progress()
+    pending: Optional[dict[str, np.ndarray]] = None  # generated rollouts the limiter has not admitted yet
     if checkpointer.latest_step() is not None:
-        state, progress = checkpointer.restore({"params": params, "opt_state": opt_state})
+        state, progress = checkpointer.restore(_state(params, opt_state, None, spec, c.rollouts_per_step))
         params, opt_state = state["params"], state["opt_state"]
+        pending = _unpad(state["pending"], int(state["pending_count"]))
         log(f"resumed from step {progress.learner_step} (policy version {progress.policy_version})")
 
-    spec = item_spec(c, task.prompt_len)
     server = ReplayServer(
         build_table(c, spec), checkpoint_root=run_dir / "replay", restore_from=progress.replay_checkpoint,
         port=c.replay.port,
@@ -110,7 +113,6 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
             metrics.write(0, {"eval/accuracy": progress.warmstart_accuracy})
         log(f"eval/accuracy at start: {progress.warmstart_accuracy:.3f}")
 
-        pending: Optional[dict[str, np.ndarray]] = None
         actor_stats: dict[str, float] = {}
         last_saved = progress.learner_step
         eval_accuracy = progress.warmstart_accuracy
@@ -120,7 +122,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
                 writer.insert({k: v[:n] for k, v in pending.items()})
                 progress.time_replay_s += time.perf_counter() - t0
                 pending = {k: v[n:] for k, v in pending.items()} if n < len(pending["reward"]) else None
-            elif server.can_sample(c.train.batch_size):
+            elif server.info().can_sample_at_once(c.train.batch_size):
                 t0 = time.perf_counter()
                 batch, info = reader.sample(c.train.batch_size)
                 t1 = time.perf_counter()
@@ -160,8 +162,9 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
                 bar.update(1)
                 bar.set_postfix(acc=f"{actor_stats.get('accuracy', 0):.2f}", eval=f"{eval_accuracy:.2f}",
                                 ratio=f"{record['replay/ratio']:.2f}", refresh=False)
-                if step - last_saved >= c.checkpoint.every and pending is None:
-                    _checkpoint(checkpointer, server, params, opt_state, progress)
+                if step % c.checkpoint.every == 0:
+                    _checkpoint(checkpointer, server, _state(params, opt_state, pending, spec, c.rollouts_per_step),
+                                progress)
                     last_saved = step
             elif pending is None:
                 items, stats = actor.act(params, progress.policy_version, progress.actor_step)
@@ -173,7 +176,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
             else:
                 raise SchedulerStuckError(f"the limiter admits neither an insert nor a sample: {server.describe()}")
         if last_saved != progress.learner_step:
-            _checkpoint(checkpointer, server, params, opt_state, progress)
+            _checkpoint(checkpointer, server, _state(params, opt_state, pending, spec, c.rollouts_per_step), progress)
         bar.close()
 
         table = server.info()
@@ -208,9 +211,25 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
         checkpointer.close()
 
 
-def _checkpoint(checkpointer: Checkpointer, server: ReplayServer, params, opt_state, progress: Progress) -> None:
+def _state(params, opt_state, pending, spec, rows: int) -> dict[str, Any]:
+    """The checkpointed arrays. Rollouts still waiting for the table are saved too, padded
+    to a fixed `rows` so the tree has static shapes: a resume loses no generated data."""
+    count = 0 if pending is None else len(pending["reward"])
+    padded = {}
+    for name, (shape, dtype) in spec.items():
+        padded[name] = np.zeros((rows, *shape), dtype)
+        if count:
+            padded[name][:count] = pending[name]
+    return {"params": params, "opt_state": opt_state, "pending": padded, "pending_count": np.array(count, np.int32)}
+
+
+def _unpad(padded: dict[str, Any], count: int) -> Optional[dict[str, np.ndarray]]:
+    return {k: np.asarray(v)[:count] for k, v in padded.items()} if count else None
+
+
+def _checkpoint(checkpointer: Checkpointer, server: ReplayServer, state: dict[str, Any], progress: Progress) -> None:
     """Reverb first, then Orbax naming it: a crash in between leaves the older pair intact."""
     t0 = time.perf_counter()
     progress.replay_checkpoint = server.checkpoint()
     progress.time_replay_s += time.perf_counter() - t0
-    checkpointer.save(progress.learner_step, {"params": params, "opt_state": opt_state}, progress)
+    checkpointer.save(progress.learner_step, state, progress)

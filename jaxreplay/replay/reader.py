@@ -1,0 +1,87 @@
+"""The learner's side: sample training batches, never blocking past a timeout.
+
+Reverb's `Client.sample` has no timeout, so the reader first waits (polling the
+server's limiter counters with a backoff sleep) until the whole batch can be
+sampled without blocking, then samples exactly `batch_size` items: a sampler that
+fetches ahead would spend limiter budget, since samples in flight count against it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxreplay.replay.server import Source, connect
+from jaxreplay.replay.tables import TABLE_NAME, ItemSpec, LimiterState, ReplayTimeoutError, limiter_state
+
+_MAX_POLL_S = 0.05
+
+
+class SampleInfo(NamedTuple):
+    """Per-row sampling metadata: `keys` identify items across calls; `probabilities`
+    and `table_size` give importance weights (N * P)^-beta for prioritized replay."""
+
+    keys: np.ndarray  # [B] uint64
+    times_sampled: np.ndarray  # [B] int32, this sample included
+    probabilities: np.ndarray  # [B] float64
+    table_size: np.ndarray  # [B] int64
+
+
+class RolloutReader:
+    """Samples batches of rollouts from `table` as numpy arrays [B, ...].
+
+    Use one reader per table: two readers can both pass the wait and one of them
+    then blocks inside Reverb until more rollouts arrive.
+    """
+
+    def __init__(self, source: Source, item_spec: ItemSpec, *, timeout_s: float, table: str = TABLE_NAME):
+        self._client = connect(source)
+        self._table = table
+        # Reverb returns an item's fields flattened in the signature's (sorted-key) order.
+        self._keys = sorted(item_spec)
+        self._timeout_s = timeout_s
+
+    def sample(self, batch_size: int) -> tuple[dict[str, np.ndarray], SampleInfo]:
+        """Waits up to `timeout_s` until `batch_size` items can be sampled, then samples them.
+
+        Raises `ReplayTimeoutError` if the limiter does not allow it in time.
+        """
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        start = time.monotonic()
+        state = self._wait(start, batch_size, 0)
+        if state.can_sample_at_once(batch_size):
+            rows = list(self._client.sample(self._table, batch_size, emit_timesteps=False))
+        else:  # Items may be deleted as they are sampled: take them one at a time.
+            rows = []
+            for i in range(batch_size):
+                if i:
+                    self._wait(start, batch_size, i)
+                rows.extend(self._client.sample(self._table, 1, emit_timesteps=False))
+        batch = {k: np.stack([r.data[j] for r in rows]) for j, k in enumerate(self._keys)}
+        info = SampleInfo(
+            keys=np.array([r.info.key for r in rows], np.uint64),
+            times_sampled=np.array([r.info.times_sampled for r in rows], np.int32),
+            probabilities=np.array([r.info.probability for r in rows], np.float64),
+            table_size=np.array([r.info.table_size for r in rows], np.int64))
+        return batch, info
+
+    def _wait(self, start: float, batch_size: int, done: int) -> LimiterState:
+        """Polls until `batch_size` samples are allowed or, once `done` > 0, one more."""
+        n = 1 if done else batch_size
+        deadline, pause = start + self._timeout_s, 1e-3
+        while True:
+            state = limiter_state(self._client, self._table, self._timeout_s)
+            if state.can_sample(n):
+                return state
+            now = time.monotonic()
+            if now >= deadline:
+                taken = f" with {done} of {batch_size} items taken," if done else ""
+                raise ReplayTimeoutError(
+                    f"RolloutReader.sample({batch_size}) timed out after {now - start:.3g}s{taken} "
+                    f"waiting for the rate limiter to allow {n} more samples (no actor inserting?): "
+                    f"{state.describe()}")
+            time.sleep(min(pause, deadline - now))
+            pause = min(2 * pause, _MAX_POLL_S)

@@ -1,0 +1,342 @@
+"""jaxreplay.replay against a real Reverb server: items, rate limiting, selectors, checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import time
+
+import numpy as np
+import pytest
+
+from jaxreplay.config import ConfigError, load_config, validate
+from jaxreplay.replay import (
+    TABLE_NAME, ReplayServer, ReplayTimeoutError, RolloutReader, RolloutWriter, build_table)
+
+# A regression here tends to hang inside Reverb's C++ (no Python signal gets in):
+# the thread method ends the run instead of waiting for the global timeout.
+pytestmark = pytest.mark.timeout(60, method="thread")
+
+T = 5
+SPEC = {
+    "tokens": ((T,), np.int32),
+    "attention_mask": ((T,), np.bool_),
+    "completion_mask": ((T,), np.int32),
+    "logprobs": ((T,), np.float32),
+    "advantage": ((), np.float32),
+    "reward": ((), np.float32),
+    "policy_version": ((), np.int32),  # doubles as the row id in these tests
+}
+
+
+def rollouts(ids) -> dict[str, np.ndarray]:
+    """Rows whose contents are a pure function of their id."""
+    rows = [_row(int(i)) for i in ids]
+    return {k: np.stack([row[k] for row in rows]) for k in SPEC}
+
+
+def _row(i: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(i)
+    return {
+        "tokens": rng.integers(0, 1000, T, dtype=np.int32),
+        "attention_mask": rng.random(T) < 0.5,
+        "completion_mask": rng.integers(0, 2, T, dtype=np.int32),
+        "logprobs": -rng.random(T, dtype=np.float32),
+        "advantage": np.float32(rng.standard_normal()),
+        "reward": np.float32(rng.random()),
+        "policy_version": np.int32(i),
+    }
+
+
+def config(*overrides: str):
+    return load_config(None, list(overrides))
+
+
+@dataclasses.dataclass
+class Replay:
+    server: ReplayServer
+    table: object  # the reverb.Table the server was built from
+    writer: RolloutWriter
+    reader: RolloutReader
+
+
+@contextlib.contextmanager
+def serve(cfg, timeout_s: float = 2.0, **server_kwargs):
+    table = build_table(cfg, SPEC)
+    with ReplayServer(table, **server_kwargs) as server:
+        writer = RolloutWriter(server, SPEC, timeout_s=timeout_s)
+        try:
+            yield Replay(server, table, writer, RolloutReader(server, SPEC, timeout_s=timeout_s))
+        finally:
+            writer.close()
+
+
+def assert_rows_equal(batch, ids):
+    expected = rollouts(ids)
+    for k, (shape, dtype) in SPEC.items():
+        assert batch[k].dtype == dtype and batch[k].shape == (len(ids), *shape), k
+        np.testing.assert_array_equal(batch[k], expected[k], err_msg=k)
+
+
+# Generous window: lots of sampling allowed, for tests not about the limiter.
+LOOSE = ("train.batch_size=4", "replay.min_size_to_sample=4", "replay.max_size=64",
+         "replay.error_buffer=1000")
+
+
+# 1. Items ---------------------------------------------------------------------------
+
+
+def test_items_round_trip_exactly():
+    with serve(config(*LOOSE)) as r:
+        r.writer.insert(rollouts(range(6)))
+        batch, info = r.reader.sample(32)
+    ids = batch["policy_version"]
+    assert set(ids) <= set(range(6)) and len(set(ids)) > 1
+    assert_rows_equal(batch, ids)
+    assert info.keys.dtype == np.uint64 and info.keys.shape == (32,)
+    # Same id, same Reverb key, and times_sampled counts up per key.
+    assert len(set(info.keys)) == len(set(ids))
+    assert info.times_sampled.min() >= 1 and info.times_sampled.max() <= 32
+    np.testing.assert_allclose(info.probabilities, 1 / 6)
+    np.testing.assert_array_equal(info.table_size, 6)
+
+
+def test_writer_rejects_rows_that_do_not_match_the_spec():
+    with serve(config(*LOOSE)) as r:
+        good = rollouts(range(3))
+        with pytest.raises(ValueError, match="'tokens': expected \\[n, 5\\] int32, got \\[3, 5\\] int64"):
+            r.writer.insert({**good, "tokens": good["tokens"].astype(np.int64)})
+        with pytest.raises(ValueError, match="'reward': expected \\[n\\] float32, got \\[3, 1\\]"):
+            r.writer.insert({**good, "reward": good["reward"][:, None]})
+        with pytest.raises(ValueError, match="missing \\['reward'\\], unexpected \\['score'\\]"):
+            r.writer.insert({**{k: v for k, v in good.items() if k != "reward"}, "score": good["reward"]})
+        with pytest.raises(ValueError, match="rows"):
+            r.writer.insert({**good, "advantage": good["advantage"][:2]})
+        with pytest.raises(ValueError, match="priorities"):
+            r.writer.insert(good, priorities=np.ones(2))
+        assert r.server.info().inserts == 0
+
+
+# 2. The rate limiter ----------------------------------------------------------------
+
+
+def test_limiter_holds_samples_per_insert():
+    b, chunk = 8, 4
+    cfg = config(f"train.batch_size={b}", "replay.samples_per_insert=2", "replay.min_size_to_sample=16",
+                 "replay.max_size=64", "replay.error_buffer=12")  # 2 * 12 >= b + 2 * chunk
+    with serve(cfg) as r:
+        next_id = 0
+        while (state := r.server.info()).inserts < 400:
+            if state.size >= 16:
+                assert state.min_diff <= state.diff <= state.max_diff, state.describe()
+            if state.can_sample(b):
+                r.reader.sample(b)
+            else:
+                assert state.can_insert(chunk), state.describe()
+                r.writer.insert(rollouts(range(next_id, next_id + chunk)))
+                next_id += chunk
+        assert abs(state.ratio - 2.0) <= 0.2, state.describe()
+
+
+def test_insert_past_the_window_times_out_naming_the_limiter_state():
+    cfg = config("train.batch_size=4", "replay.min_size_to_sample=4", "replay.samples_per_insert=2")
+    with serve(cfg, timeout_s=0.5) as r:
+        start = time.monotonic()
+        with pytest.raises(ReplayTimeoutError) as e:
+            r.writer.insert(rollouts(range(100)))  # no sampler: the window fills
+        assert 0.4 < time.monotonic() - start < 3.0
+        message = str(e.value)
+        assert "\n" not in message and "RolloutWriter.insert" in message
+        state = r.server.info()
+        assert f"table '{TABLE_NAME}'" in message and f"samples={state.samples}" in message
+        assert "inserts=" in message and "window=[" in message
+        assert not state.can_insert(1)
+
+
+def test_sample_from_an_empty_table_times_out():
+    with serve(config(*LOOSE), timeout_s=0.5) as r:
+        start = time.monotonic()
+        with pytest.raises(ReplayTimeoutError, match=f"RolloutReader.sample\\(4\\).*table '{TABLE_NAME}': size=0"):
+            r.reader.sample(4)
+        assert 0.4 < time.monotonic() - start < 3.0
+
+
+def test_sample_times_out_instead_of_hanging_when_sampled_items_expire():
+    # With max_times_sampled, items vanish as they are sampled: the table drops below
+    # min_size_to_sample mid-batch, where Reverb's own sampler would block forever.
+    cfg = config("train.batch_size=4", "replay.min_size_to_sample=4", "replay.max_times_sampled=1",
+                 "replay.samples_per_insert=1")
+    with serve(cfg, timeout_s=0.5) as r:
+        r.writer.insert(rollouts(range(4)))
+        assert r.server.can_sample(4)
+        with pytest.raises(ReplayTimeoutError, match="with 1 of 4 items taken"):
+            r.reader.sample(4)
+
+
+# 3. Selectors, eviction, on-policy --------------------------------------------------
+
+
+@pytest.mark.parametrize("selector, expected_id", [("fifo", 4), ("lifo", 11)])
+def test_fifo_lifo_selectors_and_fifo_eviction(selector, expected_id):
+    cfg = config("train.batch_size=2", f"replay.selector={selector}", "replay.max_size=8",
+                 "replay.min_size_to_sample=4", "replay.error_buffer=1000")
+    with serve(cfg) as r:
+        r.writer.insert(rollouts(range(12)))  # ids 0..3 are evicted, oldest first
+        state = r.server.info()
+        assert (state.size, state.inserts, state.deletes) == (8, 12, 4)
+        batch, _ = r.reader.sample(2)
+        np.testing.assert_array_equal(batch["policy_version"], [expected_id] * 2)
+
+
+def test_uniform_samples_only_the_window():
+    cfg = config("train.batch_size=2", "replay.max_size=8", "replay.min_size_to_sample=4",
+                 "replay.error_buffer=1000")
+    with serve(cfg) as r:
+        r.writer.insert(rollouts(range(12)))
+        batch, _ = r.reader.sample(200)
+    assert set(batch["policy_version"]) == set(range(4, 12))
+
+
+def test_prioritized_selector_samples_by_priority():
+    cfg = config(*LOOSE, "replay.selector=prioritized", "replay.priority_exponent=1")
+    with serve(cfg) as r:
+        r.writer.insert(rollouts(range(4)), priorities=np.array([1.0, 1.0, 1.0, 5.0]))
+        batch, info = r.reader.sample(64)
+    expected = np.where(batch["policy_version"] == 3, 5 / 8, 1 / 8)
+    np.testing.assert_allclose(info.probabilities, expected)
+
+
+def test_on_policy_trains_on_each_rollout_once_newest_first():
+    cfg = config("replay.mode=on_policy", "train.batch_size=4", "train.prompts_per_step=2",
+                 "train.group_size=4")  # R = 8 rollouts per step
+    with serve(cfg, timeout_s=0.5) as r:
+        for step in range(2):
+            ids = range(8 * step, 8 * step + 8)
+            r.writer.insert(rollouts(ids))
+            assert not r.server.can_insert(1)  # the queue holds exactly max(B, R)
+            for newest in (ids[-1], ids[-1] - 4):
+                batch, info = r.reader.sample(4)
+                np.testing.assert_array_equal(batch["policy_version"], np.arange(newest, newest - 4, -1))
+                np.testing.assert_array_equal(info.times_sampled, 1)
+            assert r.server.info().size == 0
+        with pytest.raises(ReplayTimeoutError):
+            r.reader.sample(4)
+
+
+# 4. Checkpoint and restore ----------------------------------------------------------
+
+
+def test_restore_gives_back_the_named_checkpoint_even_when_a_newer_one_exists(tmp_path):
+    cfg = config(*LOOSE, "replay.samples_per_insert=2")
+    root = str(tmp_path / "reverb")
+    with serve(cfg, checkpoint_root=root) as r:
+        r.writer.insert(rollouts(range(10)))
+        r.reader.sample(4)
+        path_a, state_a = r.server.checkpoint(), r.server.info()
+        r.writer.insert(rollouts(range(10, 20)))
+        r.reader.sample(4)
+        path_b, state_b = r.server.checkpoint(), r.server.info()
+    assert os.path.isdir(path_a) and os.path.isdir(path_b) and path_a < path_b
+    assert os.path.dirname(path_a) == root
+
+    table = build_table(cfg, SPEC)
+    with ReplayServer(table, checkpoint_root=root, restore_from=path_a) as server:
+        assert server.info() == state_a  # size, inserts, samples, deletes, window
+        # Reverb swapped in the restored table: the object we built is stale, so the
+        # server answers from its live counters instead.
+        assert server.can_sample(4) and not table.can_sample(4)
+        batch, _ = RolloutReader(server, SPEC, timeout_s=2.0).sample(300)
+    assert set(batch["policy_version"]) == set(range(10))
+    assert_rows_equal(batch, batch["policy_version"])
+
+    with ReplayServer(build_table(cfg, SPEC), checkpoint_root=root, restore_from=path_b) as server:
+        assert server.info() == state_b
+
+
+def test_restore_refuses_a_missing_or_mismatched_checkpoint(tmp_path):
+    cfg = config(*LOOSE)
+    root = str(tmp_path)
+    with serve(cfg, checkpoint_root=root) as r:
+        r.writer.insert(rollouts(range(4)))
+        path = r.server.checkpoint()
+    with pytest.raises(FileNotFoundError):  # Reverb itself would start empty
+        ReplayServer(build_table(cfg, SPEC), checkpoint_root=root, restore_from=path + "-nope")
+    other = config(*LOOSE, "replay.samples_per_insert=3")
+    with pytest.raises(ValueError, match="samples_per_insert: checkpoint 2.0 vs config 3.0"):
+        ReplayServer(build_table(other, SPEC), checkpoint_root=root, restore_from=path)
+
+
+# 5. build_table agrees with config validation ----------------------------------------
+
+
+def random_run(r: Replay, batch_size: int, steps: int, seed: int):
+    """Random possible moves (insert 1 / sample batch_size) until none is possible.
+
+    Returns the stuck state (or None) and which single moves were ever blocked.
+    Checks at every step that `LimiterState` answers exactly as Reverb's table does.
+    """
+    rng, next_id, blocked = random.Random(seed), 0, set()
+    spi = r.server.info().samples_per_insert
+    p_insert = batch_size / (batch_size + spi)  # no drift: both window edges get visited
+    for _ in range(steps):
+        state = r.server.info()
+        can_insert, can_sample = state.can_insert(1), state.can_sample(batch_size)
+        assert (can_insert, can_sample) == (r.table.can_insert(1), r.table.can_sample(batch_size))
+        moves = [m for m, ok in (("insert", can_insert), ("sample", can_sample)) if ok]
+        blocked |= {"insert", "sample"} - set(moves)
+        if not moves:
+            return state, blocked
+        if moves == ["insert"] or (len(moves) == 2 and rng.random() < p_insert):
+            r.writer.insert(rollouts([next_id]))
+            next_id += 1
+        else:
+            r.reader.sample(batch_size)
+    return None, blocked
+
+
+def limiter_config(batch_size, spi, error_buffer, *extra):
+    eb = [] if error_buffer is None else [f"replay.error_buffer={error_buffer}"]
+    return config(f"train.batch_size={batch_size}", f"replay.samples_per_insert={spi}",
+                  "replay.min_size_to_sample=12", "replay.max_size=24", *eb, *extra)
+
+
+@pytest.mark.parametrize("batch_size, spi, error_buffer, extra", [
+    (8, 2.0, 5.0, ()),  # 2 * error_buffer == batch_size + spi: the boundary itself
+    (8, 1.0, 4.5, ()),
+    (6, 0.5, 3.25, ()),
+    (4, 3.0, 3.5, ()),
+    (8, 2.0, None, ()),  # the default error buffer
+    (4, 2.0, None, ("replay.mode=on_policy", "train.prompts_per_step=2", "train.group_size=4")),
+])
+def test_validated_configs_never_stall_the_limiter(batch_size, spi, error_buffer, extra):
+    cfg = limiter_config(batch_size, spi, error_buffer, *extra)
+    with serve(cfg) as r:
+        stuck, blocked = random_run(r, batch_size, steps=600, seed=batch_size)
+        assert stuck is None, stuck.describe()
+        assert blocked == {"insert", "sample"}  # the walk pressed both edges of the window
+        assert r.server.info().deletes > 0  # and the FIFO window slid
+
+
+@pytest.mark.parametrize("batch_size, spi, error_buffer", [
+    # Below the rule. The rule is tight to within one step of the lattice of
+    # reachable diffs (inserts * spi - samples): (8, 2.0, 4.0) cannot stall, as
+    # every diff is even there.
+    (8, 2.0, 3.0),
+    (8, 1.0, 3.5),
+    (6, 0.5, 2.75),
+])
+def test_configs_below_the_rule_do_stall(batch_size, spi, error_buffer):
+    ok = limiter_config(batch_size, spi, None)
+    cfg = dataclasses.replace(ok, replay=dataclasses.replace(ok.replay, error_buffer=error_buffer))
+    with pytest.raises(ConfigError, match="replay.error_buffer"):
+        validate(cfg)
+    with serve(cfg, timeout_s=0.3) as r:
+        stuck, _ = random_run(r, batch_size, steps=600, seed=0)
+        assert stuck is not None, "expected the limiter to stall"
+        # Stuck for real: both calls time out rather than hang.
+        with pytest.raises(ReplayTimeoutError):
+            r.reader.sample(batch_size)
+        with pytest.raises(ReplayTimeoutError):
+            r.writer.insert(rollouts([10_000]))
