@@ -8,6 +8,7 @@ that would deadlock) with a `ConfigError` whose one-line message names the key.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -224,6 +225,9 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
@@ -250,6 +254,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads "1e-3" as a string
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
     elif tp is str:

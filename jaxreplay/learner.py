@@ -17,7 +17,7 @@ from jaxreplay.config import Config, TrainConfig
 from jaxreplay.models import forward
 from jaxreplay.rl import kl_penalty, masked_mean
 from jaxreplay.rl.losses import LOSSES
-from jaxreplay.sampling import token_entropy, token_logprobs
+from jaxreplay.sampling import policy_logprobs, token_entropy
 
 Batch = dict[str, jax.Array]
 TrainStep = Callable[[Any, Any, Batch, Any], tuple[Any, Any, dict[str, jax.Array]]]
@@ -40,12 +40,16 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
     params and opt_state are donated: the caller must use the returned ones.
     `ref_params` is only read when `train.kl_coef > 0` (pass None otherwise).
     """
-    train, temperature = config.train, config.sampling.temperature
+    train, sampling = config.train, config.sampling
+    temperature = sampling.temperature
     loss_impl = LOSSES["grpo"]
+
+    def score(logits, tokens):
+        return policy_logprobs(logits, tokens, temperature=temperature, top_k=sampling.top_k, top_p=sampling.top_p)
 
     def loss_fn(params, batch: Batch, ref_params):
         logits = forward(graphdef, params, batch["tokens"], batch["attention_mask"])
-        logprobs = token_logprobs(logits, batch["tokens"], temperature)
+        logprobs = score(logits, batch["tokens"])
         mask = batch["completion_mask"]
         loss, metrics = loss_impl(
             logprobs, batch["logprobs"], batch["advantage"], mask, eps_low=train.eps_low, eps_high=train.eps_high
@@ -53,7 +57,7 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
         metrics["pg_loss"] = loss
         if train.kl_coef > 0:
             ref_logits = forward(graphdef, jax.lax.stop_gradient(ref_params), batch["tokens"], batch["attention_mask"])
-            kl = kl_penalty(logprobs, token_logprobs(ref_logits, batch["tokens"], temperature), mask)
+            kl = kl_penalty(logprobs, score(ref_logits, batch["tokens"]), mask)
             loss = loss + train.kl_coef * kl
             metrics["kl_ref"] = kl
         metrics["entropy"] = masked_mean(token_entropy(logits, temperature), mask)

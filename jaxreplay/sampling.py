@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxreplay.config import ModelConfig
-from jaxreplay.models.transformer import init_cache, positions_from_mask
+from jaxreplay.models.transformer import KVCache, init_cache, positions_from_mask
 
 
 class Rollout(NamedTuple):
@@ -60,6 +60,20 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.
     return jnp.pad(picked, ((0, 0), (1, 0)))
 
 
+def policy_logprobs(logits: jax.Array, tokens: jax.Array, *, temperature: float, top_k: int = 0,
+                    top_p: float = 1.0) -> jax.Array:
+    """Log-probs under the sampling distribution, as the sampler reports them, so the learner's
+    ratio is exactly 1 on a fresh rollout. A token the current filter excludes gets a finite
+    floor (ratio ~0) instead of -inf, which keeps gradients finite."""
+    if top_k == 0 and top_p >= 1.0:
+        return token_logprobs(logits, tokens, temperature)
+    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    return jnp.maximum(token_logprobs(filtered, tokens, 1.0), LOGPROB_FLOOR)
+
+
+LOGPROB_FLOOR = -1e4
+
+
 def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
     """[B, T]: entry t = entropy of softmax(logits[t-1] / temperature); entry 0 = 0."""
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
@@ -76,7 +90,7 @@ class _Decode(NamedTuple):
 
     i: jax.Array  # int32 scalar: completion tokens emitted so far
     logits: jax.Array  # [B, V] f32: next-token logits
-    cache: object  # KVCache
+    cache: KVCache
     tokens: jax.Array  # [B, L]
     mask: jax.Array  # [B, L] bool: real tokens (the attention mask, and the cache's key mask)
     logprobs: jax.Array  # [B, L]
@@ -162,7 +176,8 @@ def make_sampler(
         def running(s: _Decode) -> jax.Array:
             return (s.i < n_new) & ~jnp.all(s.done)
 
-        # Prefill the prompt into slots 0..P-1; only the last slot's logits are needed.
+        # Prefill the prompt into slots 0..P-1. Left padding puts every row's last real
+        # token in slot P-1, so only that slot's logits are needed.
         mask = jnp.zeros((batch, length), bool).at[:, :p].set(prompt_mask)
         h, cache = model.hidden(prompt_tokens, positions_from_mask(prompt_mask), mask,
                                 init_cache(model_cfg, batch, length), 0)

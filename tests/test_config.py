@@ -127,3 +127,12 @@ def test_any_single_override_either_loads_or_raises_config_error(field, value):
     got = getattr(getattr(c, section), name)
     default = getattr(getattr(Config(), section), name)
     assert type(got) is type(default) or got is None or default is None
+
+
+def test_scientific_notation_is_a_float_in_overrides_and_files(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  learning_rate: 3e-4\n")
+    assert load_config(path, ["warmstart.learning_rate=1e-3"]).warmstart.learning_rate == 1e-3
+    assert load_config(path).train.learning_rate == 3e-4
+    with pytest.raises(ConfigError, match="train.steps"):
+        load_config(None, ["train.steps=1e3"])

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxreplay.config import ModelConfig
 from jaxreplay.models import (
@@ -66,6 +67,11 @@ def test_causal():
     assert np.abs(np.asarray(a[:, 5:] - b[:, 5:])).min(axis=-1).max() > 1e-4  # every later position moved
 
 
+def test_positions_count_real_tokens_only():
+    mask = jnp.array([[False, False, True, True, True], [True, True, True, False, False]])
+    np.testing.assert_array_equal(positions_from_mask(mask), [[0, 0, 0, 1, 2], [0, 1, 2, 2, 2]])
+
+
 @pytest.mark.parametrize("cfg", [TINY, FULL], ids=["default", "all_options"])
 def test_left_padding_invariance(cfg):
     graphdef, params = perturbed(cfg)
@@ -119,7 +125,7 @@ def test_variant_param_deltas_and_names():
     assert count(n_kv_heads=4) - base == n * 2 * d * 2 * hd  # two more kv heads in k and v
 
     # Plain names and [in, out] kernels: the HF importer's contract.
-    model = Transformer(FULL, rngs=__import__("flax").nnx.Rngs(0))
+    model = Transformer(FULL, rngs=nnx.Rngs(0))
     _, p = split(model)
     attn = p["layers"][0]["attn"]
     assert attn["q_proj"]["kernel"].value.shape == (d, FULL.n_heads * hd)
@@ -179,3 +185,48 @@ def test_bfloat16_compute(param_dtype):
     real = np.asarray(mask)
     ref = np.asarray(ref)[real]
     np.testing.assert_allclose(np.asarray(logits)[real], ref, atol=0.05 * np.abs(ref).max())
+
+
+def numpy_reference(cfg, params, tokens):
+    """The HF Llama/Qwen2/Qwen3 forward for one unpadded row, written out in float64 numpy:
+    rotate_half RoPE, query head h reading kv head h // (n_heads / n_kv_heads), q/k norm
+    before RoPE, biases on q/k/v only."""
+    p = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(params))
+    norm = lambda x, w: x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * w
+    lin = lambda x, m: x @ m["kernel"] + m.get("bias", 0.0)
+    t, hd, groups = len(tokens), cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, hd, 2) / hd)
+    ang = np.concatenate([np.outer(np.arange(t), inv)] * 2, axis=-1)[:, None, :]  # [T, 1, hd]
+    rot = lambda x: x * np.cos(ang) + np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1) * np.sin(ang)
+    x = p["embed"]["embedding"][tokens]
+    for i in range(cfg.n_layers):
+        layer = p["layers"][i]
+        a = layer["attn"]
+        h = norm(x, layer["input_norm"]["scale"])
+        q = lin(h, a["q_proj"]).reshape(t, cfg.n_heads, hd)
+        k = lin(h, a["k_proj"]).reshape(t, cfg.n_kv_heads, hd)
+        v = lin(h, a["v_proj"]).reshape(t, cfg.n_kv_heads, hd)
+        if cfg.qk_norm:
+            q, k = norm(q, a["q_norm"]["scale"]), norm(k, a["k_norm"]["scale"])
+        q, k = rot(q), rot(k)
+        out = np.zeros((t, cfg.n_heads, hd))
+        for head in range(cfg.n_heads):
+            s = q[:, head] @ k[:, head // groups].T / np.sqrt(hd) + np.triu(np.full((t, t), -np.inf), 1)
+            w = np.exp(s - s.max(-1, keepdims=True))
+            out[:, head] = (w / w.sum(-1, keepdims=True)) @ v[:, head // groups]
+        x = x + lin(out.reshape(t, -1), a["o_proj"])
+        h = norm(x, layer["post_attn_norm"]["scale"])
+        m = layer["mlp"]
+        gate = lin(h, m["gate_proj"])
+        x = x + lin(gate / (1 + np.exp(-gate)) * lin(h, m["up_proj"]), m["down_proj"])
+    x = norm(x, p["final_norm"]["scale"])
+    return x @ (p["embed"]["embedding"].T if cfg.tie_embeddings else p["lm_head"]["kernel"])
+
+
+@pytest.mark.parametrize("cfg", [TINY, FULL, dataclasses.replace(TINY, n_kv_heads=1, rope_theta=50.0)],
+                         ids=["default", "all_options", "mqa_theta"])
+def test_matches_numpy_reference(cfg):
+    graphdef, params = perturbed(cfg)
+    tokens = random_tokens(7, (1, 9), cfg.vocab_size)
+    logits = jit_forward(graphdef)(params, tokens, jnp.ones((1, 9), bool))
+    np.testing.assert_allclose(logits[0], numpy_reference(cfg, params, np.asarray(tokens[0])), atol=2e-5)

@@ -1,0 +1,184 @@
+"""The jitted sampler agrees with a full forward pass, token by token."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxreplay.config import ModelConfig
+from jaxreplay.models import forward, init_params
+from jaxreplay.sampling import Rollout, filter_logits, make_sampler, token_entropy, token_logprobs
+
+CFG = ModelConfig(vocab_size=8, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+                  max_seq_len=20, tie_embeddings=False, attention_bias=True, qk_norm=True)
+PAD, EOS = 0, 1
+N_NEW = 10
+
+
+def params_for(seed, scale=0.3):
+    """Init plus noise on every param, so the distributions are far from uniform."""
+    graphdef, params = init_params(CFG, 0)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    return graphdef, jax.tree.unflatten(treedef, leaves)
+
+
+GRAPHDEF, PARAMS = params_for(0)
+FORWARD = jax.jit(functools.partial(forward, GRAPHDEF))
+
+
+def prompts(seed, lengths, p):
+    """Left-padded prompts of real tokens in [2, V): neither pad nor EOS."""
+    tokens = np.asarray(jax.random.randint(jax.random.key(seed), (len(lengths), p), 2, CFG.vocab_size))
+    mask = np.arange(p)[None, :] >= (p - np.asarray(lengths))[:, None]
+    return jnp.asarray(np.where(mask, tokens, PAD), jnp.int32), jnp.asarray(mask)
+
+
+LENGTHS = [6, 4, 1, 3, 6, 2, 5, 6]
+PROMPT, PROMPT_MASK = prompts(1, LENGTHS, 6)
+
+
+@functools.lru_cache(maxsize=None)
+def rollout(**settings) -> Rollout:
+    sampler = make_sampler(GRAPHDEF, CFG, max_new_tokens=N_NEW, eos_id=EOS, pad_id=PAD, **settings)
+    return jax.tree.map(np.asarray, sampler(PARAMS, PROMPT, PROMPT_MASK, jax.random.key(7)))
+
+
+def check_structure(r: Rollout, p=6):
+    """Prompt kept verbatim; completion real through the first EOS, then pad/masked/zero."""
+    np.testing.assert_array_equal(r.tokens[:, :p], PROMPT)
+    np.testing.assert_array_equal(r.attention_mask[:, :p], PROMPT_MASK)
+    assert not r.completion_mask[:, :p].any() and (r.logprobs[:, :p] == 0).all()
+    ended_early = 0
+    for row in range(r.tokens.shape[0]):
+        comp = r.tokens[row, p:]
+        eos = np.flatnonzero(comp == EOS)
+        n_real = eos[0] + 1 if len(eos) else N_NEW
+        ended_early += n_real < N_NEW
+        expect = np.arange(N_NEW) < n_real
+        np.testing.assert_array_equal(r.completion_mask[row, p:], expect)
+        np.testing.assert_array_equal(r.attention_mask[row, p:], expect)
+        assert (comp[n_real:] == PAD).all()
+        assert (r.logprobs[row, p:][n_real:] == 0).all()
+        assert (r.logprobs[row, p:][:n_real] <= 0).all() and np.isfinite(r.logprobs[row]).all()
+        assert (comp[:n_real - 1] != EOS).all()
+    return ended_early
+
+
+def test_eos_then_pad_and_masks():
+    r = rollout(temperature=1.0)
+    assert r.tokens.shape == r.logprobs.shape == (8, 6 + N_NEW) and r.tokens.dtype == np.int32
+    assert r.attention_mask.dtype == r.completion_mask.dtype == np.bool_ and r.logprobs.dtype == np.float32
+    ended_early = check_structure(r)
+    assert 0 < ended_early < 8, "the fixture should have rows that hit EOS and rows that do not"
+
+
+def test_logprobs_match_full_forward_with_temperature():
+    r = rollout(temperature=0.7)
+    check_structure(r)
+    ref = np.asarray(token_logprobs(FORWARD(PARAMS, r.tokens, r.attention_mask), r.tokens, 0.7))
+    np.testing.assert_allclose(r.logprobs, np.where(r.completion_mask, ref, 0.0), atol=1e-5)
+
+
+def logsumexp(x):
+    return x.max() + np.log(np.exp(x - x.max()).sum())
+
+
+def reference_filter(z, temperature, top_k, top_p):
+    """Numpy top-k then top-p (smallest prefix reaching top_p) -> float64 log-probs, -inf if dropped."""
+    z = np.asarray(z, np.float64) / temperature
+    order = np.argsort(-z, kind="stable")
+    kept = order[:top_k] if top_k else order
+    probs = np.exp(z[kept] - logsumexp(z[kept]))
+    n = int(np.searchsorted(np.cumsum(probs), top_p) + 1)
+    kept = kept[:n]
+    out = np.full_like(z, -np.inf)
+    out[kept] = z[kept] - logsumexp(z[kept])
+    return out
+
+
+def test_filtered_logprobs_match_reference():
+    settings = dict(temperature=0.9, top_k=5, top_p=0.7)
+    r = rollout(**settings)
+    check_structure(r)
+    logits = np.asarray(FORWARD(PARAMS, r.tokens, r.attention_mask))
+    n_dropped = 0
+    for b, t in zip(*np.nonzero(r.completion_mask)):
+        ref = reference_filter(logits[b, t - 1], 0.9, 5, 0.7)
+        n_dropped += np.isinf(ref).sum()
+        assert np.isfinite(ref[r.tokens[b, t]]), "sampled a token the filter drops"
+        np.testing.assert_allclose(r.logprobs[b, t], ref[r.tokens[b, t]], atol=1e-5)
+    assert n_dropped > 0  # the filter was active
+
+
+def test_samples_follow_the_filtered_distribution():
+    """4000 draws of one next token match exp(reference log-probs) within 5 sigma."""
+    n, temperature, top_k, top_p = 4000, 1.5, 4, 0.85
+    prompt, mask = prompts(2, [3], 4)
+    sampler = make_sampler(GRAPHDEF, CFG, max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p,
+                           eos_id=EOS, pad_id=PAD)
+    r = sampler(PARAMS, jnp.tile(prompt, (n, 1)), jnp.tile(mask, (n, 1)), jax.random.key(3))
+    logits = np.asarray(FORWARD(PARAMS, prompt, mask))[0, -1]
+    probs = np.exp(reference_filter(logits, temperature, top_k, top_p))
+    assert (probs > 0.05).sum() >= 3, "want a few live tokens for a meaningful check"
+    freq = np.bincount(np.asarray(r.tokens[:, -1]), minlength=CFG.vocab_size) / n
+    assert (freq[probs == 0] == 0).all()
+    np.testing.assert_allclose(freq, probs, atol=5 * np.sqrt(0.25 / n))
+    np.testing.assert_allclose(np.asarray(r.logprobs[:, -1]), np.log(probs[np.asarray(r.tokens[:, -1])]), atol=1e-5)
+
+
+def test_greedy_is_argmax_of_full_forward():
+    r = rollout(greedy=True)
+    check_structure(r)
+    logits = FORWARD(PARAMS, r.tokens, r.attention_mask)
+    comp = r.completion_mask
+    argmax = np.asarray(jnp.argmax(logits, axis=-1))
+    np.testing.assert_array_equal(r.tokens[:, 1:][comp[:, 1:]], argmax[:, :-1][comp[:, 1:]])
+    ref = np.asarray(token_logprobs(logits, r.tokens, 1.0))
+    np.testing.assert_allclose(r.logprobs, np.where(comp, ref, 0.0), atol=1e-5)
+
+
+def test_top_k_1_equals_greedy():
+    greedy, top1 = rollout(greedy=True), rollout(top_k=1, temperature=0.5)
+    np.testing.assert_array_equal(top1.tokens, greedy.tokens)
+    np.testing.assert_array_equal(top1.completion_mask, greedy.completion_mask)
+    np.testing.assert_array_equal(top1.logprobs, 0.0)  # one kept token: probability 1
+
+
+def test_no_recompilation_for_new_values_of_the_same_shape():
+    sampler = make_sampler(GRAPHDEF, CFG, max_new_tokens=4, temperature=0.8, top_p=0.9, eos_id=EOS, pad_id=PAD)
+    outs = []
+    for seed in range(3):
+        _, params = params_for(10 + seed)
+        tokens, mask = prompts(20 + seed, [5, 2, 3, 1], 5)
+        outs.append(sampler(params, tokens, mask, jax.random.key(seed)).tokens)
+    assert sampler._cache_size() == 1
+    assert not np.array_equal(outs[0], outs[1])
+    tokens, mask = prompts(30, [5, 2, 3, 1], 7)  # a new prompt length is a new program
+    sampler(PARAMS, tokens, mask, jax.random.key(0))
+    assert sampler._cache_size() == 2
+
+
+def test_too_long_raises():
+    sampler = make_sampler(GRAPHDEF, CFG, max_new_tokens=15, eos_id=EOS, pad_id=PAD)
+    tokens, mask = prompts(0, [3, 6], 6)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        sampler(PARAMS, tokens, mask, jax.random.key(0))
+
+
+def test_token_logprobs_and_entropy_alignment():
+    logits = jax.random.normal(jax.random.key(0), (2, 5, CFG.vocab_size)) * 3
+    tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, CFG.vocab_size)
+    lp = np.asarray(token_logprobs(logits, tokens, 0.5))
+    ent = np.asarray(token_entropy(logits, 0.5))
+    assert (lp[:, 0] == 0).all() and (ent[:, 0] == 0).all()
+    for b in range(2):
+        for t in range(1, 5):
+            logp = np.asarray(jax.nn.log_softmax(logits[b, t - 1] / 0.5))
+            np.testing.assert_allclose(lp[b, t], logp[tokens[b, t]], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(ent[b, t], -(np.exp(logp) * logp).sum(), rtol=1e-5, atol=1e-6)
+    # Filtering with everything off is exactly temperature scaling.
+    np.testing.assert_allclose(filter_logits(logits, temperature=0.5), logits / 0.5, rtol=1e-6)
