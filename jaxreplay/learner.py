@@ -27,10 +27,16 @@ BATCH_KEYS = ("tokens", "attention_mask", "completion_mask", "logprobs", "advant
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping at a constant learning rate."""
+    """AdamW with global-norm clipping; a linear warm-up, then a constant learning rate.
+
+    The warm-up matters for RL on a fresh Adam state: its first steps are sign-like,
+    moving every weight by the full learning rate on a noisy policy gradient.
+    """
+    lr = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps) if config.warmup_steps else \
+        config.learning_rate
     return optax.chain(
         optax.clip_by_global_norm(config.grad_clip),
-        optax.adamw(config.learning_rate, b1=config.adam_b1, b2=config.adam_b2, weight_decay=config.weight_decay),
+        optax.adamw(lr, b1=config.adam_b1, b2=config.adam_b2, weight_decay=config.weight_decay),
     )
 
 

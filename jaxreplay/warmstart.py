@@ -44,7 +44,9 @@ def warm_start(graphdef, params, task: ArithmeticTask, config: Config, cache_dir
     # A stream of its own so warm-start problems are not the RL prompt stream.
     seed = config.run.seed + 7_919
     for i in range(w.steps):
-        tokens, attention_mask, loss_mask = task.supervised_batch(seed, i, w.batch_size, config.sampling.max_new_tokens)
+        tokens, attention_mask, loss_mask = task.supervised_batch(
+            seed, i, w.batch_size, config.sampling.max_new_tokens, carry_error=w.teacher_carry_error
+        )
         params, opt_state, _ = step(params, opt_state, tokens, attention_mask, loss_mask)
     save_params(cache / "params", params)
     return params, False

@@ -67,6 +67,8 @@ def test_bad_values_are_rejected_naming_the_key(override, key):
         # A batch larger than the table can ever hold.
         (["replay.max_size=64", "replay.min_size_to_sample=32", "train.batch_size=128"], "train.batch_size"),
         (["replay.samples_per_insert=0"], "replay.samples_per_insert"),
+        # Items deleted mid-batch stall a Reverb sample that has no timeout.
+        (["replay.max_times_sampled=2"], "replay.max_times_sampled"),
     ],
 )
 def test_deadlocking_limiter_settings_are_rejected(overrides, key):
@@ -136,3 +138,7 @@ def test_scientific_notation_is_a_float_in_overrides_and_files(tmp_path):
     assert load_config(path).train.learning_rate == 3e-4
     with pytest.raises(ConfigError, match="train.steps"):
         load_config(None, ["train.steps=1e3"])
+
+
+def test_demo_config_spells_out_the_documented_defaults():
+    assert load_config("configs/demo.yaml") == load_config(None)

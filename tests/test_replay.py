@@ -166,8 +166,9 @@ def test_sample_from_an_empty_table_times_out():
 def test_sample_times_out_instead_of_hanging_when_sampled_items_expire():
     # With max_times_sampled, items vanish as they are sampled: the table drops below
     # min_size_to_sample mid-batch, where Reverb's own sampler would block forever.
-    cfg = config("train.batch_size=4", "replay.min_size_to_sample=4", "replay.max_times_sampled=1",
-                 "replay.samples_per_insert=1")
+    # (Config validation rejects this setting in replay mode; the reader must still not hang.)
+    cfg = config("train.batch_size=4", "replay.min_size_to_sample=4", "replay.samples_per_insert=1")
+    cfg = dataclasses.replace(cfg, replay=dataclasses.replace(cfg.replay, max_times_sampled=1))
     with serve(cfg, timeout_s=0.5) as r:
         r.writer.insert(rollouts(range(4)))
         assert r.server.can_sample(4)

@@ -1,6 +1,7 @@
 """The embedded arithmetic task: tokenizer, prompt stream, rewards and held-out eval set."""
 
 import numpy as np
+import pytest
 
 from jaxreplay.config import TaskConfig
 from jaxreplay.tasks import ArithmeticTask, Problem
@@ -58,3 +59,39 @@ def test_supervised_batch_masks_exactly_the_answer():
         answer = tokens[i][loss_mask[i]]
         assert t.tokenizer.decode(answer) == p.answer and answer[-1] == t.tokenizer.EOS
     assert not np.any(loss_mask & ~attention)
+
+
+def test_operands_are_zero_padded_and_answers_reversed_by_default():
+    t = task(min_digits=1, max_digits=2)
+    p = t.train_problems(seed=0, index=0, n=1)[0]
+    assert len(p.text) == 6  # "dd+dd="
+    assert Problem(56, "+", 34, width=2, reverse=True).text == "56+34="
+    assert Problem(56, "+", 34, width=2, reverse=True).answer == "09"
+    assert Problem(3, "-", 10, width=2, reverse=True).answer == "7-"
+    assert Problem(5, "+", 7, width=2).text == "05+07="
+
+
+def test_the_sloppy_teacher_forgets_exactly_the_carries():
+    assert Problem(56, "+", 34).carry_free_answer == "80"
+    assert Problem(99, "+", 99).carry_free_answer == "88"
+    assert Problem(12, "+", 34).carry_free_answer == Problem(12, "+", 34).answer == "46"
+    assert Problem(56, "+", 34, reverse=True).carry_free_answer == "08"
+
+
+def test_teacher_error_rate_applies_to_carry_problems_only():
+    t = task(min_digits=2, max_digits=2)
+    n = 2000
+    tokens, _, loss_mask = t.supervised_batch(seed=1, index=0, n=n, max_new_tokens=5, carry_error=0.75)
+    problems = t.train_problems(1, 0, n)
+    slipped = carried = 0
+    for i, p in enumerate(problems):
+        written = t.tokenizer.decode(tokens[i][loss_mask[i]])
+        if p.answer == p.carry_free_answer:
+            assert written == p.answer
+        else:
+            carried += 1
+            slipped += written == p.carry_free_answer
+            assert written in (p.answer, p.carry_free_answer)
+    assert slipped / carried == pytest.approx(0.75, abs=0.05)
+    exact, _, mask = t.supervised_batch(seed=1, index=0, n=50, max_new_tokens=5)
+    assert all(t.tokenizer.decode(exact[i][mask[i]]) == p.answer for i, p in enumerate(t.train_problems(1, 0, 50)))

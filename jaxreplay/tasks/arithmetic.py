@@ -18,7 +18,7 @@ _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 
 def prompt_length(config: TaskConfig) -> int:
-    """BOS + two operands + operator + '=': every prompt is left-padded to this."""
+    """BOS + two zero-padded operands + operator + '='."""
     return 1 + 2 * config.max_digits + 2
 
 
@@ -60,17 +60,45 @@ class CharTokenizer:
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
+    """`a op b`, written with operands zero-padded to `width` digits.
+
+    With `reverse` the answer is written least significant digit first (sign last),
+    the order in which carries flow: small transformers learn it far faster.
+    """
+
     a: int
     op: str
     b: int
+    width: int = 1
+    reverse: bool = False
 
     @property
     def text(self) -> str:
-        return f"{self.a}{self.op}{self.b}="
+        return f"{self.a:0{self.width}d}{self.op}{self.b:0{self.width}d}="
+
+    @property
+    def value(self) -> int:
+        return _OPS[self.op](self.a, self.b)
 
     @property
     def answer(self) -> str:
-        return str(_OPS[self.op](self.a, self.b))
+        return self._write(self.value)
+
+    @property
+    def carry_free_answer(self) -> str:
+        """The classic slip: every column summed mod 10, carries forgotten (addition only)."""
+        if self.op != "+":
+            return self.answer
+        a, b, total, place = self.a, self.b, 0, 1
+        while a or b:
+            total += ((a % 10 + b % 10) % 10) * place
+            a, b, place = a // 10, b // 10, place * 10
+        return self._write(total)
+
+    def _write(self, v: int) -> str:
+        if not self.reverse:
+            return str(v)
+        return str(abs(v))[::-1] + ("-" if v < 0 else "")
 
 
 class ArithmeticTask:
@@ -92,7 +120,7 @@ class ArithmeticTask:
         digits = rng.integers(c.min_digits, c.max_digits + 1, size=2)
         lo = np.where(digits == 1, 0, 10 ** (digits - 1))
         a, b = (int(rng.integers(lo[i], 10 ** digits[i])) for i in range(2))
-        return Problem(a, str(rng.choice(list(c.operations))), b)
+        return Problem(a, str(rng.choice(list(c.operations))), b, width=c.max_digits, reverse=c.reverse_answer)
 
     def _unique_problems(self, rng: np.random.Generator, n: int) -> list[Problem]:
         seen: dict[Problem, None] = {}
@@ -128,14 +156,20 @@ class ArithmeticTask:
             return 0.0
         return float(self.tokenizer.decode(ids) == problem.answer)
 
-    def supervised_batch(self, seed: int, index: int, n: int, max_new_tokens: int):
-        """Prompt + answer + EOS, left-padded prompts, with a mask over the answer tokens."""
+    def supervised_batch(self, seed: int, index: int, n: int, max_new_tokens: int, carry_error: float = 0.0):
+        """Demonstrations: prompt + answer + EOS, with a mask over the answer tokens.
+
+        With probability `carry_error` a demonstration forgets its carries: a sloppy
+        teacher whose systematic slip the verifiable reward of RL can then correct.
+        """
         problems = self.train_problems(seed, index, n)
+        slips = np.random.default_rng([seed, index, 0x5119]).random(n) < carry_error
         prompts, prompt_mask = self.encode_prompts(problems)
         answers = np.full((n, max_new_tokens), self.tokenizer.PAD, np.int32)
         answer_mask = np.zeros((n, max_new_tokens), bool)
         for i, p in enumerate(problems):
-            ids = (self.tokenizer.encode(p.answer) + [self.tokenizer.EOS])[:max_new_tokens]
+            text = p.carry_free_answer if slips[i] else p.answer
+            ids = (self.tokenizer.encode(text) + [self.tokenizer.EOS])[:max_new_tokens]
             answers[i, : len(ids)] = ids
             answer_mask[i, : len(ids)] = True
         tokens = np.concatenate([prompts, answers], axis=1)
