@@ -53,6 +53,15 @@ class Checkpointer:
         )
         self._manager.wait_until_finished()
 
+    def replay_checkpoints(self) -> set[str]:
+        """The Reverb checkpoints that the kept steps refer to."""
+        paths = set()
+        for step in self._manager.all_steps():
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            if meta.get("replay_checkpoint"):
+                paths.add(meta["replay_checkpoint"])
+        return paths
+
     def restore(self, state_like: Any, step: Optional[int] = None) -> tuple[Any, Progress]:
         """Restores onto the structure, shapes, dtypes and shardings of `state_like`."""
         step = self.latest_step() if step is None else step

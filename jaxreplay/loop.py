@@ -233,3 +233,4 @@ def _checkpoint(checkpointer: Checkpointer, server: ReplayServer, state: dict[st
     progress.replay_checkpoint = server.checkpoint()
     progress.time_replay_s += time.perf_counter() - t0
     checkpointer.save(progress.learner_step, state, progress)
+    server.prune_checkpoints(keep=checkpointer.replay_checkpoints())

@@ -143,3 +143,13 @@ def test_cli_rejects_a_bad_override_with_one_line_and_exit_code_2(tmp_path):
     assert lines[-1] == "jaxreplay: config error: unknown key train.stepz " + lines[-1].split("train.stepz ", 1)[1]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_checkpoints_are_pruned_together(tmp_path):
+    """Orbax keeps `checkpoint.keep` steps; Reverb checkpoints no kept step names are deleted."""
+    config, _ = run(tmp_path, "train.steps=12", "checkpoint.every=2", "checkpoint.keep=2")
+    steps = sorted(int(p.name) for p in (Path(config.run.dir) / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [10, 12]
+    replay = [p for p in (Path(config.run.dir) / "replay").iterdir() if not p.name.startswith(".")]
+    assert len(replay) == 2 and all((p / "DONE").exists() for p in replay)

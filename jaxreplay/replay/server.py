@@ -102,6 +102,24 @@ class ReplayServer:
         os.replace(staged, path)  # Same filesystem: atomic, and out of Reverb's reach.
         return path
 
+    def prune_checkpoints(self, keep: set[str]) -> list[str]:
+        """Deletes the checkpoints in `checkpoint_root` not named in `keep`; returns them.
+
+        The learner's checkpointer prunes its own steps; this drops the Reverb
+        checkpoints that no remaining step refers to.
+        """
+        if self._checkpoint_root is None:
+            return []
+        keep = {os.path.abspath(p) for p in keep}
+        removed = []
+        for name in sorted(os.listdir(self._checkpoint_root)):
+            path = os.path.abspath(os.path.join(self._checkpoint_root, name))
+            if name.startswith(".reverb-staging-") or path in keep or not os.path.isdir(path):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        return removed
+
     def stop(self) -> None:
         """Stops serving; idempotent."""
         if self._server is None:
