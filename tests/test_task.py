@@ -42,7 +42,7 @@ def test_prompts_are_left_padded_to_a_fixed_length():
 
 
 def test_train_stream_is_deterministic_and_excludes_eval_problems():
-    t = task(max_digits=1, eval_size=50)  # 100 possible problems, half held out
+    t = task(min_digits=1, max_digits=1, eval_size=50)  # 100 possible problems, half held out
     held_out = set(t.eval_problems)
     assert len(held_out) == 50
     a = t.train_problems(seed=0, index=3, n=200)
