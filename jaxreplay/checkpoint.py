@@ -30,6 +30,7 @@ class Progress:
     time_train_s: float = 0.0
     time_replay_s: float = 0.0
     warmstart_accuracy: Optional[float] = None
+    eval_accuracy: Optional[float] = None  # the latest evaluation
 
 
 class Checkpointer:

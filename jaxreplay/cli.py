@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
+from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -19,6 +21,25 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
     return parser
+
+
+@contextlib.contextmanager
+def _native_logs_to(path: Path):
+    """Sends what C++ libraries (Reverb, TensorFlow, XLA) write to file descriptor 2 into
+    `path`, keeping Python's own stderr (progress bar, errors) on the terminal."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    with open(path, "a") as log:
+        os.dup2(log.fileno(), 2)
+    previous, sys.stderr = sys.stderr, os.fdopen(os.dup(terminal), "w", buffering=1)
+    try:
+        yield
+    finally:
+        sys.stderr.close()
+        sys.stderr = previous
+        os.dup2(terminal, 2)
+        os.close(terminal)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,9 +56,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
             return 0
-        from jaxreplay.loop import train
+        with _native_logs_to(Path(config.run.dir) / "native.log"):
+            from jaxreplay.loop import train
 
-        train(config)
+            train(config)
         return 0
     except ConfigError as e:
         if args.debug:

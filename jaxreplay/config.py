@@ -330,7 +330,16 @@ def validate(c: Config) -> None:
     _require(m.max_seq_len >= _prompt_len(c) + s.max_new_tokens, "model.max_seq_len",
              f"{m.max_seq_len} is too short for prompts of {_prompt_len(c)} tokens plus "
              f"sampling.max_new_tokens={s.max_new_tokens}")
+    _validate_task(c)
     _validate_replay(c)
+
+
+def _validate_task(c: Config) -> None:
+    from jaxreplay.tasks.arithmetic import CharTokenizer  # the task owns its vocabulary
+
+    vocab = CharTokenizer().vocab_size
+    _require(c.model.vocab_size >= vocab, "model.vocab_size",
+             f"{c.model.vocab_size} is smaller than the task tokenizer's vocabulary ({vocab})")
 
 
 def _prompt_len(c: Config) -> int:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from jaxreplay.actor import Actor, item_spec
 from jaxreplay.checkpoint import Checkpointer, Progress
-from jaxreplay.config import Config, ConfigError, to_dict
+from jaxreplay.config import Config, to_dict
 from jaxreplay.eval import evaluate
 from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
 from jaxreplay.metrics import MetricsWriter
@@ -62,10 +62,6 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     _save_config(run_dir, c)
 
     task = make_task(c.task)
-    if task.tokenizer.vocab_size > c.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size: {c.model.vocab_size} is smaller than the tokenizer's {task.tokenizer.vocab_size}"
-        )
     tok = task.tokenizer
     graphdef, params = init_params(c.model, c.run.seed)
     sample_fn = make_sampler(
@@ -100,22 +96,22 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
 
     server = ReplayServer(
         build_table(c, spec), checkpoint_root=run_dir / "replay", restore_from=progress.replay_checkpoint,
-        port=c.replay.port,
+        port=c.replay.port, timeout_s=c.replay.timeout_s,
     )
     metrics = MetricsWriter(run_dir)
-    bar = tqdm(total=c.train.steps, initial=progress.learner_step, disable=not c.run.progress_bar,
-               desc="train", unit="step", dynamic_ncols=True)
+    bar = None
     try:
         writer = RolloutWriter(server, spec, timeout_s=c.replay.timeout_s)
         reader = RolloutReader(server, spec, timeout_s=c.replay.timeout_s)
         if progress.warmstart_accuracy is None:
-            progress.warmstart_accuracy = evaluate(params, task, greedy_fn)
+            progress.warmstart_accuracy = progress.eval_accuracy = evaluate(params, task, greedy_fn)
             metrics.write(0, {"eval/accuracy": progress.warmstart_accuracy})
         log(f"eval/accuracy at start: {progress.warmstart_accuracy:.3f}")
 
         actor_stats: dict[str, float] = {}
         last_saved = progress.learner_step
-        eval_accuracy = progress.warmstart_accuracy
+        bar = tqdm(total=c.train.steps, initial=progress.learner_step, disable=not c.run.progress_bar,
+                   desc="train", unit="step", dynamic_ncols=True)
         while progress.learner_step < c.train.steps:
             if pending is not None and (n := _insertable(server, len(pending["reward"]))) > 0:
                 t0 = time.perf_counter()
@@ -157,10 +153,10 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
                 }
                 step = progress.learner_step
                 if step % c.train.eval_every == 0 or step == c.train.steps:
-                    eval_accuracy = record["eval/accuracy"] = evaluate(params, task, greedy_fn)
+                    progress.eval_accuracy = record["eval/accuracy"] = evaluate(params, task, greedy_fn)
                 metrics.write(step, record)
                 bar.update(1)
-                bar.set_postfix(acc=f"{actor_stats.get('accuracy', 0):.2f}", eval=f"{eval_accuracy:.2f}",
+                bar.set_postfix(acc=f"{actor_stats.get('accuracy', 0):.2f}", eval=f"{progress.eval_accuracy:.2f}",
                                 ratio=f"{record['replay/ratio']:.2f}", refresh=False)
                 if step % c.checkpoint.every == 0:
                     _checkpoint(checkpointer, server, _state(params, opt_state, pending, spec, c.rollouts_per_step),
@@ -184,7 +180,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
             "steps": progress.learner_step,
             "seconds": round(time.perf_counter() - start, 1),
             "eval/accuracy_start": progress.warmstart_accuracy,
-            "eval/accuracy_end": eval_accuracy,
+            "eval/accuracy_end": progress.eval_accuracy,
             "replay/ratio": table.samples / max(table.inserts, 1),
             "replay/samples_per_insert_target": 1.0 if c.replay.mode == "on_policy" else c.replay.samples_per_insert,
             "replay/inserts": table.inserts,
@@ -205,7 +201,8 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
         )
         return summary
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         metrics.close()
         server.stop()
         checkpointer.close()

@@ -44,6 +44,7 @@ def test_round_trip_through_yaml(tmp_path):
         ("train.group_size=1", "train.group_size"),
         ("task.operations=[/]", "task.operations[0]"),
         ("model.param_dtype=float64", "model.param_dtype"),
+        ("model.vocab_size=8", "model.vocab_size"),
         ("train=3", "train"),
         ("train.steps", "train.steps"),
     ],
