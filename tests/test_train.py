@@ -153,3 +153,14 @@ def test_checkpoints_are_pruned_together(tmp_path):
     assert steps == [10, 12]
     replay = [p for p in (Path(config.run.dir) / "replay").iterdir() if not p.name.startswith(".")]
     assert len(replay) == 2 and all((p / "DONE").exists() for p in replay)
+
+
+@pytest.mark.slow
+def test_cli_trains_and_keeps_native_logs_off_the_terminal(tmp_path):
+    args = [f"{o}" for o in TINY] + ["train.steps=4", f"run.dir={tmp_path}"]
+    result = subprocess.run([sys.executable, "-m", "jaxreplay.cli", "train", str(DEMO), *args],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "[reverb/cc" not in result.stderr and "[reverb/cc" not in result.stdout
+    assert "[reverb/cc" in (tmp_path / "native.log").read_text()
+    assert result.stdout.strip().splitlines()[-1].startswith("done: 4 steps")
