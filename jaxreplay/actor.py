@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxreplay.config import Config
-from jaxreplay.rl import group_normalized
+from jaxreplay.rl import ADVANTAGES
 from jaxreplay.sampling import Rollout
 from jaxreplay.tasks import ArithmeticTask
 
@@ -57,7 +57,7 @@ class Actor:
         rewards = np.array(
             [self.task.reward(problems[i // group], completions[i]) for i in range(len(completions))], np.float32
         )
-        advantages = group_normalized(rewards.reshape(-1, group)).reshape(-1)
+        advantages = ADVANTAGES[c.train.advantage](rewards.reshape(-1, group)).reshape(-1)
         items = {
             "tokens": rollout.tokens.astype(np.int32),
             "attention_mask": rollout.attention_mask.astype(bool),

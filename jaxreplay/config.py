@@ -124,6 +124,11 @@ class TrainConfig:
     eps_high: float = 0.2
     kl_coef: float = 0.0  # > 0 adds k3 KL to the warm-start reference policy
     eval_every: int = 20
+    loss: Literal["grpo", "tis", "asymre"] = "grpo"  # rl.losses.LOSSES
+    advantage: Literal["group_normalized", "group_centered", "leave_one_out"] = "group_normalized"
+    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
+    tis_cap: float = 2.0  # truncated importance sampling: ratio capped here
+    asymre_delta_v: float = -0.1  # AsymRE: advantage r - (V + dV)
 
 
 @dataclass(frozen=True)
@@ -321,6 +326,9 @@ def validate(c: Config) -> None:
     _require(0 <= t.eps_low < 1, "train.eps_low", f"must be in [0, 1), got {t.eps_low}")
     _require(t.eps_high >= 0, "train.eps_high", f"must be >= 0, got {t.eps_high}")
     _require(t.kl_coef >= 0, "train.kl_coef", "must be >= 0")
+    _require(t.tis_cap > 0, "train.tis_cap", f"must be positive, got {t.tis_cap}")
+    _require(t.loss != "asymre" or t.advantage != "group_normalized", "train.advantage",
+             "AsymRE needs r - V: use group_centered or leave_one_out, not group_normalized")
     _require(t.group_size >= 2, "train.group_size", "needs at least 2 completions per prompt for group advantages")
     _require(r.timeout_s > 0, "replay.timeout_s", "must be positive")
     _require(r.max_times_sampled >= 0, "replay.max_times_sampled", "must be >= 0 (0 = unlimited)")

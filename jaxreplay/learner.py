@@ -15,8 +15,7 @@ import optax
 
 from jaxreplay.config import Config, TrainConfig
 from jaxreplay.models import forward
-from jaxreplay.rl import kl_penalty, masked_mean
-from jaxreplay.rl.losses import LOSSES
+from jaxreplay.rl import kl_penalty, make_aggregate, make_loss, masked_mean
 from jaxreplay.sampling import policy_logprobs, token_entropy
 
 Batch = dict[str, jax.Array]
@@ -48,7 +47,9 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
     """
     train, sampling = config.train, config.sampling
     temperature = sampling.temperature
-    loss_impl = LOSSES["grpo"]
+    loss_impl = make_loss(
+        train.loss, aggregate=make_aggregate(train.loss_aggregation, sampling.max_new_tokens),
+        eps_low=train.eps_low, eps_high=train.eps_high, tis_cap=train.tis_cap, asymre_delta_v=train.asymre_delta_v)
 
     def score(logits, tokens):
         return policy_logprobs(logits, tokens, temperature=temperature, top_k=sampling.top_k, top_p=sampling.top_p)
@@ -57,9 +58,7 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
         logits = forward(graphdef, params, batch["tokens"], batch["attention_mask"])
         logprobs = score(logits, batch["tokens"])
         mask = batch["completion_mask"]
-        loss, metrics = loss_impl(
-            logprobs, batch["logprobs"], batch["advantage"], mask, eps_low=train.eps_low, eps_high=train.eps_high
-        )
+        loss, metrics = loss_impl(logprobs, batch["logprobs"], batch["advantage"], mask)
         metrics["pg_loss"] = loss
         if train.kl_coef > 0:
             ref_logits = forward(graphdef, jax.lax.stop_gradient(ref_params), batch["tokens"], batch["attention_mask"])

@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -81,3 +82,81 @@ def test_kl_penalty_zero_at_reference_and_positive_elsewhere():
     mask = jnp.ones((1, 2), bool)
     assert float(kl_penalty(lp, lp, mask)) == pytest.approx(0.0, abs=1e-7)
     assert float(kl_penalty(lp, lp + 0.3, mask)) > 0
+
+
+# --- advantage estimators and the other losses, by name ------------------------------
+
+from jaxreplay.rl import (  # noqa: E402
+    ADVANTAGES, LOSSES, asymre_loss, group_centered, leave_one_out, make_aggregate, truncated_is_loss)
+
+
+def test_group_centered_subtracts_the_mean_only():
+    np.testing.assert_allclose(group_centered(np.array([[1.0, 0.0, 0.0, 0.0]])), [[0.75, -0.25, -0.25, -0.25]])
+
+
+def test_leave_one_out_baseline_excludes_the_rollout_itself():
+    # r = 1,0,0,0: baseline of the first is mean(0,0,0)=0; of the others mean(1,0,0)=1/3.
+    np.testing.assert_allclose(leave_one_out(np.array([[1.0, 0.0, 0.0, 0.0]])), [[1, -1 / 3, -1 / 3, -1 / 3]],
+                               rtol=1e-6)
+    # LOO = G/(G-1) x group-centred.
+    r = np.random.default_rng(0).random((3, 5))
+    np.testing.assert_allclose(leave_one_out(r), 5 / 4 * group_centered(r), rtol=1e-5)
+
+
+def test_estimators_are_registered_by_their_config_names():
+    assert set(ADVANTAGES) == {"group_normalized", "group_centered", "leave_one_out"}
+    assert set(LOSSES) == {"grpo", "tis", "asymre"}
+
+
+def test_truncated_is_caps_the_weight_and_keeps_the_gradient():
+    # ratios 3 (capped at 2) and 0.5; advantages +1, -1; one token each.
+    behaviour = jnp.zeros((2, 1))
+    lp = jnp.log(jnp.array([[3.0], [0.5]]))
+    adv, mask = jnp.array([1.0, -1.0]), jnp.ones((2, 1), bool)
+    loss, m = truncated_is_loss(lp, behaviour, adv, mask, tis_cap=2.0)
+    assert float(loss) == pytest.approx(-(2.0 * 1 + 0.5 * -1) / 2, rel=1e-6)
+    assert float(m["tis_truncfrac"]) == pytest.approx(0.5)
+    # d loss / d logprob = -min(ratio, cap) * A / 2: the capped token still learns (PPO's would not).
+    grad = jax.grad(lambda x: truncated_is_loss(x, behaviour, adv, mask, tis_cap=2.0)[0])(lp)
+    np.testing.assert_allclose(grad, [[-1.0], [0.25]], rtol=1e-6)
+
+
+def test_asymre_is_reinforce_on_shifted_advantages_with_no_ratio():
+    # Far off-policy (behaviour log-probs irrelevant): gradient = -(A - dV) / n_tokens per token.
+    lp = jnp.log(jnp.array([[0.5, 0.5], [0.25, 0.5]]))
+    behaviour = jnp.full((2, 2), -9.0)
+    adv, mask = jnp.array([0.5, -0.5]), jnp.array([[True, True], [True, False]])
+    loss, _ = asymre_loss(lp, behaviour, adv, mask, asymre_delta_v=-0.1)
+    expected = -(0.6 * math.log(0.5) * 2 + -0.4 * math.log(0.25)) / 3
+    assert float(loss) == pytest.approx(expected, rel=1e-6)
+    grad = jax.grad(lambda x: asymre_loss(x, behaviour, adv, mask, asymre_delta_v=-0.1)[0])(lp)
+    np.testing.assert_allclose(grad, [[-0.2, -0.2], [0.4 / 3, 0.0]], rtol=1e-5, atol=1e-7)
+
+
+def test_aggregations_weigh_tokens_as_dapo_grpo_and_dr_grpo():
+    # Per-token values: sequence 1 has 3 tokens of 1, sequence 2 has 1 token of 4.
+    x = jnp.array([[1.0, 1.0, 1.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+    mask = jnp.array([[True, True, True, False], [True, False, False, False]])
+    assert float(make_aggregate("token_mean", 4)(x, mask)) == pytest.approx(7 / 4)  # DAPO: all tokens equal
+    assert float(make_aggregate("sequence_mean", 4)(x, mask)) == pytest.approx((1 + 4) / 2)  # GRPO
+    assert float(make_aggregate("constant", 5)(x, mask)) == pytest.approx(7 / (2 * 5))  # Dr.GRPO: / B*L
+
+
+def test_grpo_loss_uses_the_given_aggregation():
+    lp = jnp.zeros((2, 2))
+    mask = jnp.array([[True, True], [True, False]])
+    loss, _ = grpo_clip_loss(lp, lp, jnp.array([1.0, 4.0]), mask, eps_low=0.2, eps_high=0.2,
+                             aggregate=make_aggregate("sequence_mean", 2))
+    assert float(loss) == pytest.approx(-(1 + 4) / 2)
+
+
+def test_loss_and_advantage_are_chosen_by_name_in_config():
+    from jaxreplay.config import ConfigError, load_config
+
+    c = load_config(None, ["train.loss=asymre", "train.advantage=leave_one_out", "train.loss_aggregation=constant"])
+    assert (c.train.loss, c.train.advantage, c.train.asymre_delta_v) == ("asymre", "leave_one_out", -0.1)
+    assert load_config(None).train.loss == "grpo"  # the paper's clipped GRPO stays the default
+    with pytest.raises(ConfigError, match="train.advantage"):
+        load_config(None, ["train.loss=asymre"])  # r - V needs a centred estimator
+    with pytest.raises(ConfigError, match="train.loss"):
+        load_config(None, ["train.loss=ppo2"])

@@ -1,6 +1,10 @@
 """Advantage estimators and policy losses, chosen by name."""
 
-from jaxreplay.rl.advantages import ADVANTAGES, group_normalized
-from jaxreplay.rl.losses import LOSSES, grpo_clip_loss, kl_penalty, masked_mean
+from jaxreplay.rl.advantages import ADVANTAGES, group_centered, group_normalized, leave_one_out
+from jaxreplay.rl.losses import (
+    AGGREGATIONS, LOSSES, asymre_loss, grpo_clip_loss, kl_penalty, make_aggregate, make_loss, masked_mean,
+    truncated_is_loss)
 
-__all__ = ["ADVANTAGES", "LOSSES", "group_normalized", "grpo_clip_loss", "kl_penalty", "masked_mean"]
+__all__ = ["ADVANTAGES", "AGGREGATIONS", "LOSSES", "asymre_loss", "group_centered", "group_normalized",
+           "grpo_clip_loss", "kl_penalty", "leave_one_out", "make_aggregate", "make_loss", "masked_mean",
+           "truncated_is_loss"]

@@ -1,21 +1,63 @@
-"""Policy losses on replayed rollouts, pure and jittable.
+"""Policy losses on replayed rollouts, pure and jittable, chosen by name.
 
 Every loss sees per-token log-probs under the current policy, the frozen
 behaviour log-probs and advantages stored at generation time, and the mask of
 completion tokens. The ratio therefore measures all drift since the rollout was
 made, however many learner steps ago that was.
+
+Losses reduce per-token terms with an `Aggregate` (see `AGGREGATIONS`), so the
+token weighting (DAPO token-mean, GRPO sequence-mean, Dr.GRPO constant) is chosen
+independently of the objective.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
+Aggregate = Callable[[jax.Array, jax.Array], jax.Array]  # (per-token [B, T], mask [B, T]) -> scalar
+Loss = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
-    """Token-mean over every completion token in the batch."""
+    """Token-mean over every completion token in the batch (DAPO): long completions weigh more."""
     mask = mask.astype(x.dtype)
     return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def sequence_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Original GRPO: mean over each completion's tokens, then over completions."""
+    mask = mask.astype(x.dtype)
+    per_seq = (x * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1.0)
+    return per_seq.mean()
+
+
+def constant_normalizer(x: jax.Array, mask: jax.Array, *, max_tokens: int) -> jax.Array:
+    """Dr.GRPO: token sum divided by a constant (batch x max completion length), no length bias."""
+    mask = mask.astype(x.dtype)
+    return (x * mask).sum() / (x.shape[0] * max_tokens)
+
+
+def make_aggregate(name: str, max_tokens: int) -> Aggregate:
+    """`token_mean` (DAPO), `sequence_mean` (GRPO) or `constant` (Dr.GRPO, / B*max_tokens)."""
+    if name == "constant":
+        return functools.partial(constant_normalizer, max_tokens=max_tokens)
+    return AGGREGATIONS[name]
+
+
+AGGREGATIONS: dict[str, Aggregate] = {"token_mean": masked_mean, "sequence_mean": sequence_mean,
+                                      "constant": constant_normalizer}
+
+
+def _drift_metrics(log_ratio: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+    return {
+        # k3 estimator of KL(behaviour || current), non-negative per token.
+        "approx_kl": masked_mean(jnp.exp(-log_ratio) - 1.0 + log_ratio, mask),
+        "ratio_mean": masked_mean(jnp.exp(log_ratio), mask),
+    }
 
 
 def grpo_clip_loss(
@@ -26,23 +68,58 @@ def grpo_clip_loss(
     *,
     eps_low: float,
     eps_high: float,
+    aggregate: Aggregate = masked_mean,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """GRPO with PPO clipping (eps_low / eps_high) and token-mean aggregation."""
+    """GRPO with PPO clipping (eps_low / eps_high) on the frozen behaviour log-probs."""
     log_ratio = logprobs - behaviour_logprobs
     ratio = jnp.exp(log_ratio)
     adv = advantages[:, None]
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-    loss = -masked_mean(jnp.minimum(unclipped, clipped), mask)
+    loss = -aggregate(jnp.minimum(unclipped, clipped), mask)
     metrics = {
         "pg_clipfrac": masked_mean((clipped < unclipped).astype(jnp.float32), mask),
         "pg_clipfrac_low": masked_mean(((ratio < 1.0 - eps_low) & (adv < 0)).astype(jnp.float32), mask),
         "pg_clipfrac_high": masked_mean(((ratio > 1.0 + eps_high) & (adv > 0)).astype(jnp.float32), mask),
-        # k3 estimator of KL(behaviour || current), non-negative per token.
-        "approx_kl": masked_mean(jnp.exp(-log_ratio) - 1.0 + log_ratio, mask),
-        "ratio_mean": masked_mean(ratio, mask),
+        **_drift_metrics(log_ratio, mask),
     }
     return loss, metrics
+
+
+def truncated_is_loss(
+    logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: jax.Array, mask: jax.Array, *,
+    tis_cap: float, aggregate: Aggregate = masked_mean,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Truncated importance sampling: gradient min(ratio, cap) * A * grad log pi.
+
+    The weight is held constant (stop-gradient), so, unlike PPO clipping, a token
+    whose ratio passed the cap still gets a gradient, scaled down to `cap`. The
+    loss value is -min(ratio, cap) * A.
+    """
+    log_ratio = logprobs - behaviour_logprobs
+    ratio = jnp.exp(log_ratio)
+    weight = jax.lax.stop_gradient(jnp.minimum(ratio, tis_cap))
+    # value: weight * A; gradient: weight * A * grad log pi (ratio / sg(ratio) has value 1, grad grad log pi)
+    surrogate = weight * jnp.exp(logprobs - jax.lax.stop_gradient(logprobs)) * advantages[:, None]
+    loss = -aggregate(surrogate, mask)
+    metrics = {"tis_truncfrac": masked_mean((ratio > tis_cap).astype(jnp.float32), mask),
+               **_drift_metrics(log_ratio, mask)}
+    return loss, metrics
+
+
+def asymre_loss(
+    logprobs: jax.Array, behaviour_logprobs: jax.Array, advantages: jax.Array, mask: jax.Array, *,
+    asymre_delta_v: float, aggregate: Aggregate = masked_mean,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """AsymRE: REINFORCE with no ratio on the advantage r - (V + dV).
+
+    `advantages` must be r - V (a centred estimator: group_centered or
+    leave_one_out); dV < 0 lowers the baseline's complement, i.e. shifts every
+    advantage up by |dV|, which keeps off-policy REINFORCE from collapsing.
+    """
+    adv = advantages[:, None] - asymre_delta_v
+    loss = -aggregate(adv * logprobs, mask)
+    return loss, _drift_metrics(logprobs - behaviour_logprobs, mask)
 
 
 def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, mask: jax.Array) -> jax.Array:
@@ -51,4 +128,12 @@ def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, mask: jax.Array) ->
     return masked_mean(jnp.exp(log_ratio) - 1.0 - log_ratio, mask)
 
 
-LOSSES = {"grpo": grpo_clip_loss}
+LOSSES: dict[str, Loss] = {"grpo": grpo_clip_loss, "tis": truncated_is_loss, "asymre": asymre_loss}
+
+
+def make_loss(name: str, *, aggregate: Aggregate, eps_low: float, eps_high: float, tis_cap: float,
+              asymre_delta_v: float) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
+    """`LOSSES[name]` with its own hyperparameters bound: `(logprobs, behaviour, adv, mask) -> (loss, metrics)`."""
+    own = {"grpo": {"eps_low": eps_low, "eps_high": eps_high}, "tis": {"tis_cap": tis_cap},
+           "asymre": {"asymre_delta_v": asymre_delta_v}}[name]
+    return functools.partial(LOSSES[name], aggregate=aggregate, **own)
