@@ -124,6 +124,7 @@ class TrainConfig:
     eps_high: float = 0.2
     kl_coef: float = 0.0  # > 0 adds k3 KL to the warm-start reference policy
     eval_every: int = 20
+    weight_sync_every: int = 1  # disaggregated mode: learner steps between weight pushes to the actor
     loss: Literal["grpo", "tis", "asymre"] = "grpo"  # rl.losses.LOSSES
     advantage: Literal["group_normalized", "group_centered", "leave_one_out"] = "group_normalized"
     loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
@@ -135,6 +136,24 @@ class TrainConfig:
 class CheckpointConfig:
     every: int = 50  # learner steps between checkpoints (Orbax + Reverb together)
     keep: int = 2
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh: data, fsdp and tensor parallel sizes; -1 (at most one) takes the rest.
+
+    actor_devices = 0: colocated, one mesh for sampling and training. actor_devices > 0:
+    disaggregated, the first `actor_devices` devices form the actor's mesh (`actor_tensor`
+    tensor-parallel, data-parallel over the rest) and the sizes above apply to the
+    learner's mesh over the remaining devices. Whether the mesh fits the machine is
+    checked where it is built (`sharding.make_mesh`), since that needs the device count.
+    """
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    actor_devices: int = 0
+    actor_tensor: int = 1
 
 
 @dataclass(frozen=True)
@@ -153,6 +172,7 @@ class Config:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     @property
@@ -340,6 +360,7 @@ def validate(c: Config) -> None:
              f"sampling.max_new_tokens={s.max_new_tokens}")
     _validate_task(c)
     _validate_replay(c)
+    _validate_mesh(c)
 
 
 def _validate_task(c: Config) -> None:
@@ -383,3 +404,20 @@ def _validate_replay(c: Config) -> None:
     _require(2 * eb >= b + spi, "replay.error_buffer",
              f"{eb} deadlocks: the limiter window 2*error_buffer={2 * eb} must hold one batch plus one insert "
              f"(train.batch_size + samples_per_insert = {b + spi}); raise it to at least {(b + spi) / 2}")
+
+
+def _validate_mesh(c: Config) -> None:
+    """Shapes alone; the fit to the machine's devices is checked by `sharding.make_mesh`."""
+    m = c.mesh
+    sizes = {"mesh.data": m.data, "mesh.fsdp": m.fsdp, "mesh.tensor": m.tensor}
+    for key, value in sizes.items():
+        _require(value > 0 or value == -1, key, f"must be positive or -1 (the rest), got {value}")
+    rest = [k for k, v in sizes.items() if v == -1]
+    _require(len(rest) <= 1, rest[-1] if rest else "mesh", f"only one mesh size may be -1, got {', '.join(rest)}")
+    _require(m.actor_devices >= 0, "mesh.actor_devices", f"must be >= 0 (0 = colocated), got {m.actor_devices}")
+    _require(m.actor_tensor > 0, "mesh.actor_tensor", f"must be positive, got {m.actor_tensor}")
+    if m.actor_devices:
+        _require(m.actor_devices % m.actor_tensor == 0, "mesh.actor_tensor",
+                 f"{m.actor_tensor} does not divide mesh.actor_devices={m.actor_devices}")
+    _require(c.train.weight_sync_every > 0, "train.weight_sync_every",
+             f"must be positive, got {c.train.weight_sync_every}")

@@ -11,14 +11,16 @@ t scores tokens[t] under the distribution computed from logits[t - 1].
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
+from jaxreplay import sharding
 from jaxreplay.config import ModelConfig
-from jaxreplay.models.transformer import KVCache, init_cache, positions_from_mask
+from jaxreplay.models.transformer import KV_CACHE_AXES, KVCache, abstract_params, init_cache, positions_from_mask
 
 
 class Rollout(NamedTuple):
@@ -109,12 +111,15 @@ def make_sampler(
     greedy: bool = False,
     eos_id: int,
     pad_id: int,
+    mesh: Optional[Mesh] = None,
 ) -> Callable[[nnx.State, jax.Array, jax.Array, jax.Array], Rollout]:
     """A jitted `sample(params, prompt_tokens [B, P] int32, prompt_mask [B, P] bool, rng) -> Rollout`.
 
     Each row emits up to `max_new_tokens`; after its EOS it emits `pad_id` with masks
     False and logprob 0, and the loop stops once every row is done. `greedy` takes the
     argmax and reports temperature-1 log-probs. Compiles once per (B, P) and dtypes.
+    With a `mesh`, params must carry `sharding.param_shardings` (or be uncommitted),
+    prompts and rollouts are split over the batch, and so is the KV cache.
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
@@ -137,7 +142,12 @@ def make_sampler(
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
         return token.astype(jnp.int32), logp
 
-    @jax.jit
+    def constrain(cache: KVCache) -> KVCache:
+        if mesh is None:
+            return cache
+        shard = sharding.cache_sharding(mesh, KV_CACHE_AXES, cache.k.shape)
+        return KVCache(*(jax.lax.with_sharding_constraint(x, shard) for x in cache))
+
     def sample(params, prompt_tokens, prompt_mask, rng) -> Rollout:
         batch, p = prompt_tokens.shape
         length = p + n_new
@@ -171,7 +181,7 @@ def make_sampler(
             token = jax.lax.dynamic_slice_in_dim(s.tokens, slot, 1, axis=1)
             position = (n_prompt + s.i - 1)[:, None]
             h, cache = model.hidden(token, position, s.mask, s.cache, slot)
-            return emit(s._replace(logits=model.unembed(h)[:, 0], cache=cache))
+            return emit(s._replace(logits=model.unembed(h)[:, 0], cache=constrain(cache)))
 
         def running(s: _Decode) -> jax.Array:
             return (s.i < n_new) & ~jnp.all(s.done)
@@ -180,7 +190,7 @@ def make_sampler(
         # token in slot P-1, so only that slot's logits are needed.
         mask = jnp.zeros((batch, length), bool).at[:, :p].set(prompt_mask)
         h, cache = model.hidden(prompt_tokens, positions_from_mask(prompt_mask), mask,
-                                init_cache(model_cfg, batch, length), 0)
+                                constrain(init_cache(model_cfg, batch, length)), 0)
         state = _Decode(
             i=jnp.zeros((), jnp.int32),
             logits=model.unembed(h[:, -1:])[:, 0],
@@ -196,4 +206,12 @@ def make_sampler(
         return Rollout(tokens=state.tokens, attention_mask=state.mask, completion_mask=completion,
                        logprobs=state.logprobs)
 
-    return sample
+    if mesh is None:
+        return jax.jit(sample)
+    rows = sharding.batch_sharding(mesh)
+    return jax.jit(
+        sample,
+        in_shardings=(sharding.param_shardings(mesh, abstract_params(model_cfg)), rows, rows,
+                      sharding.replicated(mesh)),
+        out_shardings=rows,
+    )

@@ -1,8 +1,10 @@
 """The policy model: a Llama/Qwen2/Qwen3-family decoder and its pure functional wrappers."""
 
 from jaxreplay.models.transformer import (
+    KV_CACHE_AXES,
     KVCache,
     Transformer,
+    abstract_params,
     apply,
     count_params,
     dtype_of,
@@ -14,8 +16,10 @@ from jaxreplay.models.transformer import (
 )
 
 __all__ = [
+    "KV_CACHE_AXES",
     "KVCache",
     "Transformer",
+    "abstract_params",
     "apply",
     "count_params",
     "dtype_of",

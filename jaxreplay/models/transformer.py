@@ -27,6 +27,10 @@ tokens are written to slots `cache_index .. cache_index + T - 1`, and `key_mask`
 is [B, max_len] (True for every slot holding a real token, the new ones included).
 Left padding is just `key_mask == False` on the leading slots; RoPE uses the
 explicit `positions`, so a left-padded row gets the same logits as an unpadded one.
+
+Every parameter carries its logical axes as `sharding` metadata ("vocab", "embed",
+"heads", "kv_heads", "mlp", "norm"; `KV_CACHE_AXES` for the cache). The model knows
+only these names: `jaxreplay.sharding` maps them to mesh axes.
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ def dtype_of(name: str) -> jnp.dtype:
 # KV cache
 
 
+# Logical axes of KVCache.k and KVCache.v.
+KV_CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+
 class KVCache(NamedTuple):
     """Keys and values of every layer, stacked: [n_layers, B, max_len, n_kv_heads, head_dim].
 
@@ -75,12 +83,13 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias), kernel [in, out]."""
+    """y = x @ kernel (+ bias), kernel [in, out] with logical axes `axes` = (in, out)."""
 
-    def __init__(self, d_in: int, d_out: int, *, bias: bool, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    def __init__(self, d_in: int, d_out: int, *, axes: tuple[str, str], bias: bool, param_dtype, compute_dtype,
+                 rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
-        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), param_dtype))
-        self.bias = nnx.Param(jnp.zeros((d_out,), param_dtype)) if bias else None
+        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), param_dtype), sharding=axes)
+        self.bias = nnx.Param(jnp.zeros((d_out,), param_dtype), sharding=axes[1:]) if bias else None
         self.compute_dtype = compute_dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -94,7 +103,7 @@ class RMSNorm(nnx.Module):
     """x / rms(x) * scale over the last axis, computed in float32."""
 
     def __init__(self, dim: int, *, eps: float, param_dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), sharding=("norm",))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -123,10 +132,10 @@ class Attention(nnx.Module):
         pd, cd = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
         d, hd = cfg.d_model, cfg.head_dim
         lin = dict(param_dtype=pd, compute_dtype=cd, rngs=rngs)
-        self.q_proj = Linear(d, cfg.n_heads * hd, bias=cfg.attention_bias, **lin)
-        self.k_proj = Linear(d, cfg.n_kv_heads * hd, bias=cfg.attention_bias, **lin)
-        self.v_proj = Linear(d, cfg.n_kv_heads * hd, bias=cfg.attention_bias, **lin)
-        self.o_proj = Linear(cfg.n_heads * hd, d, bias=False, **lin)
+        self.q_proj = Linear(d, cfg.n_heads * hd, axes=("embed", "heads"), bias=cfg.attention_bias, **lin)
+        self.k_proj = Linear(d, cfg.n_kv_heads * hd, axes=("embed", "kv_heads"), bias=cfg.attention_bias, **lin)
+        self.v_proj = Linear(d, cfg.n_kv_heads * hd, axes=("embed", "kv_heads"), bias=cfg.attention_bias, **lin)
+        self.o_proj = Linear(cfg.n_heads * hd, d, axes=("heads", "embed"), bias=False, **lin)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=pd)
             self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=pd)
@@ -172,9 +181,9 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         lin = dict(bias=False, param_dtype=dtype_of(cfg.param_dtype), compute_dtype=dtype_of(cfg.compute_dtype),
                    rngs=rngs)
-        self.gate_proj = Linear(cfg.d_model, cfg.d_ff, **lin)
-        self.up_proj = Linear(cfg.d_model, cfg.d_ff, **lin)
-        self.down_proj = Linear(cfg.d_ff, cfg.d_model, **lin)
+        self.gate_proj = Linear(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **lin)
+        self.up_proj = Linear(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **lin)
+        self.down_proj = Linear(cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), **lin)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -201,7 +210,7 @@ class Embed(nnx.Module):
 
     def __init__(self, vocab: int, dim: int, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
         init = nnx.initializers.normal(stddev=0.02)
-        self.embedding = nnx.Param(init(rngs.params(), (vocab, dim), param_dtype))
+        self.embedding = nnx.Param(init(rngs.params(), (vocab, dim), param_dtype), sharding=("vocab", "embed"))
         self.compute_dtype = compute_dtype
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -226,7 +235,8 @@ class Transformer(nnx.Module):
         self.layers = [Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)]
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd)
         self.lm_head = None if cfg.tie_embeddings else Linear(
-            cfg.d_model, cfg.vocab_size, bias=False, param_dtype=pd, compute_dtype=cd, rngs=rngs)
+            cfg.d_model, cfg.vocab_size, axes=("embed", "vocab"), bias=False, param_dtype=pd, compute_dtype=cd,
+            rngs=rngs)
 
     def __call__(self, tokens, positions, key_mask, cache: Optional[KVCache] = None, cache_index=None):
         """tokens, positions [B, T] int32; key_mask bool ([B, T], or [B, max_len] with a cache).
@@ -276,6 +286,11 @@ def split(model: Transformer) -> tuple[nnx.GraphDef, nnx.State]:
 def init_params(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
     """A freshly initialised model, split. The same seed gives the same params."""
     return split(Transformer(cfg, rngs=nnx.Rngs(params=seed)))
+
+
+def abstract_params(cfg: ModelConfig) -> nnx.State:
+    """The params' structure, shapes, dtypes and logical axes, without allocating them."""
+    return split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))[1]
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
