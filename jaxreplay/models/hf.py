@@ -1,0 +1,362 @@
+"""Hugging Face checkpoints in and out: the only module that knows HF tensor names.
+
+Import (`load_hf_model`) takes the architecture from config.json and the weights
+from safetensors (one file, or the shards named by model.safetensors.index.json).
+Every header is checked before anything is read, so a directory with a missing or
+mis-shaped tensor fails at once with the tensor's name. Files are then opened one at
+a time and each tensor goes straight to its device; with a sharding, each device's
+slice is read from the memory-mapped file on its own (`jax.make_array_from_callback`),
+so the host holds at most one file's pages and one slice, never a full copy per device.
+
+Export (`save_hf_model`) writes config.json, safetensors (sharded above a size, with
+its index) and optionally the tokenizer: a directory `transformers` loads.
+
+HF stores a linear weight as [out, in]; our kernels are [in, out], so kernels are
+transposed on the way in and out. Everything else keeps its layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxreplay.config import DType, ModelConfig
+from jaxreplay.models.transformer import Transformer, dtype_of, split
+
+if TYPE_CHECKING:
+    from jaxreplay.models.tokenizer import HFTokenizer
+
+
+class HFModelError(ValueError):
+    """A model directory this bridge cannot read or write; the one-line message names the file, key or tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What an HF `model_type` means for our decoder."""
+
+    architecture: str  # the transformers class written to config.json
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on queries and keys (Qwen3)
+
+
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM", attention_bias=False, qk_norm=False),
+    "qwen2": Family("Qwen2ForCausalLM", attention_bias=True, qk_norm=False),
+    "qwen3": Family("Qwen3ForCausalLM", attention_bias=False, qk_norm=True),
+}
+
+# Our parameter path -> HF tensor name. Paths under `layers[i]` are written without
+# the ("layers", i) prefix; their HF names get "model.layers.{i}.".
+_TOP_LEVEL = {
+    ("embed", "embedding"): "model.embed_tokens.weight",
+    ("final_norm", "scale"): "model.norm.weight",
+    ("lm_head", "kernel"): "lm_head.weight",
+}
+_PER_LAYER = {
+    ("input_norm", "scale"): "input_layernorm.weight",
+    ("post_attn_norm", "scale"): "post_attention_layernorm.weight",
+    ("attn", "q_proj", "kernel"): "self_attn.q_proj.weight",
+    ("attn", "q_proj", "bias"): "self_attn.q_proj.bias",
+    ("attn", "k_proj", "kernel"): "self_attn.k_proj.weight",
+    ("attn", "k_proj", "bias"): "self_attn.k_proj.bias",
+    ("attn", "v_proj", "kernel"): "self_attn.v_proj.weight",
+    ("attn", "v_proj", "bias"): "self_attn.v_proj.bias",
+    ("attn", "o_proj", "kernel"): "self_attn.o_proj.weight",
+    ("attn", "q_norm", "scale"): "self_attn.q_norm.weight",
+    ("attn", "k_norm", "scale"): "self_attn.k_norm.weight",
+    ("mlp", "gate_proj", "kernel"): "mlp.gate_proj.weight",
+    ("mlp", "up_proj", "kernel"): "mlp.up_proj.weight",
+    ("mlp", "down_proj", "kernel"): "mlp.down_proj.weight",
+}
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def hf_name(path: tuple) -> tuple[str, bool]:
+    """(HF tensor name, whether it is stored transposed) of one of our parameter paths."""
+    if path in _TOP_LEVEL:
+        return _TOP_LEVEL[path], path[-1] == "kernel"
+    if len(path) > 2 and path[0] == "layers" and path[2:] in _PER_LAYER:
+        return f"model.layers.{path[1]}.{_PER_LAYER[path[2:]]}", path[-1] == "kernel"
+    raise KeyError(f"no HF name for parameter {'.'.join(map(str, path))}")  # a model change this table missed
+
+
+# ----------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+
+
+def _read_hf_config(path: Path) -> Any:
+    """The transformers config of `path` (legacy keys such as rope_theta normalised), or a one-line error."""
+    file = path / "config.json"
+    if not file.is_file():
+        raise HFModelError(f"{path} is not a Hugging Face model directory: no config.json")
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise HFModelError(f"{file}: malformed JSON at line {e.lineno}") from None
+    model_type = raw.get("model_type")
+    if model_type not in FAMILIES:
+        raise HFModelError(f"{file}: unknown architecture model_type={model_type!r} "
+                           f"(supported: {', '.join(sorted(FAMILIES))})")
+    import transformers  # the demo path never needs it
+
+    return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+
+
+def model_config_from_hf(hf: Any, *, param_dtype: DType = "float32", compute_dtype: DType = "float32",
+                         max_seq_len: Optional[int] = None, source: str = "config.json") -> ModelConfig:
+    """Our ModelConfig for a transformers config; features our decoder lacks are one-line errors.
+
+    `max_seq_len` (longest prompt + completion) is a run setting; None takes the
+    checkpoint's max_position_embeddings.
+    """
+    family = FAMILIES.get(hf.model_type)
+    if family is None:
+        raise HFModelError(f"{source}: unknown architecture model_type={hf.model_type!r} "
+                           f"(supported: {', '.join(sorted(FAMILIES))})")
+
+    def unsupported(ok: bool, what: str) -> None:
+        if not ok:
+            raise HFModelError(f"{source}: {hf.model_type} with {what} is not supported")
+
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    unsupported(rope.get("rope_type", "default") == "default", f"rope_type={rope.get('rope_type')!r} (RoPE scaling)")
+    unsupported(getattr(hf, "hidden_act", "silu") == "silu", f"hidden_act={getattr(hf, 'hidden_act', None)!r}")
+    unsupported(not getattr(hf, "use_sliding_window", False), "use_sliding_window=true")
+    unsupported(not getattr(hf, "mlp_bias", False), "mlp_bias=true")
+    # Qwen2 always has q/k/v biases; in Llama and Qwen3 `attention_bias` also puts one on o_proj.
+    unsupported(family.attention_bias or not getattr(hf, "attention_bias", False), "attention_bias=true")
+    n_heads = hf.num_attention_heads
+    return ModelConfig(
+        vocab_size=hf.vocab_size,
+        d_model=hf.hidden_size,
+        n_layers=hf.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=getattr(hf, "num_key_value_heads", None) or n_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // n_heads,
+        d_ff=hf.intermediate_size,
+        max_seq_len=max_seq_len if max_seq_len is not None else hf.max_position_embeddings,
+        rope_theta=float(rope.get("rope_theta", 10_000.0)),
+        norm_eps=float(hf.rms_norm_eps),
+        tie_embeddings=bool(hf.tie_word_embeddings),
+        attention_bias=family.attention_bias,
+        qk_norm=family.qk_norm,
+        param_dtype=param_dtype,
+        compute_dtype=compute_dtype,
+    )
+
+
+def read_model_config(path: str | Path, *, param_dtype: DType = "float32", compute_dtype: DType = "float32",
+                      max_seq_len: Optional[int] = None) -> ModelConfig:
+    """The ModelConfig of the HF directory `path`, from its config.json alone (no weights read)."""
+    path = Path(path)
+    return model_config_from_hf(_read_hf_config(path), param_dtype=param_dtype, compute_dtype=compute_dtype,
+                                max_seq_len=max_seq_len, source=str(path / "config.json"))
+
+
+def family_of(cfg: ModelConfig) -> str:
+    """The HF model_type that holds exactly `cfg`'s features."""
+    for model_type, family in FAMILIES.items():
+        if (family.attention_bias, family.qk_norm) == (cfg.attention_bias, cfg.qk_norm):
+            return model_type
+    raise HFModelError(f"no supported HF architecture has attention_bias={cfg.attention_bias} together with "
+                       f"qk_norm={cfg.qk_norm}")
+
+
+# ----------------------------------------------------------------------------------
+# Import
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it."""
+    from safetensors import safe_open
+
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise HFModelError(f"{index}: not a safetensors index (no weight_map)") from None
+        files = {name: path / file for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise HFModelError(f"{index} names {file.name}, which does not exist")
+        return files
+    singles = sorted(path.glob("*.safetensors"))
+    if not singles:
+        other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".h5", ".msgpack"))
+        hint = f" (found {', '.join(other)}: convert it to safetensors)" if other else ""
+        raise HFModelError(f"{path} holds no safetensors weights{hint}")
+    files = {}
+    for file in singles:
+        with safe_open(str(file), framework="numpy") as f:
+            files.update({name: file for name in f.keys()})
+    return files
+
+
+def _sharding_map(shardings: Any) -> dict[tuple, jax.sharding.Sharding]:
+    """Param path -> Sharding, from a tree shaped like the params (an nnx.State whose leaves
+    hold shardings, as `sharding.param_shardings` returns, or a nested mapping)."""
+    state = shardings if isinstance(shardings, nnx.State) else nnx.State(shardings)
+    flat = {}
+    for p, leaf in state.flat_state():
+        flat[tuple(p)] = leaf.value if isinstance(leaf, nnx.VariableState) else leaf
+    return flat
+
+
+def load_hf_model(path: str | Path, *, param_dtype: DType = "float32", compute_dtype: DType = "float32",
+                  max_seq_len: Optional[int] = None, shardings: Any = None) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+    """(ModelConfig, graphdef, params) of the Llama/Qwen2/Qwen3 model in the HF directory `path`.
+
+    Weights are cast to `param_dtype`. `shardings`: None puts each tensor on the default
+    device; otherwise a tree shaped like the params with a `jax.sharding.Sharding` per
+    parameter (e.g. `sharding.param_shardings(mesh, abstract_params(read_model_config(path)))`).
+    """
+    path = Path(path)
+    cfg = read_model_config(path, param_dtype=param_dtype, compute_dtype=compute_dtype, max_seq_len=max_seq_len)
+    graphdef, abstract = split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))
+    targets = {tuple(p): var for p, var in abstract.flat_state()}
+    placement = _sharding_map(shardings) if shardings is not None else {}
+    for p in targets:
+        if shardings is not None and p not in placement:
+            raise HFModelError(f"shardings has no entry for parameter {'.'.join(map(str, p))}")
+
+    files = _weight_files(path)
+    names = {p: hf_name(p) for p in targets}
+    missing = [name for name, _ in names.values() if name not in files]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise HFModelError(f"{path}: missing tensor {missing[0]}{more}")
+    by_file: dict[Path, list[tuple]] = {}
+    for p, (name, _) in names.items():
+        by_file.setdefault(files[name], []).append(p)
+
+    from safetensors import safe_open
+
+    dtype = np.dtype(dtype_of(param_dtype))
+    loaded = {}
+    for file, paths in sorted(by_file.items()):
+        with safe_open(str(file), framework="numpy") as f:
+            for p in paths:  # every shape first: a bad file fails before any of it is read
+                name, transposed = names[p]
+                shape = tuple(targets[p].value.shape)
+                want = shape[::-1] if transposed else shape
+                got = tuple(f.get_slice(name).get_shape())
+                if got != want:
+                    raise HFModelError(f"{file.name}: tensor {name} has shape {list(got)}, the config implies "
+                                       f"{list(want)}")
+            for p in paths:
+                name, transposed = names[p]
+                array = _place(f.get_slice(name), transposed, tuple(targets[p].value.shape), dtype, placement.get(p))
+                loaded[p] = targets[p].replace(array)
+    return cfg, graphdef, nnx.State.from_flat_path(loaded)
+
+
+def _place(view: Any, transposed: bool, shape: tuple[int, ...], dtype: np.dtype,
+           sharding: Optional[jax.sharding.Sharding]) -> jax.Array:
+    """One tensor on device(s), read from the file slice by slice when it is sharded."""
+
+    def read(index: tuple = ()) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        x = view[index[::-1] if transposed else index]
+        return np.ascontiguousarray(x.T if transposed else x, dtype=dtype)
+
+    if sharding is None:
+        return jax.device_put(read())
+    return jax.make_array_from_callback(shape, sharding, read)
+
+
+# ----------------------------------------------------------------------------------
+# Export
+
+
+def save_hf_model(path: str | Path, cfg: ModelConfig, params: nnx.State, *, tokenizer: Optional[HFTokenizer] = None,
+                  base: str | Path | None = None, dtype: Optional[DType] = None,
+                  max_shard_bytes: int = 4 << 30) -> Path:
+    """Writes `params` as an HF model directory at `path` (created if needed); returns it.
+
+    `base`: the HF directory the model was imported from; its config.json keeps every
+    key our config does not set (special token ids, generation defaults) and its
+    generation_config.json is copied. `dtype` casts the saved tensors (default: as
+    stored). Files above `max_shard_bytes` are split into shards with an index. One
+    shard at a time is gathered to the host.
+    """
+    path = Path(path)
+    model_type = _read_hf_config(Path(base)).model_type if base is not None else family_of(cfg)
+    family = FAMILIES[model_type]
+    if (family.attention_bias, family.qk_norm) != (cfg.attention_bias, cfg.qk_norm):
+        raise HFModelError(f"cannot save as {model_type}: it has attention_bias={family.attention_bias}, "
+                           f"qk_norm={family.qk_norm}; the model has {cfg.attention_bias}, {cfg.qk_norm}")
+    flat = {tuple(p): var.value for p, var in params.flat_state()}
+    out_dtype = np.dtype(dtype_of(dtype)) if dtype is not None else None
+    path.mkdir(parents=True, exist_ok=True)
+
+    entries = sorted((hf_name(p)[0], p) for p in flat)  # HF's own order: lm_head, then model.*
+    shards: list[list[tuple[str, tuple]]] = [[]]
+    size = 0
+    for name, p in entries:
+        nbytes = flat[p].size * (out_dtype or flat[p].dtype).itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, p))
+        size += nbytes
+
+    from safetensors.numpy import save_file
+
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        file = SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name, p in shard:
+            x = np.asarray(jax.device_get(flat[p]))
+            x = x.T if hf_name(p)[1] else x
+            tensors[name] = np.ascontiguousarray(x, dtype=out_dtype or x.dtype)
+            weight_map[name] = file
+            total += tensors[name].nbytes
+        save_file(tensors, str(path / file), metadata={"format": "pt"})
+        del tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    _hf_config(cfg, model_type, base, dtype or cfg.param_dtype, tokenizer).save_pretrained(str(path))
+    if base is not None and (Path(base) / "generation_config.json").is_file():
+        shutil.copyfile(Path(base) / "generation_config.json", path / "generation_config.json")
+    if tokenizer is not None:
+        tokenizer.save(path)
+    return path
+
+
+def _hf_config(cfg: ModelConfig, model_type: str, base: str | Path | None, dtype: DType,
+               tokenizer: Optional[HFTokenizer]) -> Any:
+    """The transformers config of `cfg`: `base`'s, with every field our config determines overwritten."""
+    import transformers
+
+    if base is not None:
+        keep = _read_hf_config(Path(base)).to_dict()
+        for derived in ("model_type", "transformers_version", "layer_types"):  # layer_types follows n_layers
+            keep.pop(derived, None)
+    else:
+        keep = {"max_position_embeddings": cfg.max_seq_len}
+        if tokenizer is not None:
+            keep.update(eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id)
+    fields = dict(
+        architectures=[FAMILIES[model_type].architecture], vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim, intermediate_size=cfg.d_ff, rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", dtype=dtype,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+    )
+    if model_type != "qwen2":
+        fields["attention_bias"] = False
+    return transformers.AutoConfig.for_model(model_type, **{**keep, **fields})
