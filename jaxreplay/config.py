@@ -45,6 +45,9 @@ class ModelConfig:
     qk_norm: bool = False
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"
+    # A local Hugging Face model directory: its config.json replaces every architecture key
+    # above (all but max_seq_len and the dtypes) and its safetensors the initial weights.
+    hf_path: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -327,6 +330,8 @@ def validate(c: Config) -> None:
     _require(m.head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {m.head_dim}")
     _require(m.rope_theta > 0, "model.rope_theta", "must be positive")
     _require(m.norm_eps > 0, "model.norm_eps", "must be positive")
+    _require(m.hf_path is None or (Path(m.hf_path) / "config.json").is_file(), "model.hf_path",
+             f"{m.hf_path} is not a Hugging Face model directory (no config.json)")
     _require(c.task.max_digits >= c.task.min_digits, "task.max_digits",
              f"must be >= task.min_digits ({c.task.min_digits})")
     _require(c.task.max_digits <= 9, "task.max_digits", "at most 9 digits are supported")
