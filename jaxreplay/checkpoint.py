@@ -31,6 +31,7 @@ class Progress:
     time_replay_s: float = 0.0
     warmstart_accuracy: Optional[float] = None
     eval_accuracy: Optional[float] = None  # the latest evaluation
+    accounting: dict = dataclasses.field(default_factory=dict)  # jaxreplay.accounting counters
 
 
 class Checkpointer:

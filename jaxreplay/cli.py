@@ -9,6 +9,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from jaxreplay import commands as research
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxreplay", description=__doc__)
@@ -20,6 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="print the resolved config without running")
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
+    research.add_parsers(sub)
     return parser
 
 
@@ -48,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     from jaxreplay.config import ConfigError, load_config
 
     try:
+        if args.command in research.COMMANDS:
+            return research.run(args)
         config = load_config(args.config, args.overrides)
         if args.command == "config":
             import yaml

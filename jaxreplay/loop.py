@@ -21,6 +21,7 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
+from jaxreplay.accounting import Accounting, param_count
 from jaxreplay.actor import Actor, item_spec
 from jaxreplay.checkpoint import Checkpointer, Progress
 from jaxreplay.config import Config, to_dict
@@ -94,6 +95,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
         pending = _unpad(state["pending"], int(state["pending_count"]))
         log(f"resumed from step {progress.learner_step} (policy version {progress.policy_version})")
 
+    accounting = Accounting(param_count(params), progress.accounting)  # counters checkpointed in progress
     server = ReplayServer(
         build_table(c, spec), checkpoint_root=run_dir / "replay", restore_from=progress.replay_checkpoint,
         port=c.replay.port, timeout_s=c.replay.timeout_s,
@@ -136,6 +138,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
                 record = {
                     **{k: float(v) for k, v in step_metrics.items()},
                     **actor_stats,
+                    **accounting.on_train(batch, info.times_sampled, staleness, t2 - t1),
                     "batch/reward_mean": float(batch["reward"].mean()),
                     "replay/size": table.size,
                     "replay/inserts": table.inserts,
@@ -167,6 +170,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
                 progress.actor_step += 1
                 progress.tokens_generated += stats["tokens"]
                 progress.time_generate_s += stats["seconds"]
+                accounting.on_generate(items, stats["seconds"])
                 actor_stats = {k: stats[k] for k in ("reward_mean", "reward_std", "accuracy", "completion_length")}
                 pending = items
             else:
@@ -190,6 +194,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
             "time/generate_s": round(progress.time_generate_s, 2),
             "time/train_s": round(progress.time_train_s, 2),
             "time/replay_s": round(progress.time_replay_s, 2),
+            **accounting.metrics(),
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log(

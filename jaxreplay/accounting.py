@@ -1,0 +1,115 @@
+"""What a run spent and how it used its data: the quantities replay trades against each other.
+
+Generation and training are timed per rollout, and their ratio mu (the cost of
+generating a rollout relative to training on it) is estimated online; the first
+call of each is left out, since it compiles. Compute is estimated in FLOPs as
+2 x params per token of a forward pass (prefill and decode) and 6 x params per
+token trained (forward and backward), attention's quadratic term ignored: at
+these sequence lengths it is a rounding error.
+
+Per sampled item: staleness (learner version minus the version that generated it)
+and times sampled, as histograms; an item counts as sampled once its first sample
+arrives (Reverb reports `times_sampled == 1`), which gives the share of generated
+rollouts never trained on without tracking item keys.
+
+The counters live in a plain dict (`Progress.accounting`), so checkpoints carry them
+and a resumed run continues the same totals.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, MutableMapping
+
+import numpy as np
+
+# Histogram bin edges: [0,1), [1,2), [2,4), ... [256, inf). Staleness spans orders of magnitude.
+STALENESS_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+TIMES_SAMPLED_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+
+_ZERO = {
+    "rollouts_generated": 0, "rollouts_trained": 0, "rollouts_first_sampled": 0,
+    "generate_calls": 0, "generate_s": 0.0, "generate_rollouts_timed": 0,
+    "train_calls": 0, "train_s": 0.0, "train_rollouts_timed": 0,
+    "flops_generate": 0.0, "flops_train": 0.0,
+}
+
+
+def histogram(values: np.ndarray, edges: tuple[int, ...]) -> list[int]:
+    """Counts per bin [edges[i], edges[i+1]), the last bin open-ended."""
+    idx = np.searchsorted(np.asarray(edges), np.asarray(values), side="right") - 1
+    return np.bincount(np.clip(idx, 0, len(edges) - 1), minlength=len(edges)).tolist()
+
+
+def param_count(params: Any) -> int:
+    import jax
+
+    return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(params)))
+
+
+class Accounting:
+    """Updates the counters in `state` (a dict, filled in with zeros) as the loop reports work."""
+
+    def __init__(self, n_params: int, state: MutableMapping[str, Any]):
+        self.n_params = n_params
+        for key, value in _ZERO.items():
+            state.setdefault(key, value)
+        self.state = state
+
+    def on_generate(self, items: Mapping[str, np.ndarray], seconds: float) -> None:
+        """A batch of rollouts generated in `seconds`."""
+        s, n = self.state, len(items["reward"])
+        s["rollouts_generated"] += n
+        s["flops_generate"] += 2.0 * self.n_params * float(np.sum(items["attention_mask"]))
+        s["generate_calls"] += 1
+        if s["generate_calls"] > 1:  # the first call compiles
+            s["generate_s"] += seconds
+            s["generate_rollouts_timed"] += n
+
+    def on_train(self, batch: Mapping[str, np.ndarray], times_sampled: np.ndarray, staleness: np.ndarray,
+                 seconds: float) -> dict[str, Any]:
+        """A learner step on `batch` in `seconds`; returns its per-step metrics."""
+        s, n = self.state, len(batch["reward"])
+        s["rollouts_trained"] += n
+        s["rollouts_first_sampled"] += int(np.sum(np.asarray(times_sampled) == 1))
+        s["flops_train"] += 6.0 * self.n_params * float(np.sum(batch["attention_mask"]))
+        s["train_calls"] += 1
+        if s["train_calls"] > 1:
+            s["train_s"] += seconds
+            s["train_rollouts_timed"] += n
+        return {
+            "staleness/hist": histogram(staleness, STALENESS_EDGES),
+            "replay/times_sampled_hist": histogram(times_sampled, TIMES_SAMPLED_EDGES),
+            **self.metrics(),
+        }
+
+    @property
+    def generate_s_per_rollout(self) -> float:
+        s = self.state
+        return s["generate_s"] / s["generate_rollouts_timed"] if s["generate_rollouts_timed"] else float("nan")
+
+    @property
+    def train_s_per_rollout(self) -> float:
+        s = self.state
+        return s["train_s"] / s["train_rollouts_timed"] if s["train_rollouts_timed"] else float("nan")
+
+    @property
+    def mu(self) -> float:
+        """Generation seconds per rollout over training seconds per rollout (nan until both are timed)."""
+        return self.generate_s_per_rollout / self.train_s_per_rollout
+
+    def metrics(self) -> dict[str, float]:
+        s = self.state
+        generated = s["rollouts_generated"]
+        return {
+            "replay/never_sampled_frac": 1.0 - s["rollouts_first_sampled"] / generated if generated else float("nan"),
+            "cost/generate_s_per_rollout": self.generate_s_per_rollout,
+            "cost/train_s_per_rollout": self.train_s_per_rollout,
+            "cost/mu": self.mu,
+            "compute/flops_generate": s["flops_generate"],
+            "compute/flops_train": s["flops_train"],
+            "compute/flops": s["flops_generate"] + s["flops_train"],
+        }
+
+
+STALENESS_LABELS = tuple(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in zip(STALENESS_EDGES, STALENESS_EDGES[1:])) \
+    + (f"{STALENESS_EDGES[-1]}+",)

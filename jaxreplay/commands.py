@@ -1,0 +1,52 @@
+"""The research commands of `jaxreplay`: sweep, report, theory (parsers and handlers)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    sweep = sub.add_parser("sweep", help="run (or resume) a grid of settings x seeds, one after another")
+    sweep.add_argument("sweep", help="sweep file, e.g. configs/sweep_demo.yaml")
+    sweep.add_argument("--print", action="store_true", help="print one command per run instead of running")
+    report = sub.add_parser("report", help="plots and a Markdown table comparing runs")
+    report.add_argument("run_dirs", nargs="+", help="run directories (seeds of one setting share a parent folder)")
+    report.add_argument("--out", required=True, help="directory for report.md and the PNGs")
+    report.add_argument("--baseline", help="setting to compare against (default: the on-policy one)")
+    theory = sub.add_parser("theory", help="optimal staleness horizon and replay ratio of the cost model")
+    theory.add_argument("--mu", type=float, required=True, help="generation / training cost per rollout")
+    theory.add_argument("--rho", type=float, required=True, help="batch-variance weight of the cost model")
+    theory.add_argument("--alpha", type=float, required=True, help="staleness exponent: sigma(x) = (x/tau)^alpha")
+    theory.add_argument("--rollouts-per-step", type=int, default=64, help="R: rollouts generated per actor step")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "sweep":
+        from jaxreplay.sweep import commands, load_sweep, run_sweep
+
+        sweep = load_sweep(args.sweep)
+        if args.print:
+            print("\n".join(commands(sweep)))
+            return 0
+        results = run_sweep(sweep)
+        return 0 if all(r in ("done", "skipped") for r in results.values()) else 1
+    if args.command == "report":
+        from jaxreplay.report import report
+
+        print(report(args.run_dirs, args.out, baseline=args.baseline), end="")
+        print(f"report: {args.out}/report.md")
+        return 0
+    if args.command == "theory":
+        from jaxreplay.theory import describe, numeric_optimum, optimum
+
+        if args.rollouts_per_step <= 0:
+            raise ValueError(f"--rollouts-per-step must be positive, got {args.rollouts_per_step}")
+        opt = optimum(args.mu, args.rho, args.alpha)
+        check = numeric_optimum(args.mu, args.rho, args.alpha)
+        print(describe(opt, args.rollouts_per_step))
+        print(f"numeric minimiser of the cost: x = {check.x:.2f}, y = {check.y:.3f}")
+        return 0
+    raise AssertionError(f"not a research command: {args.command}")
+
+
+COMMANDS = ("sweep", "report", "theory")

@@ -1,0 +1,163 @@
+"""`jaxreplay sweep SWEEP.yaml`: a grid of settings x seeds, one run after another.
+
+A sweep file names a base config, overrides common to every run, the settings (each a
+list of dotted overrides) and the seeds:
+
+    base: demo.yaml            # relative to the sweep file
+    out: runs/sweep_demo       # run dirs are OUT/SETTING/seedS (relative to the working dir)
+    seeds: [0, 1, 2]
+    overrides: [train.steps=300]
+    settings:
+      on_policy: [replay.mode=on_policy]
+      spi4: [replay.samples_per_insert=4]
+    timeout_s: 3600            # per run
+
+Each run is a `jaxreplay train` subprocess (its own Reverb server, native logs and
+memory), logging to RUN_DIR/train.log. A run whose summary.json reports all its steps
+is skipped; any other run is started, and `jaxreplay train` resumes it from its latest
+checkpoint. `--print` prints one command per run instead, for a cluster scheduler.
+Every run's config is loaded and validated before the first one starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from jaxreplay.config import Config, ConfigError, load_config
+
+_KEYS = {"base", "out", "seeds", "overrides", "settings", "timeout_s"}
+_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    setting: str
+    seed: int
+    base: Path
+    overrides: tuple[str, ...]  # common, then the setting's, then seed and run dir
+    config: Config
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.config.run.dir)
+
+    def argv(self, program: tuple[str, ...] = ("jaxreplay",)) -> list[str]:
+        return [*program, "train", str(self.base), *self.overrides]
+
+    def is_done(self) -> bool:
+        """summary.json written by a run that reached all its steps."""
+        try:
+            summary = json.loads((self.dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return summary.get("steps") == self.config.train.steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    runs: tuple[Run, ...]
+    timeout_s: float
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """Parses and validates the sweep file and every run's config; `ConfigError` names the problem."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read sweep file {path}: {e.strerror}") from None
+    except yaml.YAMLError:
+        raise ConfigError(f"malformed YAML in sweep file {path}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a sweep file is a mapping with keys {', '.join(sorted(_KEYS))}")
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise ConfigError(f"sweep: unknown key {unknown[0]} (known: {', '.join(sorted(_KEYS))})")
+    for key in ("base", "out", "seeds", "settings"):
+        if key not in raw:
+            raise ConfigError(f"sweep.{key}: required")
+    base = (path.parent / str(raw["base"])).resolve() if not Path(str(raw["base"])).is_absolute() else \
+        Path(raw["base"])
+    seeds = raw["seeds"]
+    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool)
+                                                      for s in seeds)):
+        raise ConfigError(f"sweep.seeds: expected a non-empty list of integers, got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"sweep.seeds: repeated seed in {seeds}")
+    common = _override_list(raw.get("overrides") or [], "sweep.overrides")
+    settings = raw["settings"]
+    if not isinstance(settings, dict) or not settings:
+        raise ConfigError("sweep.settings: expected a non-empty mapping of name -> list of overrides")
+    timeout_s = raw.get("timeout_s", 3600)
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
+        raise ConfigError(f"sweep.timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+    runs = []
+    for name, overrides in settings.items():
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ConfigError(f"sweep.settings: {name!r} is not a usable directory name")
+        own = _override_list(overrides or [], f"sweep.settings.{name}")
+        for seed in seeds:
+            args = (*common, *own, f"run.seed={seed}", f"run.dir={Path(str(raw['out'])) / name / f'seed{seed}'}",
+                    "run.progress_bar=false")
+            try:
+                config = load_config(base, args)
+            except ConfigError as e:
+                raise ConfigError(f"sweep.settings.{name} (seed {seed}): {e}") from None
+            runs.append(Run(setting=name, seed=seed, base=base, overrides=args, config=config))
+    return Sweep(runs=tuple(runs), timeout_s=float(timeout_s))
+
+
+def _override_list(value, key: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and "=" in v for v in value):
+        raise ConfigError(f"{key}: expected a list of dotted overrides like train.steps=100, got {value!r}")
+    if any(v.split("=", 1)[0] in ("run.seed", "run.dir") for v in value):
+        raise ConfigError(f"{key}: run.seed and run.dir are set by the sweep")
+    return tuple(value)
+
+
+def commands(sweep: Sweep) -> list[str]:
+    """One shell command per run, for a cluster scheduler."""
+    return [shlex.join(run.argv()) for run in sweep.runs]
+
+
+def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> dict[str, str]:
+    """Runs every unfinished run in order; returns run dir -> "skipped" | "done" | "failed (...)".
+
+    A failed run is reported and the sweep goes on: one bad seed should not cost the rest.
+    """
+    program = (sys.executable, "-m", "jaxreplay.cli")
+    results = {}
+    for i, run in enumerate(sweep.runs, 1):
+        tag = f"[{i}/{len(sweep.runs)}] {run.setting} seed {run.seed}"
+        if run.is_done():
+            results[str(run.dir)] = "skipped"
+            log(f"{tag}: finished earlier, skipped ({run.dir})")
+            continue
+        run.dir.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        log(f"{tag}: {'resuming' if (run.dir / 'checkpoints').exists() else 'starting'} ({run.dir})")
+        with open(run.dir / "train.log", "a") as out:
+            try:
+                rc = subprocess.run(run.argv(program), stdout=out, stderr=subprocess.STDOUT,
+                                    timeout=sweep.timeout_s).returncode
+            except subprocess.TimeoutExpired:
+                rc = None
+        seconds = time.perf_counter() - start
+        if rc == 0 and run.is_done():
+            results[str(run.dir)] = "done"
+            log(f"{tag}: done in {seconds:.0f}s")
+        else:
+            why = f"timed out after {sweep.timeout_s:g}s" if rc is None else f"exit code {rc}"
+            results[str(run.dir)] = f"failed ({why})"
+            log(f"{tag}: FAILED ({why}); see {run.dir / 'train.log'}")
+    return results

@@ -1,0 +1,84 @@
+"""`jaxreplay sweep`: the grid, its validation, skipping finished runs and resuming the rest."""
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxreplay.config import ConfigError
+from jaxreplay.sweep import commands, load_sweep, run_sweep
+
+DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+
+
+def _write(tmp_path, body: str) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"base: {DEMO}\nout: {tmp_path / 'runs'}\n" + body)
+    return path
+
+
+def test_the_committed_demo_sweep_is_4_settings_by_3_seeds():
+    sweep = load_sweep(DEMO.parent / "sweep_demo.yaml")
+    grid = {(r.setting, r.seed) for r in sweep.runs}
+    assert grid == {(s, seed) for s in ("on_policy", "spi2", "spi4", "spi8") for seed in (0, 1, 2)}
+    spi = {r.setting: (r.config.replay.mode, r.config.replay.samples_per_insert) for r in sweep.runs}
+    assert spi["on_policy"][0] == "on_policy" and spi["spi8"] == ("replay", 8.0)
+
+
+def test_grid_is_settings_times_seeds_with_one_command_each(tmp_path):
+    sweep = load_sweep(_write(tmp_path, "seeds: [3, 4]\noverrides: [train.steps=7]\nsettings:\n"
+                                        "  a: [replay.samples_per_insert=4]\n  b: [replay.mode=on_policy]\n"))
+    assert [(r.setting, r.seed, r.config.train.steps) for r in sweep.runs] == \
+        [("a", 3, 7), ("a", 4, 7), ("b", 3, 7), ("b", 4, 7)]
+    assert sweep.runs[1].dir == tmp_path / "runs" / "a" / "seed4"
+    cmds = commands(sweep)
+    assert len(cmds) == 4
+    assert shlex.split(cmds[1])[:3] == ["jaxreplay", "train", str(DEMO)]
+    assert "replay.samples_per_insert=4" in cmds[1] and "run.seed=4" in cmds[1]
+
+
+@pytest.mark.parametrize("body,key", [
+    ("seeds: [0]\nsettings:\n  a: [replay.samples_per_insert=-1]\n", "sweep.settings.a"),
+    ("seeds: [0]\nsettings:\n  a: [replay.selectr=fifo]\n", "replay.selectr"),
+    ("seeds: [0, 0]\nsettings:\n  a: []\n", "sweep.seeds"),
+    ("seeds: [0]\nsettings:\n  a: [run.seed=3]\n", "sweep.settings.a"),
+    ("seeds: [0]\nsettings:\n  a/b: []\n", "sweep.settings"),
+    ("seeds: [0]\n", "sweep.settings"),
+    ("seeds: [0]\nsettings:\n  a: []\nretries: 3\n", "retries"),
+])
+def test_a_bad_sweep_is_refused_before_any_run_starts(tmp_path, body, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_sweep(_write(tmp_path, body))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_finished_runs_are_skipped(tmp_path):
+    sweep = load_sweep(_write(tmp_path, "seeds: [0]\noverrides: [train.steps=5]\nsettings:\n  a: []\n"))
+    (run,) = sweep.runs
+    run.dir.mkdir(parents=True)
+    (run.dir / "summary.json").write_text(json.dumps({"steps": 5}))
+    assert run_sweep(sweep, log=lambda _: None) == {str(run.dir): "skipped"}
+    (run.dir / "summary.json").write_text(json.dumps({"steps": 3}))  # fewer steps than asked: unfinished
+    assert not run.is_done()
+
+
+@pytest.mark.slow
+def test_sweep_runs_then_resumes_a_run_extended_to_more_steps(tmp_path):
+    small = ("overrides: [warmstart.steps=2, train.eval_every=2, checkpoint.every=2, replay.min_size_to_sample=64, "
+             "task.eval_size=16, train.steps={steps}]\nseeds: [0]\nsettings:\n  spi2: []\n")
+    path = _write(tmp_path, small.format(steps=2))
+    cli = [sys.executable, "-m", "jaxreplay.cli", "sweep", str(path)]
+    first = subprocess.run(cli, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "starting" in first.stdout and "done" in first.stdout
+    again = subprocess.run(cli, capture_output=True, text=True, timeout=600)
+    assert "skipped" in again.stdout
+    path.write_text(path.read_text().replace("train.steps=2", "train.steps=4"))
+    longer = subprocess.run(cli, capture_output=True, text=True, timeout=600)
+    assert longer.returncode == 0 and "resuming" in longer.stdout, longer.stdout + longer.stderr
+    run_dir = tmp_path / "runs" / "spi2" / "seed0"
+    assert "resumed from step 2" in (run_dir / "train.log").read_text()
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
