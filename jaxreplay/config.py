@@ -52,15 +52,33 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """The embedded arithmetic task: `a+b=` with an exact-match reward."""
+    """The prompt source and its reward.
 
-    name: Literal["arithmetic"] = "arithmetic"
+    "arithmetic": the embedded `a+b=` task with an exact-match reward (the digit keys).
+    "gsm8k", "math": TFDS datasets read from `data_dir` (never downloaded).
+    "jsonl", "parquet": local files, `path` with `{split}` standing for the split name.
+    Dataset keys left null take the source's defaults (tasks.datasets.SOURCES).
+    """
+
+    name: Literal["arithmetic", "gsm8k", "math", "jsonl", "parquet"] = "arithmetic"
     min_digits: int = 2
     max_digits: int = 2
     operations: tuple[str, ...] = ("+",)
     reverse_answer: bool = True  # least significant digit first: the order carries flow
     eval_size: int = 256
     data_seed: int = 1234
+    path: Optional[str] = None  # jsonl/parquet: e.g. data/{split}.jsonl
+    data_dir: Optional[str] = None  # gsm8k/math: the TFDS data_dir (null: TFDS's default)
+    tfds_name: Optional[str] = None  # gsm8k/math: the TFDS dataset name
+    train_split: str = "train"
+    eval_split: str = "test"
+    prompt_field: Optional[str] = None
+    answer_field: Optional[str] = None
+    reward: Optional[str] = None  # tasks.rewards.REWARDS
+    prompt_template: str = "{prompt}"
+    chat_template: bool = False  # wrap the prompt in the tokenizer's chat template
+    max_prompt_len: int = 256  # dataset prompts are left-padded to this many tokens
+    long_prompts: Literal["skip", "error"] = "skip"  # prompts longer than max_prompt_len
 
 
 @dataclass(frozen=True)
@@ -390,6 +408,12 @@ def _validate_replay(c: Config) -> None:
     and a sample of B while D - B >= min_diff. Some move is always possible iff the
     window max_diff - min_diff = 2 * error_buffer is at least B + spi.
     """
+    if c.task.name != "arithmetic":
+        from jaxreplay.tasks.datasets import validate_task_config  # the task owns its keys
+
+        validate_task_config(c)
+        return
+    _require(c.task.reward is None, "task.reward", "must be null for the arithmetic task (it has its own exact match)")
     r, t = c.replay, c.train
     b = t.batch_size
     if r.mode == "on_policy":
@@ -398,6 +422,8 @@ def _validate_replay(c: Config) -> None:
     _require(spi > 0, "replay.samples_per_insert", f"must be positive, got {spi}")
     _require(r.min_size_to_sample <= r.max_size, "replay.min_size_to_sample",
              f"{r.min_size_to_sample} exceeds replay.max_size={r.max_size}: the table can never fill enough to sample")
+    if c.task.name != "arithmetic":
+        return c.task.max_prompt_len
     _require(b <= r.max_size, "train.batch_size",
              f"{b} is larger than replay.max_size={r.max_size}, which the table can never hold")
     _require(r.max_times_sampled == 0, "replay.max_times_sampled",

@@ -7,14 +7,16 @@ optionally penalise KL to a reference, then one optax step.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
+from jaxreplay import sharding
 from jaxreplay.config import Config, TrainConfig
-from jaxreplay.models import forward
+from jaxreplay.models import abstract_params, forward
 from jaxreplay.rl import kl_penalty, make_aggregate, make_loss, masked_mean
 from jaxreplay.sampling import policy_logprobs, token_entropy
 
@@ -39,11 +41,15 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     )
 
 
-def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransformation) -> TrainStep:
+def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransformation,
+                    mesh: Optional[Mesh] = None) -> TrainStep:
     """Returns `step(params, opt_state, batch, ref_params) -> (params, opt_state, metrics)`, jitted.
 
     params and opt_state are donated: the caller must use the returned ones.
     `ref_params` is only read when `train.kl_coef > 0` (pass None otherwise).
+    With a `mesh`, params, opt_state and ref_params carry `sharding.param_shardings`
+    (place them with `sharding.shard_params`), the batch is split over its rows, and
+    the metrics come back replicated.
     """
     train, sampling = config.train, config.sampling
     temperature = sampling.temperature
@@ -76,7 +82,17 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
         metrics["grad_norm"] = optax.global_norm(grads)
         return params, opt_state, metrics
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    if mesh is None:
+        return jax.jit(step, donate_argnums=(0, 1))
+    abstract = abstract_params(config.model)
+    params_sh = sharding.param_shardings(mesh, abstract)
+    opt_sh = sharding.param_shardings(mesh, jax.eval_shape(optimizer.init, abstract))
+    ref_sh = params_sh if train.kl_coef > 0 else None
+    return jax.jit(
+        step, donate_argnums=(0, 1),
+        in_shardings=(params_sh, opt_sh, sharding.batch_sharding(mesh), ref_sh),
+        out_shardings=(params_sh, opt_sh, sharding.replicated(mesh)),
+    )
 
 
 def to_device_batch(batch: dict[str, Any]) -> Batch:

@@ -1,0 +1,135 @@
+"""Sharded == single device: the same loss, gradient norm, updated params and greedy generations.
+
+Needs 8 devices, and XLA reads its device count once, before JAX initialises: so
+tests/test_sharding.py runs this file in a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=8. Run directly, it skips unless
+JAX sees 8 devices.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxreplay import sharding
+from jaxreplay.config import ConfigError, MeshConfig, load_config
+from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
+from jaxreplay.models import init_params
+from jaxreplay.sampling import make_sampler
+from jaxreplay.tasks import make_task
+
+pytestmark = pytest.mark.skipif(jax.device_count() != 8, reason="needs 8 devices: run through tests/test_sharding.py")
+
+MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2), (1, 2, 4)]
+ROWS = 16
+# KL on so the reference params' shardings are exercised too; no warm-up so step 1 moves.
+OVERRIDES = ["train.kl_coef=0.05", "train.warmup_steps=0", "train.learning_rate=1e-3", f"train.batch_size={ROWS}",
+             "train.prompts_per_step=2"]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    config = load_config(None, OVERRIDES)
+    task = make_task(config.task)
+    graphdef, params = init_params(config.model, 0)
+    prompts, mask = task.encode_prompts(task.train_problems(0, 0, ROWS))
+    tok = task.tokenizer
+    kwargs = dict(max_new_tokens=config.sampling.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    r = jax.device_get(make_sampler(graphdef, config.model, **kwargs)(params, prompts, mask, jax.random.PRNGKey(1)))
+    advantage = np.random.default_rng(0).standard_normal(ROWS).astype(np.float32)
+    batch = {"tokens": r.tokens, "attention_mask": r.attention_mask, "completion_mask": r.completion_mask,
+             "logprobs": r.logprobs, "advantage": advantage}
+    return config, graphdef, jax.device_get(params), (prompts, mask), batch, kwargs
+
+
+def train_two_steps(config, graphdef, params, batch, mesh):
+    optimizer = make_optimizer(config.train)
+    opt_state = optimizer.init(params)
+    ref = params
+    if mesh is not None:
+        params, opt_state, ref = (sharding.shard_params(t, mesh) for t in (params, opt_state, ref))
+    step = make_train_step(graphdef, config, optimizer, mesh)
+    metrics = []
+    for _ in range(2):
+        params, opt_state, m = step(params, opt_state, to_device_batch(batch), ref)
+        metrics.append(jax.device_get(m))
+    return params, metrics
+
+
+def greedy(config, graphdef, params, prompts, kwargs, mesh):
+    if mesh is not None:
+        params = sharding.shard_params(params, mesh)
+    sample = make_sampler(graphdef, config.model, greedy=True, mesh=mesh, **kwargs)
+    return sample(params, *prompts, jax.random.PRNGKey(0))
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    config, graphdef, params, prompts, batch, kwargs = setup
+    new_params, metrics = train_two_steps(config, graphdef, params, batch, None)
+    return jax.device_get(new_params), metrics, jax.device_get(greedy(config, graphdef, params, prompts, kwargs, None))
+
+
+def max_abs_diff(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a),
+                                                                                   jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_train_step_matches_single_device(setup, reference, shape):
+    config, graphdef, params, _, batch, _ = setup
+    ref_params, ref_metrics, _ = reference
+    mesh = sharding.make_mesh(MeshConfig(*shape))
+    new_params, metrics = train_two_steps(config, graphdef, params, batch, mesh)
+    for got, want in zip(metrics, ref_metrics):
+        for key in ("loss", "grad_norm", "kl_ref", "entropy"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    diff = max_abs_diff(new_params, ref_params)
+    print(f"mesh {shape}: |loss diff| {abs(metrics[-1]['loss'] - ref_metrics[-1]['loss']):.2e} "
+          f"|grad_norm diff| {abs(metrics[-1]['grad_norm'] - ref_metrics[-1]['grad_norm']):.2e} "
+          f"max |param diff| after 2 steps {diff:.2e}")
+    # Adam divides by sqrt(v): a gradient entry near zero can move by a visible fraction of the
+    # learning rate on a float reordering, so params agree to a small fraction of one step.
+    assert diff < 0.05 * config.train.learning_rate
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_greedy_generations_match_single_device(setup, reference, shape):
+    config, graphdef, params, prompts, _, kwargs = setup
+    want = reference[2]
+    mesh = sharding.make_mesh(MeshConfig(*shape))
+    got = greedy(config, graphdef, params, prompts, kwargs, mesh)
+    assert got.tokens.sharding.spec == sharding.batch_sharding(mesh).spec
+    got = jax.device_get(got)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.completion_mask, want.completion_mask)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+
+
+def test_params_and_optimizer_state_are_actually_split(setup):
+    """(1, 4, 2): an MLP kernel [embed, mlp] is split 4 ways by fsdp and 2 by tensor, and so
+    are its Adam moments; the scalar step count is replicated."""
+    config, _, params, _, _, _ = setup
+    mesh = sharding.make_mesh(MeshConfig(1, 4, 2))
+    optimizer = make_optimizer(config.train)
+    opt_state = sharding.shard_params(optimizer.init(params), mesh)
+    params = sharding.shard_params(params, mesh)
+    kernel = params["layers"][0]["mlp"]["up_proj"]["kernel"].value
+    d, f = config.model.d_model, config.model.d_ff
+    assert kernel.sharding.shard_shape(kernel.shape) == (d // 4, f // 2)
+    moments = [x for x in jax.tree.leaves(opt_state) if x.shape == (d, f)]
+    assert moments and all(m.sharding.shard_shape(m.shape) == (d // 4, f // 2) for m in moments)
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(opt_state) if x.ndim == 0)
+
+
+def test_mesh_that_does_not_fit_is_a_config_error():
+    with pytest.raises(ConfigError, match="mesh.data"):
+        sharding.make_mesh(MeshConfig(4, 4, 1))
+    with pytest.raises(ConfigError, match="mesh.tensor"):
+        sharding.make_mesh(MeshConfig(3, 1, -1))
+    assert sharding.make_mesh(MeshConfig(2, -1, 2)).shape["fsdp"] == 2
+
+
+def test_batch_not_divisible_by_data_parallelism_is_a_config_error():
+    config = load_config(None, ["mesh.data=8", "train.batch_size=12", "replay.error_buffer=16"])
+    with pytest.raises(ConfigError, match="train.batch_size"):
+        sharding.mesh_for(config)
