@@ -16,7 +16,7 @@ import numpy as np
 from jaxreplay.config import Config
 from jaxreplay.rl import ADVANTAGES
 from jaxreplay.sampling import Rollout
-from jaxreplay.tasks import ArithmeticTask
+from jaxreplay.tasks import Task, score
 
 SampleFn = Callable[..., Rollout]
 
@@ -36,7 +36,7 @@ def item_spec(config: Config, prompt_len: int) -> dict[str, tuple[tuple[int, ...
 
 
 class Actor:
-    def __init__(self, config: Config, task: ArithmeticTask, sample_fn: SampleFn):
+    def __init__(self, config: Config, task: Task, sample_fn: SampleFn):
         self.config = config
         self.task = task
         self.sample_fn = sample_fn
@@ -54,9 +54,7 @@ class Actor:
         rollout = jax.device_get(self.sample_fn(params, prompts, prompt_mask, key))
 
         completions = rollout.tokens[:, self.task.prompt_len:]
-        rewards = np.array(
-            [self.task.reward(problems[i // group], completions[i]) for i in range(len(completions))], np.float32
-        )
+        rewards, reward_errors = score(self.task, problems, completions, group)
         advantages = ADVANTAGES[c.train.advantage](rewards.reshape(-1, group)).reshape(-1)
         items = {
             "tokens": rollout.tokens.astype(np.int32),
@@ -72,6 +70,7 @@ class Actor:
             "reward_std": float(rewards.std()),
             "accuracy": float((rewards == 1.0).mean()),
             "completion_length": float(rollout.completion_mask.sum(axis=1).mean()),
+            "reward/errors": reward_errors,
             "tokens": int(rollout.completion_mask.sum()),
             "seconds": time.perf_counter() - start,
         }

@@ -90,3 +90,24 @@ def restore_params(path: str | Path, params_like: Any) -> Any:
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params_like)
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(Path(path).absolute(), abstract)
+
+
+def restore_policy_params(directory: str | Path, params_like: Any, step: Optional[int] = None) -> tuple[Any, int]:
+    """(params, step) of a training checkpoint, read alone: evaluation needs neither the
+    optimizer state nor the waiting rollouts. `params_like` may be abstract (shapes,
+    dtypes, shardings); the default device is used where it has no sharding."""
+    manager = ocp.CheckpointManager(Path(directory).absolute())
+    try:
+        step = manager.latest_step() if step is None else step
+        if step is None or step not in manager.all_steps():
+            raise FileNotFoundError(f"no complete checkpoint{'' if step is None else f' at step {step}'} in "
+                                    f"{directory}")
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        tree = {"params": jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or device),
+            params_like)}
+        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree), transforms={})))
+        return restored.state["params"], step
+    finally:
+        manager.close()

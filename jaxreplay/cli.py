@@ -22,8 +22,29 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="print the resolved config without running")
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
+    ev = sub.add_parser("eval", help="pass@1 and pass@k of a checkpoint or HF model on the task's eval split")
+    ev.add_argument("config")
+    ev.add_argument("overrides", nargs="*")
+    source = ev.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a run directory (or its checkpoints/)")
+    source.add_argument("--hf", help="a Hugging Face model directory")
+    ev.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    ev.add_argument("--split", help="dataset split to evaluate (sets task.eval_split)")
+    ev.add_argument("--k", type=_ks, default=(1,), help="pass@k values, e.g. 1,8 (max(k) samples per problem)")
+    ev.add_argument("--batch", type=int, default=128, help="rows per sampling call")
+    ev.add_argument("--out", help="write the results here as JSON")
     research.add_parsers(sub)
     return parser
+
+
+def _ks(text: str) -> tuple[int, ...]:
+    try:
+        ks = tuple(int(k) for k in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"every k must be >= 1, got {text!r}")
+    return ks
 
 
 @contextlib.contextmanager
@@ -53,7 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in research.COMMANDS:
             return research.run(args)
-        config = load_config(args.config, args.overrides)
+        split = [f"task.eval_split={args.split}"] if getattr(args, "split", None) else []
+        config = load_config(args.config, [*args.overrides, *split])
+        if args.command == "eval":
+            import json
+
+            from jaxreplay.eval import run_eval
+
+            results = run_eval(config, checkpoint=args.checkpoint, hf=args.hf, step=args.step, ks=args.k,
+                               out=args.out, batch=args.batch)
+            print(json.dumps({k: v for k, v in results.items() if k != "correct_per_problem"}))
+            return 0
         if args.command == "config":
             import yaml
 

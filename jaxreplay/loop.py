@@ -31,6 +31,7 @@ from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import init_params
 from jaxreplay.replay import ReplayServer, RolloutReader, RolloutWriter, build_table
 from jaxreplay.sampling import make_sampler
+from jaxreplay.models.tokenizer import load_tokenizer
 from jaxreplay.tasks import make_task
 from jaxreplay.warmstart import warm_start
 
@@ -62,7 +63,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     _save_config(run_dir, c)
 
-    task = make_task(c.task)
+    task = make_task(c.task, load_tokenizer(c.model.hf_path) if c.model.hf_path else None)
     tok = task.tokenizer
     graphdef, params = init_params(c.model, c.run.seed)
     sample_fn = make_sampler(
@@ -171,7 +172,8 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
                 progress.tokens_generated += stats["tokens"]
                 progress.time_generate_s += stats["seconds"]
                 accounting.on_generate(items, stats["seconds"])
-                actor_stats = {k: stats[k] for k in ("reward_mean", "reward_std", "accuracy", "completion_length")}
+                actor_stats = {k: stats[k] for k in ("reward_mean", "reward_std", "accuracy", "completion_length",
+                                                     "reward/errors")}
                 pending = items
             else:
                 raise SchedulerStuckError(f"the limiter admits neither an insert nor a sample: {server.describe()}")

@@ -1,13 +1,20 @@
 """Prompt sources and verifiable rewards."""
 
+from typing import Optional
+
 from jaxreplay.config import TaskConfig
 from jaxreplay.tasks.arithmetic import ArithmeticTask, CharTokenizer, Problem
+from jaxreplay.tasks.base import ByteTokenizer, Task, Tokenizer, score
+from jaxreplay.tasks.datasets import DatasetError, DatasetTask
 
 
-def make_task(config: TaskConfig) -> ArithmeticTask:
+def make_task(config: TaskConfig, tokenizer: Optional[Tokenizer] = None) -> Task:
+    """The task `config.name` selects. Dataset tasks tokenize with `tokenizer` (the model's,
+    when it comes from Hugging Face), else with bytes; arithmetic has its own."""
     if config.name == "arithmetic":
         return ArithmeticTask(config)
-    raise ValueError(f"task.name: unknown task {config.name!r}")
+    return DatasetTask(config, tokenizer if tokenizer is not None else ByteTokenizer())
 
 
-__all__ = ["ArithmeticTask", "CharTokenizer", "Problem", "make_task"]
+__all__ = ["ArithmeticTask", "ByteTokenizer", "CharTokenizer", "DatasetError", "DatasetTask", "Problem", "Task",
+           "Tokenizer", "make_task", "score"]

@@ -1,0 +1,255 @@
+"""Prompt datasets with verifiable answers: GSM8K and MATH through TFDS, or local JSONL / Parquet.
+
+Every source reduces to (prompt, answer) records per split. Prompts go through
+`task.prompt_template` (and the chat template when `task.chat_template`), are
+tokenized once at load time, and are left-padded to the fixed `task.max_prompt_len`
+so sampling compiles once; a longer prompt is skipped and counted, or rejected
+(`task.long_prompts`). Nothing here downloads: TFDS datasets must already be
+prepared in `task.data_dir` (`tfds build gsm8k --data_dir DIR` where the network
+is reachable). TensorFlow Datasets and pyarrow are imported only by the loader
+that needs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Optional, Protocol, Sequence
+
+import numpy as np
+
+from jaxreplay.config import Config, ConfigError, TaskConfig
+from jaxreplay.tasks.base import ByteTokenizer, Tokenizer
+from jaxreplay.tasks.rewards import REWARDS, get_reward
+
+log = logging.getLogger(__name__)
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be read as configured; the message names the file, split or field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Defaults of one `task.name` for the dataset keys left null."""
+
+    prompt_field: str
+    answer_field: str
+    reward: str
+    tfds_name: Optional[str] = None
+
+
+# MATH has no TFDS builder of its own: prepare the Hendrycks MATH fields (problem,
+# solution, level, type) under this name, or set task.tfds_name.
+SOURCES = {
+    "gsm8k": Source("question", "answer", "gsm8k", "gsm8k"),
+    "math": Source("problem", "solution", "math_equivalence", "hendrycks_math"),
+    "jsonl": Source("prompt", "answer", "math_equivalence"),
+    "parquet": Source("prompt", "answer", "math_equivalence"),
+}
+
+
+def resolved(task: TaskConfig) -> TaskConfig:
+    """`task` with its null dataset keys replaced by the source's defaults."""
+    source = SOURCES[task.name]
+    return dataclasses.replace(task, **{
+        key: getattr(source, key) for key in ("prompt_field", "answer_field", "reward", "tfds_name")
+        if getattr(task, key) is None
+    })
+
+
+def validate_task_config(c: Config) -> None:
+    """The dataset task's part of `config.validate`."""
+    t = resolved(c.task)
+
+    def require(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}: {why}")
+
+    require(t.reward in REWARDS, "task.reward", f"{t.reward!r} is not one of {', '.join(sorted(REWARDS))}")
+    require(t.max_prompt_len > 0, "task.max_prompt_len", f"must be positive, got {t.max_prompt_len}")
+    require(t.train_split != t.eval_split, "task.eval_split",
+            f"{t.eval_split!r} is also task.train_split: the eval set must be held out")
+    if t.name in ("jsonl", "parquet"):
+        require(t.path is not None and "{split}" in t.path, "task.path",
+                f"needs a file pattern with {{split}} for the {t.name} task, e.g. data/{{split}}.{t.name}, got {t.path!r}")
+    require(c.warmstart.steps == 0, "warmstart.steps",
+            f"the {t.name} task has no supervised demonstrations: set warmstart.steps=0")
+    if c.model.hf_path is None:  # trained from scratch on bytes; an HF tokenizer is checked against its model on load
+        require(not t.chat_template, "task.chat_template", "needs a tokenizer with a chat template (model.hf_path)")
+        vocab = ByteTokenizer().vocab_size
+        require(c.model.vocab_size >= vocab, "model.vocab_size",
+                f"{c.model.vocab_size} is smaller than the byte tokenizer's vocabulary ({vocab}): set "
+                f"model.hf_path=/path/to/model, or model.vocab_size>={vocab} to train from scratch on bytes")
+
+
+# ----------------------------------------------------------------------------------
+# Readers: (prompt, answer) records of one split
+
+
+def read_records(task: TaskConfig, split: str) -> list[tuple[str, str]]:
+    """The (prompt, answer) records of `split`, in the source's order."""
+    t = resolved(task)
+    fields = (t.prompt_field, t.answer_field)
+    if t.name in ("gsm8k", "math"):
+        return _read_tfds(t.tfds_name, t.data_dir, split, fields)
+    path = Path(t.path.replace("{split}", split))
+    if not path.is_file():
+        raise DatasetError(f"{t.name} file for split {split!r} not found: {path}")
+    return _read_jsonl(path, fields) if t.name == "jsonl" else _read_parquet(path, fields)
+
+
+def _text(value, where: str) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise DatasetError(f"{where}: expected text or a number, got {type(value).__name__}")
+
+
+def _read_jsonl(path: Path, fields: tuple[str, str]) -> list[tuple[str, str]]:
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}:{n}: not a JSON object ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}:{n}: not a JSON object")
+            for key in fields:
+                if key not in row:
+                    raise DatasetError(f"{path}:{n}: no field {key!r} (fields: {', '.join(sorted(row))}); "
+                                       f"set task.prompt_field / task.answer_field")
+            records.append((_text(row[fields[0]], f"{path}:{n}"), _text(row[fields[1]], f"{path}:{n}")))
+    return records
+
+
+def _read_parquet(path: Path, fields: tuple[str, str]) -> list[tuple[str, str]]:
+    import pyarrow.parquet as pq
+
+    names = pq.read_schema(path).names
+    for key in fields:
+        if key not in names:
+            raise DatasetError(f"{path}: no column {key!r} (columns: {', '.join(names)}); "
+                               f"set task.prompt_field / task.answer_field")
+    columns = pq.read_table(path, columns=list(fields)).to_pydict()
+    return [(_text(p, str(path)), _text(a, str(path))) for p, a in zip(columns[fields[0]], columns[fields[1]])]
+
+
+def _read_tfds(name: str, data_dir: Optional[str], split: str, fields: tuple[str, str]) -> list[tuple[str, str]]:
+    """Reads a prepared split; never downloads (a missing dataset is an error, not a fetch)."""
+    import tensorflow_datasets as tfds
+
+    where = data_dir or "TFDS's default data_dir"
+    try:
+        builder = tfds.builder(name, data_dir=data_dir)
+    except tfds.core.registered.DatasetNotFoundError:
+        raise DatasetError(f"TFDS dataset {name!r} is neither a TFDS builder nor prepared in {where}") from None
+    if not builder.is_prepared():
+        raise DatasetError(f"TFDS dataset {name!r} is not prepared in {where}: run `tfds build {name} "
+                           f"--data_dir DIR` where the network is reachable, then set task.data_dir=DIR")
+    if split not in builder.info.splits:
+        raise DatasetError(f"TFDS dataset {name!r} has no split {split!r} (splits: "
+                           f"{', '.join(sorted(builder.info.splits))})")
+    features = builder.info.features
+    for key in fields:
+        if key not in features:
+            raise DatasetError(f"TFDS dataset {name!r} has no feature {key!r} (features: "
+                               f"{', '.join(sorted(features))}); set task.prompt_field / task.answer_field")
+    dataset = builder.as_dataset(split=split, shuffle_files=False)
+    where = f"{name}/{split}"
+    return [(_text(row[fields[0]], where), _text(row[fields[1]], where)) for row in tfds.as_numpy(dataset)]
+
+
+# ----------------------------------------------------------------------------------
+# The task
+
+
+class PromptTokenizer(Tokenizer, Protocol):
+    def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
+        """Prompt ids with the tokenizer's own BOS, through the chat template when `chat`."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One prompt with its reference answer; `ids` is the tokenized prompt."""
+
+    index: int  # position in its split
+    prompt: str
+    answer: str
+    ids: tuple[int, ...]
+
+
+class DatasetTask:
+    """A dataset split as a `Task`: a seeded, epoch-shuffled training stream and a fixed eval set."""
+
+    def __init__(self, config: TaskConfig, tokenizer: PromptTokenizer, *,
+                 records: Optional[dict[str, Sequence[tuple[str, str]]]] = None):
+        """`records` (split -> (prompt, answer) pairs) replaces reading the configured source."""
+        self.config = resolved(config)
+        self.tokenizer = tokenizer
+        self.prompt_len = self.config.max_prompt_len
+        self.reward_fn = get_reward(self.config.reward)
+        self.skipped: dict[str, int] = {}
+        self._epoch: tuple = (None, None)
+        c = self.config
+        read = (lambda split: records[split]) if records is not None else (lambda split: read_records(c, split))
+        self.train_examples = self._encode(c.train_split, read(c.train_split))
+        self.eval_problems = self._encode(c.eval_split, read(c.eval_split))[:c.eval_size]
+
+    def _encode(self, split: str, records: Sequence[tuple[str, str]]) -> list[Example]:
+        c = self.config
+        out, too_long = [], []
+        for i, (prompt, answer) in enumerate(records):
+            text = c.prompt_template.replace("{prompt}", prompt)
+            ids = tuple(self.tokenizer.encode_prompt(text, chat=c.chat_template))
+            if len(ids) > self.prompt_len:
+                too_long.append((i, len(ids)))
+                continue
+            out.append(Example(i, prompt, answer, ids))
+        if too_long and c.long_prompts == "error":
+            i, n = too_long[0]
+            raise DatasetError(f"split {split!r}, record {i}: prompt of {n} tokens exceeds task.max_prompt_len="
+                               f"{self.prompt_len} ({len(too_long)} such prompts; task.long_prompts=skip drops them)")
+        self.skipped[split] = len(too_long)
+        if too_long:
+            log.warning("split %r: skipped %d of %d prompts longer than task.max_prompt_len=%d", split,
+                        len(too_long), len(records), self.prompt_len)
+        if not out:
+            raise DatasetError(f"split {split!r} has no usable prompt ({len(records)} records, {len(too_long)} "
+                               f"longer than task.max_prompt_len={self.prompt_len})")
+        return out
+
+    def _order(self, seed: int, epoch: int) -> np.ndarray:
+        """The seeded permutation of one epoch (the latest one is kept)."""
+        if self._epoch[0] != (seed, epoch):
+            self._epoch = ((seed, epoch), np.random.default_rng([seed, epoch, 0xDA7A]).permutation(
+                len(self.train_examples)))
+        return self._epoch[1]
+
+    def train_problems(self, seed: int, index: int, n: int) -> list[Example]:
+        """Batch `index` of the stream: each epoch visits every training example once, in a
+        seeded order, so the stream is a pure function of (seed, index)."""
+        size = len(self.train_examples)
+        out = []
+        for j in range(index * n, (index + 1) * n):
+            epoch, position = divmod(j, size)
+            out.append(self.train_examples[self._order(seed, epoch)[position]])
+        return out
+
+    def encode_prompts(self, problems: Sequence[Example]) -> tuple[np.ndarray, np.ndarray]:
+        tokens = np.full((len(problems), self.prompt_len), self.tokenizer.pad_id, np.int32)
+        mask = np.zeros((len(problems), self.prompt_len), bool)
+        for i, p in enumerate(problems):
+            tokens[i, self.prompt_len - len(p.ids):] = p.ids
+            mask[i, self.prompt_len - len(p.ids):] = True
+        return tokens, mask
+
+    def reward(self, problem: Example, completion_ids: Sequence[int]) -> float:
+        return float(self.reward_fn(self.tokenizer.decode(completion_ids), problem.answer))
