@@ -123,6 +123,7 @@ class ReplayConfig:
     samples_per_insert: float = 2.0
     min_size_to_sample: int = 128
     error_buffer: Optional[float] = None  # None: batch_size + samples_per_insert
+    positive_fraction: float = 0.0  # d > 0: a second table keeps the freshest dN correct rollouts
     timeout_s: float = 60.0
     port: int = 0  # 0 picks a free port
 
@@ -377,6 +378,7 @@ def validate(c: Config) -> None:
     _require(r.max_times_sampled >= 0, "replay.max_times_sampled", "must be >= 0 (0 = unlimited)")
     _require(0 <= r.port < 65536, "replay.port", "must be a TCP port or 0")
     _require(r.priority_exponent >= 0, "replay.priority_exponent", "must be >= 0")
+    _require(0 <= r.positive_fraction < 1, "replay.positive_fraction", f"must be in [0, 1), got {r.positive_fraction}")
     _require(c.run.dir != "", "run.dir", "must not be empty")
     _require(m.max_seq_len >= _prompt_len(c) + s.max_new_tokens, "model.max_seq_len",
              f"{m.max_seq_len} is too short for prompts of {_prompt_len(c)} tokens plus "
@@ -426,6 +428,10 @@ def _validate_replay(c: Config) -> None:
         return c.task.max_prompt_len
     _require(b <= r.max_size, "train.batch_size",
              f"{b} is larger than replay.max_size={r.max_size}, which the table can never hold")
+    main = r.max_size - round(r.positive_fraction * r.max_size)  # see replay.tables.positive_split
+    _require(r.min_size_to_sample <= main, "replay.positive_fraction",
+             f"{r.positive_fraction} leaves the rollout table {main} rows, fewer than "
+             f"replay.min_size_to_sample={r.min_size_to_sample}")
     _require(r.max_times_sampled == 0, "replay.max_times_sampled",
              "must be 0 in replay mode: items deleted mid-batch can stall a sample Reverb cannot time out "
              "(use replay.mode=on_policy for sample-once)")

@@ -29,7 +29,7 @@ from jaxreplay.eval import evaluate
 from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
 from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import init_params
-from jaxreplay.replay import ReplayServer, RolloutReader, RolloutWriter, build_table
+from jaxreplay.replay import ReplayServer, build_tables, reader_for, writer_for
 from jaxreplay.sampling import make_sampler
 from jaxreplay.models.tokenizer import load_tokenizer
 from jaxreplay.tasks import make_task
@@ -98,14 +98,14 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
 
     accounting = Accounting(param_count(params), progress.accounting)  # counters checkpointed in progress
     server = ReplayServer(
-        build_table(c, spec), checkpoint_root=run_dir / "replay", restore_from=progress.replay_checkpoint,
+        build_tables(c, spec), checkpoint_root=run_dir / "replay", restore_from=progress.replay_checkpoint,
         port=c.replay.port, timeout_s=c.replay.timeout_s,
     )
     metrics = MetricsWriter(run_dir)
     bar = None
     try:
-        writer = RolloutWriter(server, spec, timeout_s=c.replay.timeout_s)
-        reader = RolloutReader(server, spec, timeout_s=c.replay.timeout_s)
+        writer = writer_for(server, c, spec)
+        reader = reader_for(server, c, spec)
         if progress.warmstart_accuracy is None:
             progress.warmstart_accuracy = progress.eval_accuracy = evaluate(params, task, greedy_fn)
             metrics.write(0, {"eval/accuracy": progress.warmstart_accuracy})
@@ -121,7 +121,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
                 writer.insert({k: v[:n] for k, v in pending.items()})
                 progress.time_replay_s += time.perf_counter() - t0
                 pending = {k: v[n:] for k, v in pending.items()} if n < len(pending["reward"]) else None
-            elif server.info().can_sample_at_once(c.train.batch_size):
+            elif reader.can_sample(c.train.batch_size):
                 t0 = time.perf_counter()
                 batch, info = reader.sample(c.train.batch_size)
                 t1 = time.perf_counter()

@@ -27,13 +27,15 @@ def set_tf_cpu_only() -> None:
 
 set_tf_cpu_only()
 
-from jaxreplay.replay.reader import RolloutReader, SampleInfo  # noqa: E402
+from jaxreplay.replay.reader import PositiveBiasReader, RolloutReader, SampleInfo, reader_for  # noqa: E402
 from jaxreplay.replay.server import ReplayServer  # noqa: E402
 from jaxreplay.replay.tables import (  # noqa: E402
-    TABLE_NAME, ItemSpec, LimiterState, ReplayTimeoutError, build_table)
-from jaxreplay.replay.writer import RolloutWriter  # noqa: E402
+    POSITIVE_TABLE_NAME, TABLE_NAME, ItemSpec, LimiterState, PositiveSplit, ReplayTimeoutError, build_table,
+    build_tables, positive_split)
+from jaxreplay.replay.writer import RolloutWriter, writer_for  # noqa: E402
 
 __all__ = [
-    "TABLE_NAME", "ItemSpec", "LimiterState", "ReplayServer", "ReplayTimeoutError", "RolloutReader",
-    "RolloutWriter", "SampleInfo", "build_table", "set_tf_cpu_only",
+    "POSITIVE_TABLE_NAME", "TABLE_NAME", "ItemSpec", "LimiterState", "PositiveBiasReader", "PositiveSplit",
+    "ReplayServer", "ReplayTimeoutError", "RolloutReader", "RolloutWriter", "SampleInfo", "build_table",
+    "build_tables", "positive_split", "reader_for", "set_tf_cpu_only", "writer_for",
 ]

@@ -14,7 +14,9 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxreplay.replay.server import Source, connect
-from jaxreplay.replay.tables import TABLE_NAME, ItemSpec, LimiterState, ReplayTimeoutError, limiter_state
+from jaxreplay.config import Config
+from jaxreplay.replay.tables import (
+    POSITIVE_TABLE_NAME, TABLE_NAME, ItemSpec, LimiterState, ReplayTimeoutError, limiter_state, positive_split)
 
 _MAX_POLL_S = 0.05
 
@@ -68,6 +70,10 @@ class RolloutReader:
             table_size=np.array([r.info.table_size for r in rows], np.int64))
         return batch, info
 
+    def can_sample(self, batch_size: int) -> bool:
+        """Whether `sample(batch_size)` would return without waiting."""
+        return limiter_state(self._client, self._table, self._timeout_s).can_sample_at_once(batch_size)
+
     def _wait(self, start: float, batch_size: int, done: int) -> LimiterState:
         """Polls until `batch_size` samples are allowed or, once `done` > 0, one more."""
         n = 1 if done else batch_size
@@ -85,3 +91,50 @@ class RolloutReader:
                     f"{state.describe()}")
             time.sleep(min(pause, deadline - now))
             pause = min(2 * pause, _MAX_POLL_S)
+
+
+class PositiveBiasReader:
+    """Positive-bias sampling: each batch takes `positive_batch` rows from the positives
+    table (the freshest correct rollouts) and the rest from the rollout table.
+
+    Until the first correct rollout arrives the positives table is empty, and the whole
+    batch comes from the rollout table. The positives table has no rate limiter beyond
+    holding one item, so `can_sample` only asks the rollout table's limiter, for exactly
+    the rows `sample` will then take from it.
+    """
+
+    def __init__(self, source: Source, item_spec: ItemSpec, *, timeout_s: float, positive_batch: int,
+                 table: str = TABLE_NAME, positive_table: str = POSITIVE_TABLE_NAME):
+        self._client = connect(source)
+        self._main = RolloutReader(self._client, item_spec, timeout_s=timeout_s, table=table)
+        self._positives = RolloutReader(self._client, item_spec, timeout_s=timeout_s, table=positive_table)
+        self._positive_table = positive_table
+        self._positive_batch = positive_batch
+        self._timeout_s = timeout_s
+
+    def split(self, batch_size: int) -> tuple[int, int]:
+        """(rows from the rollout table, rows from the positives table) for a batch now."""
+        have = limiter_state(self._client, self._positive_table, self._timeout_s).size > 0
+        n_pos = min(self._positive_batch, batch_size) if have else 0
+        return batch_size - n_pos, n_pos
+
+    def can_sample(self, batch_size: int) -> bool:
+        n_main, _ = self.split(batch_size)
+        return n_main == 0 or self._main.can_sample(n_main)
+
+    def sample(self, batch_size: int) -> tuple[dict[str, np.ndarray], SampleInfo]:
+        """Samples the split; rows from the positives table come last."""
+        n_main, n_pos = self.split(batch_size)
+        parts = [reader.sample(n) for reader, n in ((self._main, n_main), (self._positives, n_pos)) if n]
+        batch = {k: np.concatenate([p[0][k] for p in parts]) for k in parts[0][0]}
+        info = SampleInfo(*(np.concatenate([getattr(p[1], f) for p in parts]) for f in SampleInfo._fields))
+        return batch, info
+
+
+def reader_for(source: Source, config: Config, item_spec: ItemSpec) -> RolloutReader | PositiveBiasReader:
+    """The reader `config` asks for: positive-bias when `replay.positive_fraction` > 0."""
+    split = positive_split(config)
+    if split.positive_size:
+        return PositiveBiasReader(source, item_spec, timeout_s=config.replay.timeout_s,
+                                  positive_batch=split.positive_batch)
+    return RolloutReader(source, item_spec, timeout_s=config.replay.timeout_s)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import reverb
 
@@ -28,12 +28,14 @@ _DONE = "DONE"  # Reverb marks a complete checkpoint with this file.
 
 
 class ReplayServer:
-    """Owns a `reverb.Server` hosting one table. Stop it explicitly (or use `with`)."""
+    """Owns a `reverb.Server` hosting the rollout table (and any companion tables, such as
+    positive-bias sampling's). Stop it explicitly (or use `with`)."""
 
-    def __init__(self, table: reverb.Table, *, port: int = 0,
+    def __init__(self, table: reverb.Table | Sequence[reverb.Table], *, port: int = 0,
                  checkpoint_root: Optional[str | os.PathLike] = None,
                  restore_from: Optional[str | os.PathLike] = None, timeout_s: float = 60.0):
-        """Starts serving `table`, or the table saved at `restore_from`.
+        """Starts serving `table` (or tables: the first is the rate-limited one that `info()`
+        describes), or the tables saved at `restore_from`.
 
         port: 0 picks a free port. checkpoint_root: where `checkpoint()` puts its
         checkpoints (without one, `checkpoint()` is refused). restore_from: a path
@@ -45,7 +47,8 @@ class ReplayServer:
         if restore_from is not None and not os.path.exists(os.path.join(restore_from, _DONE)):
             # Reverb would silently start empty.
             raise FileNotFoundError(f"no complete Reverb checkpoint at {restore_from}")
-        self._table = table.name
+        tables = [table] if isinstance(table, reverb.Table) else list(table)
+        self._table = tables[0].name  # the scheduled one: `info()` reports its limiter
         self._timeout_s = timeout_s
         self._checkpoint_root = checkpoint_root
         if checkpoint_root is not None:
@@ -55,14 +58,15 @@ class ReplayServer:
         checkpointer = reverb.checkpointers.DefaultCheckpointer(
             self._staging, fallback_checkpoint_path=restore_from)
         try:
-            self._server = reverb.Server([table], port=port or None, checkpointer=checkpointer)
+            self._server = reverb.Server(tables, port=port or None, checkpointer=checkpointer)
         except BaseException:
             shutil.rmtree(self._staging, ignore_errors=True)
             raise
         self._port = self._server.port
         self._client = reverb.Client(self.address)
         if restore_from is not None:
-            self._check_restored(table, restore_from)
+            for t in tables:
+                self._check_restored(t, restore_from)
 
     @property
     def address(self) -> str:
@@ -136,7 +140,7 @@ class ReplayServer:
 
     def _check_restored(self, table: reverb.Table, path: str) -> None:
         # A restored table keeps the settings it was saved with, whatever `table` says.
-        want, got = table.info, self._client.server_info(timeout=max(1, round(self._timeout_s)))[self._table]
+        want, got = table.info, self._client.server_info(timeout=max(1, round(self._timeout_s)))[table.name]
         fields = {
             "sampler": (want.sampler_options, got.sampler_options),
             "remover": (want.remover_options, got.remover_options),

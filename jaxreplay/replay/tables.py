@@ -18,6 +18,7 @@ import tensorflow as tf
 from jaxreplay.config import Config
 
 TABLE_NAME = "rollouts"
+POSITIVE_TABLE_NAME = "positives"  # positive-bias sampling: the freshest correct rollouts
 
 # name -> (per-item shape, dtype); one table row per rollout.
 ItemSpec = Mapping[str, tuple[tuple[int, ...], np.dtype]]
@@ -38,6 +39,7 @@ def build_table(config: Config, item_spec: ItemSpec) -> reverb.Table:
     """
     r, t = config.replay, config.train
     signature = table_signature(item_spec)
+    split = positive_split(config)
     if r.mode == "on_policy":
         size = max(t.batch_size, config.rollouts_per_step)
         return reverb.Table(
@@ -48,12 +50,51 @@ def build_table(config: Config, item_spec: ItemSpec) -> reverb.Table:
         name=TABLE_NAME,
         sampler=_selector(r.selector, r.priority_exponent),
         remover=reverb.selectors.Fifo(),
-        max_size=r.max_size,
+        max_size=split.main_size,
         max_times_sampled=r.max_times_sampled,
         rate_limiter=reverb.rate_limiters.SampleToInsertRatio(
-            samples_per_insert=r.samples_per_insert, min_size_to_sample=r.min_size_to_sample,
+            samples_per_insert=split.main_samples_per_insert, min_size_to_sample=r.min_size_to_sample,
             error_buffer=config.error_buffer),
         signature=signature)
+
+
+@dataclasses.dataclass(frozen=True)
+class PositiveSplit:
+    """How positive-bias sampling (`replay.positive_fraction` = d) divides window and batch.
+
+    The main table keeps the freshest N - round(dN) rollouts, the positives table the
+    freshest round(dN) with reward > 0 (a row can sit in both; Reverb stores it once).
+    Each batch of B takes round(dB) rows from the positives, the rest from the main
+    table, uniformly over each window: in proportion to the windows' capacities. The
+    main table's limiter runs at spi * B_main / B, so every generated rollout is still
+    trained on `samples_per_insert` times on average, counting both tables.
+    """
+
+    main_size: int
+    positive_size: int  # 0: positive bias off
+    main_batch: int
+    positive_batch: int
+    main_samples_per_insert: float
+
+
+def positive_split(config: Config) -> PositiveSplit:
+    r, b = config.replay, config.train.batch_size
+    d = r.positive_fraction if r.mode == "replay" else 0.0
+    n_pos, b_pos = round(d * r.max_size), round(d * b)
+    return PositiveSplit(main_size=r.max_size - n_pos, positive_size=n_pos, main_batch=b - b_pos,
+                         positive_batch=b_pos, main_samples_per_insert=r.samples_per_insert * (b - b_pos) / b)
+
+
+def build_tables(config: Config, item_spec: ItemSpec) -> list[reverb.Table]:
+    """The rollout table, then the positives table when positive-bias sampling is on."""
+    tables = [build_table(config, item_spec)]
+    split = positive_split(config)
+    if split.positive_size:
+        tables.append(reverb.Table(
+            name=POSITIVE_TABLE_NAME, sampler=reverb.selectors.Uniform(), remover=reverb.selectors.Fifo(),
+            max_size=split.positive_size, rate_limiter=reverb.rate_limiters.MinSize(1),
+            signature=table_signature(item_spec)))
+    return tables
 
 
 def table_signature(item_spec: ItemSpec) -> dict[str, tf.TensorSpec]:

@@ -9,7 +9,9 @@ import numpy as np
 import reverb
 
 from jaxreplay.replay.server import Source, connect
-from jaxreplay.replay.tables import TABLE_NAME, ItemSpec, ReplayTimeoutError, limiter_state
+from jaxreplay.config import Config
+from jaxreplay.replay.tables import (
+    POSITIVE_TABLE_NAME, TABLE_NAME, ItemSpec, ReplayTimeoutError, limiter_state, positive_split)
 
 # Reverb warns ("alarmingly high") past ~50 unconfirmed items; flush in slices below that.
 _FLUSH_EVERY = 32
@@ -18,9 +20,13 @@ _FLUSH_EVERY = 32
 class RolloutWriter:
     """Inserts batches of rollouts into `table`, never blocking past `timeout_s`."""
 
-    def __init__(self, source: Source, item_spec: ItemSpec, *, timeout_s: float, table: str = TABLE_NAME):
+    def __init__(self, source: Source, item_spec: ItemSpec, *, timeout_s: float, table: str = TABLE_NAME,
+                 positive_table: Optional[str] = None):
+        """positive_table: rows with reward > 0 also get an item there (positive-bias
+        sampling); both items reference the same stored row."""
         self._client = connect(source)
         self._table = table
+        self._positive_table = positive_table
         self._spec = {k: (tuple(shape), np.dtype(dtype)) for k, (shape, dtype) in item_spec.items()}
         self._timeout_s = timeout_s
         # One step per item: each item references only the step just appended.
@@ -43,8 +49,10 @@ class RolloutWriter:
         for start in range(0, n, _FLUSH_EVERY):
             for i in range(start, min(n, start + _FLUSH_EVERY)):
                 self._writer.append({k: a[i] for k, a in arrays.items()})
-                self._writer.create_item(self._table, float(priorities[i]),
-                                         {k: self._writer.history[k][-1] for k in arrays})
+                row = {k: self._writer.history[k][-1] for k in arrays}
+                self._writer.create_item(self._table, float(priorities[i]), row)
+                if self._positive_table is not None and arrays["reward"][i] > 0:
+                    self._writer.create_item(self._positive_table, 1.0, row)
             self._flush(deadline, n)
 
     def close(self) -> None:
@@ -85,3 +93,9 @@ class RolloutWriter:
                 raise ValueError(f"rollout field {k!r} has {a.shape[0]} rows, others have {n}")
             n = a.shape[0]
         return arrays, n or 0
+
+
+def writer_for(source: Source, config: Config, item_spec: ItemSpec) -> RolloutWriter:
+    """The writer `config` asks for: also filling the positives table when positive bias is on."""
+    positive = POSITIVE_TABLE_NAME if positive_split(config).positive_size else None
+    return RolloutWriter(source, item_spec, timeout_s=config.replay.timeout_s, positive_table=positive)
