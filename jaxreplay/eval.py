@@ -104,12 +104,14 @@ def load_policy(config: Config, *, checkpoint: Optional[str] = None, hf: Optiona
     from jaxreplay.models.tokenizer import load_tokenizer
 
     m = config.model
+    own_tokenizer = config.task.name == "arithmetic"  # the embedded task always uses its CharTokenizer
     if (checkpoint is None) == (hf is None):
         raise ValueError("give exactly one of --checkpoint DIR and --hf PATH")
     if hf is not None:
         cfg, graphdef, params = load_hf_model(hf, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
                                               max_seq_len=m.max_seq_len)
-        return cfg, graphdef, params, load_tokenizer(hf, vocab_size=cfg.vocab_size), {"hf": str(hf)}
+        tokenizer = None if own_tokenizer else load_tokenizer(hf, vocab_size=cfg.vocab_size)
+        return cfg, graphdef, params, tokenizer, {"hf": str(hf)}
 
     from jaxreplay.checkpoint import restore_policy_params
 
@@ -120,7 +122,7 @@ def load_policy(config: Config, *, checkpoint: Optional[str] = None, hf: Optiona
     if (directory / "checkpoints").is_dir():
         directory = directory / "checkpoints"
     params, step = restore_policy_params(directory, abstract, step)
-    tokenizer = None if m.hf_path is None else load_tokenizer(m.hf_path, vocab_size=cfg.vocab_size)
+    tokenizer = None if m.hf_path is None or own_tokenizer else load_tokenizer(m.hf_path, vocab_size=cfg.vocab_size)
     return cfg, graphdef, params, tokenizer, {"checkpoint": str(directory), "step": step}
 
 

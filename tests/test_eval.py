@@ -1,0 +1,91 @@
+"""`jaxreplay eval`: the unbiased pass@k estimator, and pass@1 / pass@k of a run's Orbax checkpoint
+equal to those of the same weights exported as a Hugging Face directory."""
+
+import json
+from math import comb
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxreplay.actor import item_spec
+from jaxreplay.checkpoint import Checkpointer
+from jaxreplay.cli import main
+from jaxreplay.config import load_config
+from jaxreplay.eval import pass_at_k
+from jaxreplay.learner import make_optimizer
+from jaxreplay.loop import _state, train
+from jaxreplay.models import init_params
+from jaxreplay.tasks import make_task
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A tiny model warm-started on one-digit sums: accuracy well above 0 and below 1.
+RUN = [
+    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+    "model.d_ff=64", "task.min_digits=1", "task.max_digits=1", "task.eval_size=40", "warmstart.steps=300",
+    "warmstart.learning_rate=3e-3", "train.batch_size=16", "train.prompts_per_step=4", "train.group_size=4",
+    "train.eval_every=2", "replay.max_size=64", "replay.min_size_to_sample=32", "checkpoint.every=2",
+    "train.steps=2", "run.progress_bar=false",
+]
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 10, 16])
+def test_pass_at_k_is_the_unbiased_estimator(n):
+    """1 - C(n-c, k) / C(n, k): the chance that k of the n samples, drawn without replacement, hold a correct one."""
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k), abs=1e-12)
+    assert pass_at_k(n, 0, 1) == 0.0 and pass_at_k(n, n, 1) == 1.0
+
+
+def test_pass_at_k_by_hand():
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(10, 2, 5) == pytest.approx(1 - 56 / 252)
+    with pytest.raises(ValueError, match="0 < k <= n"):
+        pass_at_k(4, 1, 8)
+
+
+@pytest.mark.slow
+def test_eval_of_a_checkpoint_equals_eval_of_its_hf_export(tmp_path, capsys):
+    from jaxreplay.models.hf import save_hf_model
+
+    run_dir = tmp_path / "run"
+    config = load_config(ROOT / "configs" / "demo.yaml", [*RUN, f"run.dir={run_dir}"])
+    train(config, log=lambda _: None)
+    config_file = run_dir / "config.yaml"
+
+    out = tmp_path / "from_checkpoint.json"
+    assert main(["eval", str(config_file), "--checkpoint", str(run_dir), "--k", "1,4", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    results = json.loads(out.read_text())
+    assert printed == {k: v for k, v in results.items() if k != "correct_per_problem"}
+    assert results["step"] == 2 and results["problems"] == 40
+    assert results["pass@1_settings"] == {"temperature": 0.1, "top_p": 0.95, "samples_per_problem": 1}
+    assert results["pass@k_settings"] == {"temperature": 1.0, "top_p": 1.0, "samples_per_problem": 4}
+    correct = np.array(results["correct_per_problem"])
+    assert results["pass@k"]["1"] == pytest.approx(correct.mean() / 4)
+    assert results["pass@k"]["4"] == pytest.approx((correct > 0).mean())
+    assert 0 < results["pass@1"] < 1 and results["pass@k"]["1"] <= results["pass@k"]["4"]
+
+    # The same weights, restored with the optimizer state and everything else, then exported.
+    task = make_task(config.task)
+    graphdef, params = init_params(config.model, config.run.seed)
+    like = _state(params, make_optimizer(config.train).init(params), None, item_spec(config, task.prompt_len),
+                  config.rollouts_per_step)
+    state, _ = Checkpointer(run_dir / "checkpoints", keep=2).restore(like)
+    hf_dir = save_hf_model(tmp_path / "hf", config.model, state["params"])
+    out_hf = tmp_path / "from_hf.json"
+    assert main(["eval", str(config_file), "--hf", str(hf_dir), "--k", "1,4", "--out", str(out_hf)]) == 0
+    from_hf = json.loads(out_hf.read_text())
+    for key in ("pass@1", "pass@k", "correct_per_problem"):
+        assert from_hf[key] == results[key]
+
+
+def test_eval_needs_exactly_one_source(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", str(ROOT / "configs" / "demo.yaml")])
+    assert "one of the arguments --checkpoint --hf is required" in capsys.readouterr().err
+    assert main(["eval", str(ROOT / "configs" / "demo.yaml"), "--checkpoint", str(tmp_path)]) == 1
+    assert "no complete checkpoint" in capsys.readouterr().err
