@@ -124,6 +124,8 @@ class ReplayConfig:
     min_size_to_sample: int = 128
     error_buffer: Optional[float] = None  # None: batch_size + samples_per_insert
     positive_fraction: float = 0.0  # d > 0: a second table keeps the freshest dN correct rollouts
+    calibrate_steps: int = 0  # > 0: samples_per_insert from the mu measured over this many calls (calibrate.py)
+    cost_rho: float = 0.1  # rho of the cost model used by calibration
     timeout_s: float = 60.0
     port: int = 0  # 0 picks a free port
 
@@ -379,6 +381,8 @@ def validate(c: Config) -> None:
     _require(0 <= r.port < 65536, "replay.port", "must be a TCP port or 0")
     _require(r.priority_exponent >= 0, "replay.priority_exponent", "must be >= 0")
     _require(0 <= r.positive_fraction < 1, "replay.positive_fraction", f"must be in [0, 1), got {r.positive_fraction}")
+    _require(r.calibrate_steps >= 0, "replay.calibrate_steps", f"must be >= 0 (0 = off), got {r.calibrate_steps}")
+    _require(r.cost_rho > 0, "replay.cost_rho", f"must be positive, got {r.cost_rho}")
     _require(c.run.dir != "", "run.dir", "must not be empty")
     _require(m.max_seq_len >= _prompt_len(c) + s.max_new_tokens, "model.max_seq_len",
              f"{m.max_seq_len} is too short for prompts of {_prompt_len(c)} tokens plus "

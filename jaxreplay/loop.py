@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from jaxreplay.accounting import Accounting, param_count
 from jaxreplay.actor import Actor, item_spec
+from jaxreplay.calibrate import calibrated, measure_mu
 from jaxreplay.checkpoint import Checkpointer, Progress
 from jaxreplay.config import Config, to_dict
 from jaxreplay.eval import evaluate
@@ -85,6 +86,8 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     opt_state = optimizer.init(params)
     train_step = make_train_step(graphdef, c, optimizer)
     actor = Actor(c, task, sample_fn)
+    c = calibrated(c, run_dir, lambda: measure_mu(c, actor, train_step, params, opt_state), log)
+    _save_config(run_dir, c)  # with the calibrated samples_per_insert, if any
 
     spec = item_spec(c, task.prompt_len)
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.checkpoint.keep)

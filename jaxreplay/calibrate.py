@@ -1,0 +1,79 @@
+"""Setting `replay.samples_per_insert` from the mu a run measures (`replay.calibrate_steps` > 0).
+
+Reverb fixes a table's rate limiter when the table is built, so "the ratio from the
+measured mu" means a calibration phase first: after the warm start, and before the
+table exists, time `calibrate_steps` generation calls (R rollouts each) and as many
+learner updates (B rollouts each) on the run's own model and shapes, the first
+(compiling) call of each left out, and on throwaway copies of the state, so training
+itself is untouched. Then mu = generation seconds per rollout / training seconds per
+rollout, and the cost model's best ratio for the configured window x = N/R,
+y = sqrt(mu / (rho + 1/x)) (`theory.replay_ratio`), becomes `samples_per_insert`.
+
+The result is saved as RUN_DIR/calibration.json and reused on resume: the restored
+Reverb table was built with it, and a fresh measurement would differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxreplay.config import Config, validate
+from jaxreplay.learner import to_device_batch
+from jaxreplay.theory import replay_ratio
+
+CALIBRATION_FILE = "calibration.json"
+
+
+def measure_mu(config: Config, actor, train_step, params, opt_state) -> dict[str, float]:
+    """Seconds per rollout generating and training, over `calibrate_steps` calls each after a compiling one."""
+    k, b = config.replay.calibrate_steps, config.train.batch_size
+    gen_s, items = 0.0, None
+    for i in range(k + 1):
+        start = time.perf_counter()
+        items, _ = actor.act(params, 0, i)
+        jax.block_until_ready(items["tokens"])
+        if i:
+            gen_s += time.perf_counter() - start
+    rows = np.resize(np.arange(len(items["reward"])), b)  # B rows from the last actor batch
+    batch = to_device_batch({key: value[rows] for key, value in items.items()})
+    p, o = jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt_state)  # the step donates its inputs
+    train_s = 0.0
+    for i in range(k + 1):
+        start = time.perf_counter()
+        p, o, metrics = train_step(p, o, batch, None)
+        jax.block_until_ready(metrics["loss"])
+        if i:
+            train_s += time.perf_counter() - start
+    gen_per, train_per = gen_s / (k * config.rollouts_per_step), train_s / (k * b)
+    return {"generate_s_per_rollout": gen_per, "train_s_per_rollout": train_per, "mu": gen_per / train_per}
+
+
+def calibrated(config: Config, run_dir: Path, measure: Callable[[], dict[str, float]],
+               log: Callable[[str], None] = print) -> Config:
+    """`config` with `samples_per_insert` set from mu (measured now, or read back on resume)."""
+    r = config.replay
+    if r.mode != "replay" or r.calibrate_steps == 0:
+        return config
+    path = Path(run_dir) / CALIBRATION_FILE
+    if path.exists():
+        record: dict[str, Any] = json.loads(path.read_text())
+    else:
+        record = measure()
+        x = r.max_size / config.rollouts_per_step
+        record.update(rho=r.cost_rho, horizon=x, samples_per_insert=round(replay_ratio(record["mu"], r.cost_rho, x), 3))
+        path.write_text(json.dumps(record, indent=2) + "\n")
+    spi = record["samples_per_insert"]
+    log(f"calibration: mu {record['mu']:.3g} (generate {record['generate_s_per_rollout'] * 1e3:.3g} ms, "
+        f"train {record['train_s_per_rollout'] * 1e3:.3g} ms per rollout) -> samples_per_insert {spi:g} "
+        f"for a window of {record['horizon']:.3g} actor steps")
+    resolved = dataclasses.replace(config, replay=dataclasses.replace(r, samples_per_insert=spi))
+    validate(resolved)  # a ratio outside the limiter's window is refused here, before any table exists
+    return resolved
