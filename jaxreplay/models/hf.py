@@ -208,7 +208,7 @@ def _sharding_map(shardings: Any) -> dict[tuple, jax.sharding.Sharding]:
     hold shardings, as `sharding.param_shardings` returns, or a nested mapping)."""
     state = shardings if isinstance(shardings, nnx.State) else nnx.State(shardings)
     flat = {}
-    for p, leaf in state.flat_state():
+    for p, leaf in nnx.to_flat_state(state):
         flat[tuple(p)] = leaf.value if isinstance(leaf, nnx.VariableState) else leaf
     return flat
 
@@ -224,7 +224,7 @@ def load_hf_model(path: str | Path, *, param_dtype: DType = "float32", compute_d
     path = Path(path)
     cfg = read_model_config(path, param_dtype=param_dtype, compute_dtype=compute_dtype, max_seq_len=max_seq_len)
     graphdef, abstract = split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))
-    targets = {tuple(p): var for p, var in abstract.flat_state()}
+    targets = {tuple(p): var for p, var in nnx.to_flat_state(abstract)}
     placement = _sharding_map(shardings) if shardings is not None else {}
     for p in targets:
         if shardings is not None and p not in placement:
@@ -258,7 +258,7 @@ def load_hf_model(path: str | Path, *, param_dtype: DType = "float32", compute_d
                 name, transposed = names[p]
                 array = _place(f.get_slice(name), transposed, tuple(targets[p].value.shape), dtype, placement.get(p))
                 loaded[p] = targets[p].replace(array)
-    return cfg, graphdef, nnx.State.from_flat_path(loaded)
+    return cfg, graphdef, nnx.from_flat_state(loaded)
 
 
 def _place(view: Any, transposed: bool, shape: tuple[int, ...], dtype: np.dtype,
@@ -296,7 +296,7 @@ def save_hf_model(path: str | Path, cfg: ModelConfig, params: nnx.State, *, toke
     if (family.attention_bias, family.qk_norm) != (cfg.attention_bias, cfg.qk_norm):
         raise HFModelError(f"cannot save as {model_type}: it has attention_bias={family.attention_bias}, "
                            f"qk_norm={family.qk_norm}; the model has {cfg.attention_bias}, {cfg.qk_norm}")
-    flat = {tuple(p): var.value for p, var in params.flat_state()}
+    flat = {tuple(p): var.value for p, var in nnx.to_flat_state(params)}
     out_dtype = np.dtype(dtype_of(dtype)) if dtype is not None else None
     path.mkdir(parents=True, exist_ok=True)
 
