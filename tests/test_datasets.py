@@ -230,3 +230,50 @@ def test_a_reward_function_that_raises_is_counted_not_fatal(monkeypatch, caplog)
 def test_bad_dataset_settings_are_config_errors_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key):
         load_config(None, [*DATASET, *overrides])
+
+
+def test_a_hugging_face_tokenizer_and_its_chat_template(tmp_path):
+    """Prompts go through the model's chat template; completions are decoded up to its EOS."""
+    from tiny_hf import write_model
+
+    from jaxreplay.models.tokenizer import load_tokenizer
+
+    write_model(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    records = {"train": [("1+1?", "2")], "test": [("2+3?", "5")]}
+    task = DatasetTask(config("task.name=jsonl", "task.path=x/{split}.jsonl", "task.chat_template=true",
+                              f"model.hf_path={tmp_path}",
+                              r"task.prompt_template={prompt} Box it.").task, tok, records=records)
+    tokens, mask = task.encode_prompts(task.eval_problems)
+    chat = tok.chat_prompt("2+3? Box it.")
+    assert chat == "<|im_start|>user\n2+3? Box it.<|im_end|>\n<|im_start|>assistant\n"
+    assert tokens[0][mask[0]].tolist() == tok.encode(chat)
+    assert (tokens[0][~mask[0]] == tok.pad_id).all()
+    answer = tok.encode(r"so \boxed{5}") + [tok.eos_id] + tok.encode(r" \boxed{6}")
+    assert task.reward(task.eval_problems[0], answer) == 1.0  # what follows EOS is not read
+
+
+@pytest.mark.slow
+def test_training_on_a_jsonl_dataset_end_to_end(tmp_path):
+    """A byte-level model trained from scratch on a JSONL dataset through the real loop and Reverb table."""
+    from jaxreplay.loop import train
+    from jaxreplay.metrics import read_metrics
+
+    rows = {"train": [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)],
+            "test": [(f"{a}+{b}=", str(a + b)) for a, b in [(1, 2), (3, 4), (5, 5), (9, 0)]]}
+    for split, records in rows.items():
+        (tmp_path / f"{split}.jsonl").write_text(
+            "".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in records))
+    cfg = load_config(None, [
+        "task.name=jsonl", f"task.path={tmp_path}/{{split}}.jsonl", "task.reward=exact_match",
+        "task.max_prompt_len=8", "warmstart.steps=0", "model.vocab_size=259", "model.d_model=32",
+        "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.d_ff=64",
+        "model.max_seq_len=12", "sampling.max_new_tokens=3", "train.batch_size=16", "train.prompts_per_step=4",
+        "train.group_size=4", "train.steps=3", "train.eval_every=3", "replay.max_size=64",
+        "replay.min_size_to_sample=16", "checkpoint.every=3", "run.progress_bar=false", f"run.dir={tmp_path / 'run'}",
+    ])
+    summary = train(cfg, log=lambda _: None)
+    records = read_metrics(cfg.run.dir)
+    assert summary["steps"] == 3 and [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(r["reward/errors"] == 0 for r in records[1:])
+    assert records[-1]["tokens/generated"] > 0 and "eval/accuracy" in records[-1]
