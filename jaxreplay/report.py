@@ -211,8 +211,8 @@ def _per_step(ax, setting: Setting, key: str, color) -> None:
         ax.fill_between(common, ys.min(axis=0), ys.max(axis=0), color=color, alpha=0.2, linewidth=0)
 
 
-def plots(settings: Sequence[Setting], out: Path) -> list[Path]:
-    """Writes the PNGs; returns their paths."""
+def plots(settings: Sequence[Setting], out: Path, target: Optional[float] = None) -> list[Path]:
+    """Writes the PNGs (accuracy plots with a dashed line at `target`, the baseline's peak); returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -232,6 +232,8 @@ def plots(settings: Sequence[Setting], out: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for i, s in enumerate(settings):
             _band(ax, s, key, colors[i % len(colors)])
+        if target is not None:
+            ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"baseline peak {target:.3f}")
         ax.set_xlabel(label)
         ax.set_ylabel("eval accuracy (mean, min-max band over seeds)")
         ax.set_title(f"eval accuracy vs {label.split(' (')[0]}")
@@ -278,7 +280,7 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
     settings = group_settings(load_runs(run_dirs))
     base = pick_baseline(settings, baseline)
     text = table(settings, base)
-    pngs = plots(settings, out)
+    pngs = plots(settings, out, target=baseline_cost(base, "tokens/generated")[0])
     doc = ["# Replay comparison", "", f"Baseline: `{base.name}`. Runs: " +
            ", ".join(f"`{r.dir}`" for s in settings for r in s.runs), "", text, "",
            *[f"![{p.stem}]({p.name})" for p in pngs], ""]
