@@ -89,3 +89,22 @@ def test_eval_needs_exactly_one_source(tmp_path, capsys):
     assert "one of the arguments --checkpoint --hf is required" in capsys.readouterr().err
     assert main(["eval", str(ROOT / "configs" / "demo.yaml"), "--checkpoint", str(tmp_path)]) == 1
     assert "no complete checkpoint" in capsys.readouterr().err
+
+
+def test_eval_of_an_hf_directory_on_a_jsonl_split_with_its_chat_template(tmp_path):
+    from tiny_hf import write_model
+
+    model = write_model(tmp_path / "hf")
+    for split, n in [("train", 4), ("dev", 3)]:
+        (tmp_path / f"{split}.jsonl").write_text(
+            "".join(json.dumps({"q": f"{i}+{i}=", "a": str(2 * i)}) + "\n" for i in range(n)))
+    out = tmp_path / "results.json"
+    overrides = [f"model.hf_path={model}", "task.name=jsonl", f"task.path={tmp_path}/{{split}}.jsonl",
+                 "task.prompt_field=q", "task.answer_field=a", "task.chat_template=true", "task.max_prompt_len=48",
+                 "warmstart.steps=0", "sampling.max_new_tokens=8", "model.max_seq_len=64"]
+    assert main(["eval", str(ROOT / "configs" / "demo.yaml"), *overrides, "--hf", str(model), "--split", "dev",
+                 "--k", "1,2", "--batch", "8", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert (results["task"], results["split"], results["hf"], results["problems"]) == ("jsonl", "dev", str(model), 3)
+    assert len(results["correct_per_problem"]) == 3 and results["reward/errors"] == 0
+    assert set(results["pass@k"]) == {"1", "2"} and 0 <= results["pass@1"] <= 1

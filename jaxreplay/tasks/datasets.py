@@ -143,6 +143,9 @@ def _read_parquet(path: Path, fields: tuple[str, str]) -> list[tuple[str, str]]:
 
 def _read_tfds(name: str, data_dir: Optional[str], split: str, fields: tuple[str, str]) -> list[tuple[str, str]]:
     """Reads a prepared split; never downloads (a missing dataset is an error, not a fetch)."""
+    from jaxreplay.replay import set_tf_cpu_only  # TFDS runs TensorFlow: keep it off the GPUs JAX uses
+
+    set_tf_cpu_only()
     import tensorflow_datasets as tfds
 
     where = data_dir or "TFDS's default data_dir"
