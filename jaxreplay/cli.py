@@ -93,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
             return 0
         with _native_logs_to(Path(config.run.dir) / "native.log"):
-            from jaxreplay.loop import train
+            if config.mesh.actor_devices > 0:
+                from jaxreplay.disaggregated import train_disaggregated as train
+            else:
+                from jaxreplay.loop import train
 
             train(config)
         return 0

@@ -21,12 +21,13 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
+from jaxreplay import sharding
 from jaxreplay.accounting import Accounting, param_count
 from jaxreplay.actor import Actor, item_spec
 from jaxreplay.calibrate import calibrated, measure_mu
 from jaxreplay.checkpoint import Checkpointer, Progress
 from jaxreplay.config import Config, to_dict
-from jaxreplay.eval import evaluate
+from jaxreplay.eval import EVAL_BATCH, evaluate
 from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
 from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import init_params
@@ -67,24 +68,27 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     task = make_task(c.task, load_tokenizer(c.model.hf_path) if c.model.hf_path else None)
     tok = task.tokenizer
     graphdef, params = init_params(c.model, c.run.seed)
+    mesh = sharding.mesh_for(c)  # colocated: one mesh samples and trains
+    sharding.check_batch_sizes(mesh, {"eval batch (eval.EVAL_BATCH)": EVAL_BATCH})
     sample_fn = make_sampler(
         graphdef, c.model, max_new_tokens=c.sampling.max_new_tokens, temperature=c.sampling.temperature,
-        top_p=c.sampling.top_p, top_k=c.sampling.top_k, eos_id=tok.eos_id, pad_id=tok.pad_id,
+        top_p=c.sampling.top_p, top_k=c.sampling.top_k, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=mesh,
     )
     greedy_fn = make_sampler(
         graphdef, c.model, max_new_tokens=c.sampling.max_new_tokens, greedy=True, eos_id=tok.eos_id,
-        pad_id=tok.pad_id,
+        pad_id=tok.pad_id, mesh=mesh,
     )
 
     start = time.perf_counter()
     params, cached = warm_start(graphdef, params, task, c, run_dir / "warmstart")
     log(f"warm start {'loaded from cache' if cached else f'trained for {c.warmstart.steps} steps'} "
         f"({time.perf_counter() - start:.1f}s)")
+    params = sharding.shard_params(params, mesh)
     ref_params = jax.tree.map(jnp.copy, params) if c.train.kl_coef > 0 else None
 
     optimizer = make_optimizer(c.train)
-    opt_state = optimizer.init(params)
-    train_step = make_train_step(graphdef, c, optimizer)
+    opt_state = sharding.shard_params(optimizer.init(params), mesh)
+    train_step = make_train_step(graphdef, c, optimizer, mesh)
     actor = Actor(c, task, sample_fn)
     c = calibrated(c, run_dir, lambda: measure_mu(c, actor, train_step, params, opt_state), log)
     _save_config(run_dir, c)  # with the calibrated samples_per_insert, if any
@@ -95,7 +99,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     pending: Optional[dict[str, np.ndarray]] = None  # generated rollouts the limiter has not admitted yet
     if checkpointer.latest_step() is not None:
         state, progress = checkpointer.restore(_state(params, opt_state, None, spec, c.rollouts_per_step))
-        params, opt_state = state["params"], state["opt_state"]
+        params, opt_state = (sharding.shard_params(state[k], mesh) for k in ("params", "opt_state"))
         pending = _unpad(state["pending"], int(state["pending_count"]))
         log(f"resumed from step {progress.learner_step} (policy version {progress.policy_version})")
 

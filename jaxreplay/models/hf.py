@@ -243,10 +243,9 @@ def load_hf_model(path: str | Path, *, param_dtype: DType = "float32", compute_d
     from safetensors import safe_open
 
     dtype = np.dtype(dtype_of(param_dtype))
-    loaded = {}
-    for file, paths in sorted(by_file.items()):
+    for file, paths in sorted(by_file.items()):  # every header first: a bad directory fails before any read
         with safe_open(str(file), framework="numpy") as f:
-            for p in paths:  # every shape first: a bad file fails before any of it is read
+            for p in paths:
                 name, transposed = names[p]
                 shape = tuple(targets[p].value.shape)
                 want = shape[::-1] if transposed else shape
@@ -254,10 +253,14 @@ def load_hf_model(path: str | Path, *, param_dtype: DType = "float32", compute_d
                 if got != want:
                     raise HFModelError(f"{file.name}: tensor {name} has shape {list(got)}, the config implies "
                                        f"{list(want)}")
-            for p in paths:
+    loaded = {}
+    for file, paths in sorted(by_file.items()):
+        for p in paths:
+            # The file is mapped per tensor: pages read stay resident only while it is open.
+            with safe_open(str(file), framework="numpy") as f:
                 name, transposed = names[p]
                 array = _place(f.get_slice(name), transposed, tuple(targets[p].value.shape), dtype, placement.get(p))
-                loaded[p] = targets[p].replace(array)
+            loaded[p] = targets[p].replace(array)
     return cfg, graphdef, nnx.from_flat_state(loaded)
 
 

@@ -1,0 +1,56 @@
+"""Disaggregated training end to end: actor mesh and learner mesh on disjoint host devices.
+
+Needs 4 devices, fixed before JAX initialises: tests/test_disaggregated.py runs this
+file in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4.
+"""
+
+import json
+import time
+
+import jax
+import pytest
+
+from jaxreplay import sharding
+from jaxreplay.config import load_config
+from jaxreplay.disaggregated import RoleError, train_disaggregated
+
+pytestmark = pytest.mark.skipif(jax.device_count() != 4, reason="needs 4 devices: run through test_disaggregated.py")
+
+SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+         "model.d_ff=64", "warmstart.steps=0", "run.progress_bar=false", "mesh.actor_devices=2", "mesh.data=-1",
+         "train.batch_size=16", "train.prompts_per_step=2", "replay.max_size=128", "replay.min_size_to_sample=32"]
+STEPS, K, SPI = 100, 3, 2.0
+
+
+def test_meshes_are_disjoint_and_cover_the_devices():
+    config = load_config(None, SMALL)
+    actor, learner = sharding.make_role_meshes(config.mesh)
+    a, b = set(actor.devices.flat), set(learner.devices.flat)
+    assert not a & b and a | b == set(jax.devices()) and len(a) == 2
+
+
+def test_limiter_holds_the_ratio_and_rollouts_carry_the_pushed_versions(tmp_path):
+    config = load_config(None, SMALL + [f"train.steps={STEPS}", f"train.weight_sync_every={K}",
+                                        f"replay.samples_per_insert={SPI}", f"run.dir={tmp_path}"])
+    summary = train_disaggregated(config, log=lambda _: None)
+    assert summary["steps"] == STEPS
+    assert summary["replay/samples"] == STEPS * config.train.batch_size
+    assert summary["replay/ratio"] == pytest.approx(SPI, rel=0.10)
+    assert summary["weights/pushes"] == -(-STEPS // K)  # every K steps and after the last
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:  # the actor only ever holds weights the learner pushed: versions 0, K, 2K, ...
+        assert r["batch/version_min"] % K == 0 and r["batch/version_max"] % K == 0
+        assert r["batch/version_max"] <= r["step"] - 1
+    assert max(r["batch/version_max"] for r in rows) > 0  # pushed weights did reach the actor
+    assert json.loads((tmp_path / "summary.json").read_text())["replay/ratio"] == summary["replay/ratio"]
+
+
+def test_a_stalled_learner_wait_stops_both_threads_and_reports_the_timeout(tmp_path):
+    """The learner needs 512 rollouts before its first sample but may wait only 0.3 s."""
+    config = load_config(None, SMALL + ["replay.max_size=512", "replay.min_size_to_sample=512",
+                                        "replay.timeout_s=0.3", "train.steps=5", f"run.dir={tmp_path}"])
+    start = time.monotonic()
+    with pytest.raises(RoleError, match=r"learner thread failed: ReplayTimeoutError: waited 0.3s for a batch of 16"):
+        train_disaggregated(config, log=lambda _: None)
+    assert time.monotonic() - start < 60
