@@ -74,7 +74,8 @@ def validate_task_config(c: Config) -> None:
             f"{t.eval_split!r} is also task.train_split: the eval set must be held out")
     if t.name in ("jsonl", "parquet"):
         require(t.path is not None and "{split}" in t.path, "task.path",
-                f"needs a file pattern with {{split}} for the {t.name} task, e.g. data/{{split}}.{t.name}, got {t.path!r}")
+                f"needs a file pattern with {{split}} for the {t.name} task, e.g. data/{{split}}.{t.name}, "
+                f"got {t.path!r}")
     require(c.warmstart.steps == 0, "warmstart.steps",
             f"the {t.name} task has no supervised demonstrations: set warmstart.steps=0")
     if c.model.hf_path is None:  # trained from scratch on bytes; an HF tokenizer is checked against its model on load
