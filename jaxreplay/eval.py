@@ -55,7 +55,7 @@ def count_correct(params, task: Task, sample_fn, n: int, key: jax.Array,
     """(correct samples per eval problem [P], reward errors): n samples each, a problem's n
     samples always in one sampling call."""
     if not 0 < n <= batch:
-        raise ValueError(f"{n} samples per problem do not fit a sampling batch of {batch} rows")
+        raise ValueError(f"{n} samples per problem do not fit a sampling batch of {batch} rows (raise --batch)")
     problems = list(task.eval_problems)
     per_call = batch // n
     correct = np.zeros(len(problems), np.int64)

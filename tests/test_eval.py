@@ -89,6 +89,16 @@ def test_eval_needs_exactly_one_source(tmp_path, capsys):
     assert "one of the arguments --checkpoint --hf is required" in capsys.readouterr().err
     assert main(["eval", str(ROOT / "configs" / "demo.yaml"), "--checkpoint", str(tmp_path)]) == 1
     assert "no complete checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["eval", str(ROOT / "configs" / "demo.yaml"), "--hf", str(tmp_path), "--k", "1,0"])
+    assert "every k must be >= 1" in capsys.readouterr().err
+
+
+def test_more_samples_per_problem_than_a_sampling_batch_is_a_clear_error():
+    from jaxreplay.eval import count_correct
+
+    with pytest.raises(ValueError, match=r"16 samples per problem do not fit a sampling batch of 8 rows \(raise --batch\)"):
+        count_correct(None, None, None, 16, None, batch=8)
 
 
 def test_eval_of_an_hf_directory_on_a_jsonl_split_with_its_chat_template(tmp_path):
