@@ -393,6 +393,12 @@ def validate(c: Config) -> None:
 
 
 def _validate_task(c: Config) -> None:
+    if c.task.name != "arithmetic":
+        from jaxreplay.tasks.datasets import validate_task_config  # the task owns its keys
+
+        validate_task_config(c)
+        return
+    _require(c.task.reward is None, "task.reward", "must be null for the arithmetic task (it has its own exact match)")
     from jaxreplay.tasks.arithmetic import CharTokenizer  # the task owns its vocabulary
 
     vocab = CharTokenizer().vocab_size
@@ -401,6 +407,8 @@ def _validate_task(c: Config) -> None:
 
 
 def _prompt_len(c: Config) -> int:
+    if c.task.name != "arithmetic":
+        return c.task.max_prompt_len
     from jaxreplay.tasks.arithmetic import prompt_length  # the task owns its prompt format
 
     return prompt_length(c.task)
@@ -414,12 +422,6 @@ def _validate_replay(c: Config) -> None:
     and a sample of B while D - B >= min_diff. Some move is always possible iff the
     window max_diff - min_diff = 2 * error_buffer is at least B + spi.
     """
-    if c.task.name != "arithmetic":
-        from jaxreplay.tasks.datasets import validate_task_config  # the task owns its keys
-
-        validate_task_config(c)
-        return
-    _require(c.task.reward is None, "task.reward", "must be null for the arithmetic task (it has its own exact match)")
     r, t = c.replay, c.train
     b = t.batch_size
     if r.mode == "on_policy":
@@ -428,8 +430,6 @@ def _validate_replay(c: Config) -> None:
     _require(spi > 0, "replay.samples_per_insert", f"must be positive, got {spi}")
     _require(r.min_size_to_sample <= r.max_size, "replay.min_size_to_sample",
              f"{r.min_size_to_sample} exceeds replay.max_size={r.max_size}: the table can never fill enough to sample")
-    if c.task.name != "arithmetic":
-        return c.task.max_prompt_len
     _require(b <= r.max_size, "train.batch_size",
              f"{b} is larger than replay.max_size={r.max_size}, which the table can never hold")
     main = r.max_size - round(r.positive_fraction * r.max_size)  # see replay.tables.positive_split
