@@ -36,10 +36,13 @@ def item_spec(config: Config, prompt_len: int) -> dict[str, tuple[tuple[int, ...
 
 
 class Actor:
-    def __init__(self, config: Config, task: Task, sample_fn: SampleFn):
+    def __init__(self, config: Config, task: Task, sample_fn: SampleFn, *, shard: tuple[int, int] = (0, 1)):
+        """shard (i, n): act on the i-th of n equal slices of every prompt batch. Multi-host
+        SPMD gives each process its own slice; `sample_fn` then sees only that slice."""
         self.config = config
         self.task = task
         self.sample_fn = sample_fn
+        self.shard = shard
         self._base_key = jax.random.PRNGKey(config.run.seed)
 
     def act(self, params, policy_version: int, actor_step: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
@@ -48,6 +51,9 @@ class Actor:
         group = c.train.group_size
         start = time.perf_counter()
         problems = self.task.train_problems(c.run.seed, actor_step, c.train.prompts_per_step)
+        index, count = self.shard
+        per_shard = len(problems) // count
+        problems = problems[index * per_shard:(index + 1) * per_shard]
         prompts, prompt_mask = self.task.encode_prompts(problems)
         prompts, prompt_mask = np.repeat(prompts, group, axis=0), np.repeat(prompt_mask, group, axis=0)
         key = jax.random.fold_in(self._base_key, actor_step)

@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
             return 0
         with _native_logs_to(Path(config.run.dir) / "native.log"):
-            if config.mesh.actor_devices > 0:
+            if config.distributed.enabled:
+                from jaxreplay.multihost import train
+            elif config.mesh.actor_devices > 0:
                 from jaxreplay.disaggregated import train_disaggregated as train
             else:
                 from jaxreplay.loop import train

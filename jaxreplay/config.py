@@ -181,6 +181,23 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-host SPMD (`jaxreplay.multihost`): every process runs the same program.
+
+    enabled false: one process. Otherwise `jax.distributed.initialize` gets the values
+    set here; unset ones ("", 0, -1) are left to JAX's JAX_COORDINATOR_ADDRESS variable
+    and cluster auto-detection (TPU pod metadata, SLURM, Open MPI).
+    """
+
+    enabled: bool = False
+    coordinator_address: str = ""  # "host:port" of process 0
+    num_processes: int = 0  # 0: detected
+    process_id: int = -1  # -1: detected
+    replay_address: str = ""  # "host:port" of process 0's Reverb server; "": the coordinator's host
+    timeout_s: float = 300.0  # start-up, barriers and every wait on another process
+
+
+@dataclass(frozen=True)
 class RunConfig:
     dir: str = "runs/demo"
     seed: int = 0
@@ -197,6 +214,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     @property
@@ -390,6 +408,7 @@ def validate(c: Config) -> None:
     _validate_task(c)
     _validate_replay(c)
     _validate_mesh(c)
+    _validate_distributed(c)
 
 
 def _validate_task(c: Config) -> None:
@@ -462,3 +481,17 @@ def _validate_mesh(c: Config) -> None:
                  f"{m.actor_tensor} does not divide mesh.actor_devices={m.actor_devices}")
     _require(c.train.weight_sync_every > 0, "train.weight_sync_every",
              f"must be positive, got {c.train.weight_sync_every}")
+
+
+def _validate_distributed(c: Config) -> None:
+    d = c.distributed
+    _require(d.num_processes >= 0, "distributed.num_processes", f"must be >= 0 (0 = detected), got {d.num_processes}")
+    _require(d.process_id >= -1, "distributed.process_id", f"must be >= 0, or -1 (detected), got {d.process_id}")
+    _require(d.num_processes == 0 or d.process_id < d.num_processes, "distributed.process_id",
+             f"{d.process_id} is not below distributed.num_processes={d.num_processes}")
+    _require(d.timeout_s > 0, "distributed.timeout_s", f"must be positive, got {d.timeout_s}")
+    for key, address in [("distributed.coordinator_address", d.coordinator_address),
+                         ("distributed.replay_address", d.replay_address)]:
+        host, sep, port = address.rpartition(":")
+        _require(not address or (sep and host and port.isdigit() and 0 < int(port) < 65536), key,
+                 f"{address!r} is not of the form host:port")

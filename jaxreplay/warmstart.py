@@ -37,6 +37,13 @@ def warm_start(graphdef, params, task: ArithmeticTask, config: Config, cache_dir
     cache = Path(cache_dir)
     if (cache / "params").exists():
         return restore_params(cache / "params", params), True
+    params = supervised_warm_start(graphdef, params, task, config)
+    save_params(cache / "params", params)
+    return params, False
+
+
+def supervised_warm_start(graphdef, params, task: ArithmeticTask, config: Config):
+    """The warm start itself, uncached: deterministic given params and config."""
     w = config.warmstart
     optimizer = optax.adam(w.learning_rate)
     opt_state = optimizer.init(params)
@@ -48,5 +55,4 @@ def warm_start(graphdef, params, task: ArithmeticTask, config: Config, cache_dir
             seed, i, w.batch_size, config.sampling.max_new_tokens, carry_error=w.teacher_carry_error
         )
         params, opt_state, _ = step(params, opt_state, tokens, attention_mask, loss_mask)
-    save_params(cache / "params", params)
-    return params, False
+    return params

@@ -1,0 +1,80 @@
+"""Process coordination for multi-host SPMD: start-up, barriers and small messages.
+
+`jax.distributed.initialize` starts a coordination service on process 0. Besides
+wiring up the devices, it offers barriers and a key-value store, both with timeouts.
+Everything here that waits goes through that service rather than through device
+collectives, so a peer that died or hangs becomes a `TimeoutError` naming what was
+awaited, never a silent hang.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax._src import distributed as _jax_distributed  # the coordination client (barriers, key-value store)
+
+from jaxreplay.config import DistributedConfig
+
+
+def initialize(config: DistributedConfig) -> None:
+    """Joins the job; unset values ("", 0, -1) are left to JAX: the JAX_COORDINATOR_ADDRESS
+    variable and cluster auto-detection (TPU pod metadata, SLURM, Open MPI).
+
+    Must run before anything touches a JAX device. On CPU, cross-process collectives
+    need gloo (the default CPU client has none); the setting is inert on TPU and GPU.
+    """
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=config.coordinator_address or None,
+        num_processes=config.num_processes or None,
+        process_id=None if config.process_id < 0 else config.process_id,
+        initialization_timeout=max(1, int(config.timeout_s)),
+    )
+
+
+class Coordinator:
+    """Barriers and string messages between the processes of an initialized job."""
+
+    def __init__(self, timeout_s: float):
+        client = _jax_distributed.global_state.client
+        if client is None:
+            raise RuntimeError("jax.distributed is not initialized: call distributed.initialize first")
+        self._client = client
+        self._timeout_ms = max(1, int(timeout_s * 1000))
+        self.process_id = jax.process_index()
+        self.num_processes = jax.process_count()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.process_id == 0
+
+    @property
+    def coordinator_host(self) -> str:
+        """The host of process 0 as every process reaches it (the coordinator's address)."""
+        return _jax_distributed.global_state.coordinator_address.rsplit(":", 1)[0]
+
+    def barrier(self, name: str) -> None:
+        """Returns once every process reached barrier `name` (use each name once)."""
+        try:
+            self._client.wait_at_barrier(f"jaxreplay/{name}", self._timeout_ms)
+        except Exception as e:  # the client raises XlaRuntimeError(DEADLINE_EXCEEDED ...)
+            raise TimeoutError(f"process {self.process_id}: barrier {name!r} not reached by all "
+                               f"{self.num_processes} processes within {self._timeout_ms / 1000:g}s ({e})") from None
+
+    def publish(self, key: str, value: str) -> None:
+        """Makes `value` readable by every process as `key` (each key is set once)."""
+        self._client.key_value_set(f"jaxreplay/{key}", value)
+
+    def lookup(self, key: str) -> str:
+        """The value some process published as `key`, waiting for it up to the timeout."""
+        try:
+            return self._client.blocking_key_value_get(f"jaxreplay/{key}", self._timeout_ms)
+        except Exception as e:
+            raise TimeoutError(f"process {self.process_id}: no value for {key!r} published within "
+                               f"{self._timeout_ms / 1000:g}s ({e})") from None
+
+    def broadcast(self, key: str, value: str | None) -> str:
+        """Process 0's `value` on every process (others pass None)."""
+        if self.is_leader:
+            self.publish(key, value)
+            return value
+        return self.lookup(key)

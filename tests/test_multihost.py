@@ -1,0 +1,124 @@
+"""Multi-host SPMD: two processes on localhost stand in for a TPU pod (2 CPU devices each).
+
+Process 0 serves the one Reverb table, every process inserts its own rollouts and
+samples its share of each global batch, and all take the same learner steps.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxreplay.config import ConfigError, load_config
+from jaxreplay.multihost import _choose, _insertable
+from jaxreplay.replay import LimiterState
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A tiny policy that a 300-step warm start brings to a few correct one-digit sums, so
+# groups of 8 samples have rewards that differ and the learner's gradients are not zero.
+TINY = [
+    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+    "model.d_ff=64", "task.min_digits=1", "task.max_digits=1", "task.eval_size=16",
+    "warmstart.steps=300", "warmstart.learning_rate=0.01", "warmstart.batch_size=32",
+    "train.steps=4", "train.batch_size=16", "train.prompts_per_step=4", "train.group_size=8",
+    "train.warmup_steps=0", "train.eval_every=100",
+    "replay.max_size=64", "replay.min_size_to_sample=8", "replay.samples_per_insert=1",
+    "mesh.data=-1", "run.progress_bar=false",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(run_dir: Path, num_processes: int, timeout_s: float) -> list[subprocess.CompletedProcess]:
+    """Runs `jaxreplay train` once per process, as a pod's workers would; kills all past the timeout."""
+    common = [*TINY, f"run.dir={run_dir}", "distributed.enabled=true", f"distributed.num_processes={num_processes}",
+              f"distributed.coordinator_address=127.0.0.1:{_free_port()}", "distributed.timeout_s=60"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "jaxreplay.cli", "--debug", "train", "configs/demo.yaml", *common,
+                          f"distributed.process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+        for i in range(num_processes)
+    ]
+    deadline = time.monotonic() + timeout_s
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_same_params_from_one_shared_table(tmp_path):
+    results = _launch(tmp_path, num_processes=2, timeout_s=400)
+    for i, r in enumerate(results):
+        assert r.returncode == 0, f"process {i} failed:\n{r.stdout[-3000:]}"
+
+    processes = [json.loads((tmp_path / f"process-{i}.json").read_text()) for i in range(2)]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    # Every process took every learner step, and the params moved, identically on both.
+    assert [p["steps"] for p in processes] == [4, 4]
+    assert processes[0]["params_sha256"] == processes[1]["params_sha256"]
+    assert processes[0]["params_sha256"] != processes[0]["params_sha256_start"]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any(m["grad_norm"] > 0 for m in metrics)
+    # The one table, on process 0, holds the rollouts of both: each inserted its own, as
+    # many as the other, and sampled half of every batch of 16.
+    inserted = [p["rows_inserted"] for p in processes]
+    assert inserted[0] > 0 and inserted[0] == inserted[1]
+    assert summary["replay/inserts"] == sum(inserted)
+    assert [p["rows_sampled"] for p in processes] == [4 * 8, 4 * 8]
+    assert summary["replay/samples"] == 4 * 16
+
+
+def _state(inserts: int, samples: int, size: int, spi: float = 1.0, min_size: int = 8,
+           window: tuple[float, float] = (-20.0, 20.0)) -> LimiterState:
+    return LimiterState(table="rollouts", size=size, max_size=64, max_times_sampled=0, inserts=inserts,
+                        samples=samples, deletes=inserts - size, samples_per_insert=spi, min_size_to_sample=min_size,
+                        min_diff=window[0], max_diff=window[1])
+
+
+def test_inserts_are_admitted_for_all_processes_together():
+    # diff = 30 - 20 = 10; each row per process adds 2: the window (max 20) admits 5 more each.
+    state = _state(inserts=30, samples=20, size=30)
+    assert _insertable(state, 16, num_processes=2) == 5
+    assert _insertable(state, 3, num_processes=2) == 3
+    assert _insertable(state, 16, num_processes=1) == 10
+
+
+def test_process_zero_picks_insert_then_learn_then_act():
+    assert _choose(_state(0, 0, 0), pending=4, num_processes=2, batch_size=16) == {"move": "insert", "rows": 4}
+    full = _state(inserts=40, samples=10, size=40, window=(-20.0, 30.0))  # diff 30: no room for inserts
+    assert _choose(full, pending=4, num_processes=2, batch_size=16) == {"move": "learn"}
+    drained = _state(inserts=16, samples=24, size=16)  # diff -8: a batch of 16 would pass min_diff -20
+    assert _choose(drained, pending=0, num_processes=2, batch_size=16) == {"move": "act"}
+    stuck = _choose(_state(inserts=40, samples=30, size=40, window=(-2.0, 10.0)), pending=4, num_processes=2,
+                    batch_size=16)
+    assert stuck["move"] == "stuck" and "diff=10" in stuck["why"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("distributed.coordinator_address=localhost", "distributed.coordinator_address"),
+    ("distributed.replay_address=host:99999", "distributed.replay_address"),
+    ("distributed.process_id=2", "distributed.process_id"),
+    ("distributed.timeout_s=0", "distributed.timeout_s"),
+])
+def test_bad_distributed_settings_are_rejected_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config("configs/demo.yaml", ["distributed.num_processes=2", override])
