@@ -67,8 +67,10 @@ def test_finished_runs_are_skipped(tmp_path):
 
 @pytest.mark.slow
 def test_sweep_runs_then_resumes_a_run_extended_to_more_steps(tmp_path):
-    small = ("overrides: [warmstart.steps=2, train.eval_every=2, checkpoint.every=2, replay.min_size_to_sample=64, "
-             "task.eval_size=16, train.steps={steps}]\nseeds: [0]\nsettings:\n  spi2: []\n")
+    small = ("overrides: [warmstart.steps=2, train.eval_every=2, checkpoint.every=2, replay.min_size_to_sample=32, "
+             "task.eval_size=16, model.d_model=32, model.n_layers=1, model.n_heads=2, model.n_kv_heads=1, "
+             "model.head_dim=16, model.d_ff=64, train.batch_size=16, train.prompts_per_step=4, train.group_size=4, "
+             "replay.max_size=64, train.steps={steps}]\nseeds: [0]\nsettings:\n  spi2: []\n")
     path = _write(tmp_path, small.format(steps=2))
     cli = [sys.executable, "-m", "jaxreplay.cli", "sweep", str(path)]
     first = subprocess.run(cli, capture_output=True, text=True, timeout=600)
