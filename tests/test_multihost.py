@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -39,14 +40,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(run_dir: Path, num_processes: int, timeout_s: float) -> list[subprocess.CompletedProcess]:
+def _launch(run_dir: Path, num_processes: int, timeout_s: float, coordination_timeout_s: float = 60,
+            per_process: Optional[dict[int, list[str]]] = None) -> list[subprocess.CompletedProcess]:
     """Runs `jaxreplay train` once per process, as a pod's workers would; kills all past the timeout."""
     common = [*TINY, f"run.dir={run_dir}", "distributed.enabled=true", f"distributed.num_processes={num_processes}",
-              f"distributed.coordinator_address=127.0.0.1:{_free_port()}", "distributed.timeout_s=60"]
+              f"distributed.coordinator_address=127.0.0.1:{_free_port()}",
+              f"distributed.timeout_s={coordination_timeout_s}"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     procs = [
         subprocess.Popen([sys.executable, "-m", "jaxreplay.cli", "--debug", "train", "configs/demo.yaml", *common,
-                          f"distributed.process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          f"distributed.process_id={i}", *(per_process or {}).get(i, [])], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
         for i in range(num_processes)
     ]
@@ -85,6 +88,21 @@ def test_two_processes_train_the_same_params_from_one_shared_table(tmp_path):
     assert summary["replay/inserts"] == sum(inserted)
     assert [p["rows_sampled"] for p in processes] == [4 * 8, 4 * 8]
     assert summary["replay/samples"] == 4 * 16
+
+
+@pytest.mark.slow
+def test_a_process_that_fails_ends_the_job_in_seconds_not_timeouts(tmp_path):
+    """Process 1 starts from other weights: placing them on the global mesh fails there,
+    and both processes exit long before the 600 s coordination timeout."""
+    start = time.monotonic()
+    results = _launch(tmp_path, num_processes=2, timeout_s=400, coordination_timeout_s=600,
+                      per_process={1: ["run.seed=1"]})
+    elapsed = time.monotonic() - start
+    assert [r.returncode != 0 for r in results] == [True, True]
+    assert elapsed < 300, f"the job took {elapsed:.0f}s to fail"
+    assert "jaxreplay: process 1: error: AssertionError" in results[1].stdout
+    assert "Traceback" in (tmp_path / "process-1.error").read_text()
+    assert not (tmp_path / "summary.json").exists()
 
 
 def _state(inserts: int, samples: int, size: int, spi: float = 1.0, min_size: int = 8,
