@@ -10,6 +10,7 @@ as the limiter window fits one batch plus one insert (checked in config).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from jaxreplay.eval import EVAL_BATCH, evaluate
 from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
 from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import init_params
+from jaxreplay.models.hf import load_hf_model
 from jaxreplay.replay import ReplayServer, build_tables, reader_for, writer_for
 from jaxreplay.sampling import make_sampler
 from jaxreplay.models.tokenizer import load_tokenizer
@@ -65,10 +67,19 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     _save_config(run_dir, c)
 
-    task = make_task(c.task, load_tokenizer(c.model.hf_path) if c.model.hf_path else None)
-    tok = task.tokenizer
-    graphdef, params = init_params(c.model, c.run.seed)
     mesh = sharding.mesh_for(c)  # colocated: one mesh samples and trains
+    if c.model.hf_path:  # a released model: its architecture and tokenizer, its weights straight onto the mesh
+        m = c.model
+        model_cfg, graphdef, params = load_hf_model(
+            m.hf_path, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, max_seq_len=m.max_seq_len,
+            shardings=lambda abstract: sharding.param_shardings(mesh, abstract))
+        c = dataclasses.replace(c, model=model_cfg)
+        task = make_task(c.task, load_tokenizer(m.hf_path, vocab_size=model_cfg.vocab_size))
+        log(f"loaded {m.hf_path} ({model_cfg.n_layers} layers, width {model_cfg.d_model}); no warm start")
+    else:
+        graphdef, params = init_params(c.model, c.run.seed)
+        task = make_task(c.task)
+    tok = task.tokenizer
     sharding.check_batch_sizes(mesh, {"eval batch (eval.EVAL_BATCH)": EVAL_BATCH})
     sample_fn = make_sampler(
         graphdef, c.model, max_new_tokens=c.sampling.max_new_tokens, temperature=c.sampling.temperature,
@@ -80,9 +91,10 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     )
 
     start = time.perf_counter()
-    params, cached = warm_start(graphdef, params, task, c, run_dir / "warmstart")
-    log(f"warm start {'loaded from cache' if cached else f'trained for {c.warmstart.steps} steps'} "
-        f"({time.perf_counter() - start:.1f}s)")
+    if c.model.hf_path is None:  # a released model needs no warm start
+        params, cached = warm_start(graphdef, params, task, c, run_dir / "warmstart")
+        log(f"warm start {'loaded from cache' if cached else f'trained for {c.warmstart.steps} steps'} "
+            f"({time.perf_counter() - start:.1f}s)")
     params = sharding.shard_params(params, mesh)
     ref_params = jax.tree.map(jnp.copy, params) if c.train.kl_coef > 0 else None
 

@@ -7,6 +7,7 @@ own `save_pretrained`, with a small character-level tokenizer beside it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -140,7 +141,7 @@ def test_export_then_import_is_bit_exact(hf_model, tmp_path):
     cfg, _, params = load_hf_model(path)
     save_hf_model(tmp_path / "out", cfg, params, tokenizer=load_tokenizer(path), base=path)
     cfg2, _, params2 = load_hf_model(tmp_path / "out")
-    assert cfg2 == cfg
+    assert cfg2 == dataclasses.replace(cfg, hf_path=str(tmp_path / "out"))
     assert_bit_equal(params2, params)
 
 
@@ -177,7 +178,7 @@ def test_export_without_a_base_infers_the_architecture(tmp_path):
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["model_type"] == "qwen2" and written["architectures"] == ["Qwen2ForCausalLM"]
     assert written["eos_token_id"] == 4
-    assert read_model_config(tmp_path / "out") == read_model_config(tmp_path / "src")
+    assert read_model_config(tmp_path / "out") == dataclasses.replace(cfg, hf_path=str(tmp_path / "out"))
 
 
 # ----------------------------------------------------------------------------------
@@ -211,7 +212,7 @@ def test_loads_straight_into_a_device_mesh(tmp_path):
         path = {str(tmp_path)!r}
         mesh = Mesh(np.array(jax.devices()).reshape(1, 2, 2), ("data", "fsdp", "tensor"))
         shardings = param_shardings(mesh, abstract_params(read_model_config(path)))
-        _, _, sharded = load_hf_model(path, shardings=shardings)
+        _, _, sharded = load_hf_model(path, shardings=lambda abstract: param_shardings(mesh, abstract))
         _, _, plain = load_hf_model(path)
         want = dict(nnx.to_flat_state(shardings))
         split = 0
@@ -319,3 +320,51 @@ def test_tokenizer_chat_template_and_stop_ids(hf_model):
     ids = tok.encode("7*6=42")
     assert tok.decode(ids + [2] + tok.encode("junk")) == "7*6=42"  # any stop id ends the text
     assert tok.encode_prompt("hi", chat=True)[0] == 3  # <|im_start|> is one special token
+
+
+# ----------------------------------------------------------------------------------
+# The training loop on an imported model
+
+
+@pytest.mark.slow
+def test_training_starts_from_the_hf_weights(tmp_path):
+    """model.hf_path: the loop trains the imported weights (no warm start) with the HF tokenizer's
+    chat template, and its checkpoint exports back to a directory transformers loads."""
+    from jaxreplay.checkpoint import restore_policy_params
+    from jaxreplay.config import load_config
+    from jaxreplay.loop import train
+
+    model = make_hf_model("qwen3", tmp_path / "hf")
+    tok = load_tokenizer(tmp_path / "hf")
+
+    def likely_answer(prompt: str) -> str:  # the HF model's own greedy first token: rewards that vary
+        logits = hf_logits(model, np.array([tok.encode_prompt(prompt, chat=True)]))
+        return tok.decode([int(logits[0, -1].argmax())])
+
+    for split, n in [("train", 40), ("test", 4)]:
+        (tmp_path / f"{split}.jsonl").write_text("".join(
+            json.dumps({"prompt": f"{i}+{i}=", "answer": likely_answer(f"{i}+{i}=")}) + "\n" for i in range(n)))
+    c = load_config(None, [
+        f"model.hf_path={tmp_path / 'hf'}", "model.max_seq_len=40", "task.name=jsonl",
+        f"task.path={tmp_path}/{{split}}.jsonl", "task.reward=exact_match", "task.chat_template=true",
+        "task.max_prompt_len=32", "warmstart.steps=0", "sampling.max_new_tokens=1", "sampling.temperature=0.3",
+        "train.batch_size=16",
+        "train.prompts_per_step=4", "train.group_size=4", "train.steps=2", "train.eval_every=2",
+        "train.learning_rate=1e-4", "train.warmup_steps=0", "replay.max_size=64", "replay.min_size_to_sample=16",
+        "checkpoint.every=2", "run.progress_bar=false", f"run.dir={tmp_path / 'run'}",
+    ])
+    lines = []
+    assert train(c, log=lines.append)["steps"] == 2
+    assert any(line.startswith(f"loaded {tmp_path / 'hf'}") for line in lines)
+
+    cfg, graphdef, imported = load_hf_model(tmp_path / "hf")
+    trained, _ = restore_policy_params(tmp_path / "run" / "checkpoints", imported)
+    moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(imported)))
+    assert 0 < moved < 1e-2  # two small Adam steps away from the HF weights, not from a fresh init
+
+    save_hf_model(tmp_path / "out", cfg, trained, tokenizer=tok, base=tmp_path / "hf")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
+    tokens = np.random.default_rng(2).integers(0, VOCAB, (1, 10)).astype(np.int32)
+    ours = np.asarray(forward(graphdef, trained, jnp.asarray(tokens), jnp.ones(tokens.shape, bool)))
+    assert np.abs(hf_logits(reloaded, tokens) - ours).max() < 1e-4

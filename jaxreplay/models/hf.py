@@ -157,10 +157,14 @@ def model_config_from_hf(hf: Any, *, param_dtype: DType = "float32", compute_dty
 
 def read_model_config(path: str | Path, *, param_dtype: DType = "float32", compute_dtype: DType = "float32",
                       max_seq_len: Optional[int] = None) -> ModelConfig:
-    """The ModelConfig of the HF directory `path`, from its config.json alone (no weights read)."""
+    """The ModelConfig of the HF directory `path`, from its config.json alone (no weights read).
+
+    Its `hf_path` is `path`: a config that replaces the user's still says where the model came from.
+    """
     path = Path(path)
-    return model_config_from_hf(_read_hf_config(path), param_dtype=param_dtype, compute_dtype=compute_dtype,
-                                max_seq_len=max_seq_len, source=str(path / "config.json"))
+    cfg = model_config_from_hf(_read_hf_config(path), param_dtype=param_dtype, compute_dtype=compute_dtype,
+                               max_seq_len=max_seq_len, source=str(path / "config.json"))
+    return dataclasses.replace(cfg, hf_path=str(path))
 
 
 def family_of(cfg: ModelConfig) -> str:
@@ -219,12 +223,15 @@ def load_hf_model(path: str | Path, *, param_dtype: DType = "float32", compute_d
 
     Weights are cast to `param_dtype`. `shardings`: None puts each tensor on the default
     device; otherwise a tree shaped like the params with a `jax.sharding.Sharding` per
-    parameter (e.g. `sharding.param_shardings(mesh, abstract_params(read_model_config(path)))`).
+    parameter, or a function from the abstract params (shapes, dtypes, logical axes) to
+    that tree, e.g. `lambda abstract: sharding.param_shardings(mesh, abstract)`.
     """
     path = Path(path)
     cfg = read_model_config(path, param_dtype=param_dtype, compute_dtype=compute_dtype, max_seq_len=max_seq_len)
     graphdef, abstract = split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))
     targets = {tuple(p): var for p, var in nnx.to_flat_state(abstract)}
+    if callable(shardings):
+        shardings = shardings(abstract)
     placement = _sharding_map(shardings) if shardings is not None else {}
     for p in targets:
         if shardings is not None and p not in placement:
