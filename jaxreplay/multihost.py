@@ -37,6 +37,7 @@ from jaxreplay.actor import Actor, item_spec
 from jaxreplay.config import Config, ConfigError
 from jaxreplay.eval import EVAL_BATCH, evaluate
 from jaxreplay.learner import BATCH_KEYS, make_optimizer, make_train_step
+from jaxreplay.loop import SchedulerStuckError
 from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import abstract_params, init_params
 from jaxreplay.models.hf import load_hf_model, read_model_config
@@ -45,10 +46,6 @@ from jaxreplay.replay import LimiterState, ReplayServer, RolloutReader, RolloutW
 from jaxreplay.sampling import make_sampler
 from jaxreplay.tasks import make_task
 from jaxreplay.warmstart import supervised_warm_start
-
-
-class SchedulerStuckError(RuntimeError):
-    """Neither an insert nor a sample is admitted: the limiter settings are inconsistent."""
 
 
 def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:

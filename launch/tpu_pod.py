@@ -75,6 +75,7 @@ def install(args: argparse.Namespace) -> list[list[str]]:
     jax_version = pinned_jax_version()
     remote = " && ".join([
         "set -e",
+        "sudo apt-get update -qq && sudo apt-get install -y -qq python3-venv",  # ensurepip is not in the base image
         f"rm -rf {REMOTE_DIR} && mkdir -p {REMOTE_DIR}",
         f"tar -xzf ~/jaxreplay.tar.gz -C {REMOTE_DIR}",
         f"cd {REMOTE_DIR}",
@@ -85,7 +86,7 @@ def install(args: argparse.Namespace) -> list[list[str]]:
     ])
     return [
         ["git", "-C", str(ROOT), "archive", "--format=tar.gz", f"--output={archive}", "HEAD"],
-        _gcloud(args, "scp", archive, f"{args.name}:~/jaxreplay.tar.gz", "--worker=all"),
+        _gcloud(args, "scp", archive, f"{args.name}:jaxreplay.tar.gz", "--worker=all"),  # into ~ on each worker
         _ssh(args, "all", remote),
     ]
 
