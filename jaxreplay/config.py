@@ -455,9 +455,11 @@ def _validate_replay(c: Config) -> None:
     _require(r.min_size_to_sample <= main, "replay.positive_fraction",
              f"{r.positive_fraction} leaves the rollout table {main} rows, fewer than "
              f"replay.min_size_to_sample={r.min_size_to_sample}")
-    _require(r.max_times_sampled == 0, "replay.max_times_sampled",
-             "must be 0 in replay mode: items deleted mid-batch can stall a sample Reverb cannot time out "
-             "(use replay.mode=on_policy for sample-once)")
+    # max_times_sampled > 0 is safe because the loop then assembles batches row by row (replay.reader.
+    # IncrementalReader): if no insert is admitted, the table holds >= min_size_to_sample rows and
+    # diff > max_diff - spi >= min_diff + B, so one more row can always be sampled without blocking.
+    _require(r.max_times_sampled == 0 or r.positive_fraction == 0, "replay.max_times_sampled",
+             "cannot be combined with replay.positive_fraction")
     eb = c.error_buffer
     _require(eb >= max(1.0, spi), "replay.error_buffer",
              f"{eb} is below max(1, samples_per_insert)={max(1.0, spi)}: Reverb rejects so narrow a window")

@@ -143,6 +143,9 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
             elif reader.can_sample(c.train.batch_size):
                 t0 = time.perf_counter()
                 batch, info = reader.sample(c.train.batch_size)
+                if batch is None:  # replay.max_times_sampled: the batch is assembled over several turns
+                    progress.time_replay_s += time.perf_counter() - t0
+                    continue
                 t1 = time.perf_counter()
                 params, opt_state, step_metrics = train_step(params, opt_state, to_device_batch(batch), ref_params)
                 step_metrics = jax.device_get(step_metrics)

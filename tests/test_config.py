@@ -68,8 +68,8 @@ def test_bad_values_are_rejected_naming_the_key(override, key):
         # A batch larger than the table can ever hold.
         (["replay.max_size=64", "replay.min_size_to_sample=32", "train.batch_size=128"], "train.batch_size"),
         (["replay.samples_per_insert=0"], "replay.samples_per_insert"),
-        # Items deleted mid-batch stall a Reverb sample that has no timeout.
-        (["replay.max_times_sampled=2"], "replay.max_times_sampled"),
+        # The positive-bias reader samples whole batches, which deletions mid-batch could stall.
+        (["replay.max_times_sampled=2", "replay.positive_fraction=0.2"], "replay.max_times_sampled"),
     ],
 )
 def test_deadlocking_limiter_settings_are_rejected(overrides, key):

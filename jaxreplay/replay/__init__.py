@@ -27,7 +27,8 @@ def set_tf_cpu_only() -> None:
 
 set_tf_cpu_only()
 
-from jaxreplay.replay.reader import PositiveBiasReader, RolloutReader, SampleInfo, reader_for  # noqa: E402
+from jaxreplay.replay.reader import (  # noqa: E402
+    IncrementalReader, PositiveBiasReader, RolloutReader, SampleInfo, reader_for)
 from jaxreplay.replay.server import ReplayServer  # noqa: E402
 from jaxreplay.replay.tables import (  # noqa: E402
     POSITIVE_TABLE_NAME, TABLE_NAME, ItemSpec, LimiterState, PositiveSplit, ReplayTimeoutError, build_table,
@@ -35,7 +36,7 @@ from jaxreplay.replay.tables import (  # noqa: E402
 from jaxreplay.replay.writer import RolloutWriter, writer_for  # noqa: E402
 
 __all__ = [
-    "POSITIVE_TABLE_NAME", "TABLE_NAME", "ItemSpec", "LimiterState", "PositiveBiasReader", "PositiveSplit",
+    "POSITIVE_TABLE_NAME", "TABLE_NAME", "IncrementalReader", "ItemSpec", "LimiterState", "PositiveBiasReader", "PositiveSplit",
     "ReplayServer", "ReplayTimeoutError", "RolloutReader", "RolloutWriter", "SampleInfo", "build_table",
     "build_tables", "positive_split", "reader_for", "set_tf_cpu_only", "writer_for",
 ]

@@ -9,7 +9,7 @@ fetches ahead would spend limiter budget, since samples in flight count against 
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -131,9 +131,62 @@ class PositiveBiasReader:
         return batch, info
 
 
-def reader_for(source: Source, config: Config, item_spec: ItemSpec) -> RolloutReader | PositiveBiasReader:
+class IncrementalReader:
+    """Assembles each batch over several scheduler turns, for `max_times_sampled` > 0.
+
+    Items sampled `max_times_sampled` times are deleted, so a table holding enough rows
+    for a whole batch now may not a moment later. Each `sample` call therefore takes
+    only as many rows as can be sampled at once without blocking (`can_sample_at_once`,
+    which assumes every row it takes is deleted), and returns the batch once it holds
+    `batch_size` rows, None before. Taking one row is always possible when no insert is
+    (see `_validate_replay`), so the colocated scheduler never deadlocks.
+    """
+
+    def __init__(self, source: Source, item_spec: ItemSpec, *, timeout_s: float, table: str = TABLE_NAME):
+        self._client = connect(source)
+        self._reader = RolloutReader(self._client, item_spec, timeout_s=timeout_s, table=table)
+        self._table = table
+        self._timeout_s = timeout_s
+        self._parts: list[tuple[dict[str, np.ndarray], SampleInfo]] = []
+
+    @property
+    def pending_rows(self) -> int:
+        """Rows of the batch being assembled (0 between batches: checkpoints see none)."""
+        return sum(len(p[1].keys) for p in self._parts)
+
+    def _room(self, batch_size: int) -> int:
+        """The most rows, up to what the batch still lacks, that can be sampled now without blocking."""
+        state = limiter_state(self._client, self._table, self._timeout_s)
+        lo, hi = 0, batch_size - self.pending_rows
+        if state.can_sample_at_once(hi):
+            return hi
+        while hi - lo > 1:  # can_sample_at_once is monotone in n: holds at lo (vacuously at 0), fails at hi
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if state.can_sample_at_once(mid) else (lo, mid)
+        return lo
+
+    def can_sample(self, batch_size: int) -> bool:
+        """Whether `sample` can take at least one more row now."""
+        return self._room(batch_size) > 0
+
+    def sample(self, batch_size: int) -> tuple[Optional[dict[str, np.ndarray]], Optional[SampleInfo]]:
+        """Takes what it can; returns the whole batch once complete, else (None, None)."""
+        n = self._room(batch_size)
+        if n:
+            self._parts.append(self._reader.sample(n))
+        if self.pending_rows < batch_size:
+            return None, None
+        parts, self._parts = self._parts, []
+        batch = {k: np.concatenate([p[0][k] for p in parts]) for k in parts[0][0]}
+        return batch, SampleInfo(*(np.concatenate([getattr(p[1], f) for p in parts]) for f in SampleInfo._fields))
+
+
+def reader_for(source: Source, config: Config,
+               item_spec: ItemSpec) -> RolloutReader | PositiveBiasReader | IncrementalReader:
     """The reader `config` asks for: positive-bias when `replay.positive_fraction` > 0."""
     split = positive_split(config)
+    if config.replay.mode == "replay" and config.replay.max_times_sampled:
+        return IncrementalReader(source, item_spec, timeout_s=config.replay.timeout_s)
     if split.positive_size:
         return PositiveBiasReader(source, item_spec, timeout_s=config.replay.timeout_s,
                                   positive_batch=split.positive_batch)
