@@ -99,7 +99,7 @@ def truncated_is_loss(
     log_ratio = logprobs - behaviour_logprobs
     ratio = jnp.exp(log_ratio)
     weight = jax.lax.stop_gradient(jnp.minimum(ratio, tis_cap))
-    # value: weight * A; gradient: weight * A * grad log pi (ratio / sg(ratio) has value 1, grad grad log pi)
+    # exp(lp - sg(lp)) is 1 in value and has gradient grad log pi: value -weight*A, gradient -weight*A*grad log pi.
     surrogate = weight * jnp.exp(logprobs - jax.lax.stop_gradient(logprobs)) * advantages[:, None]
     loss = -aggregate(surrogate, mask)
     metrics = {"tis_truncfrac": masked_mean((ratio > tis_cap).astype(jnp.float32), mask),
@@ -114,8 +114,8 @@ def asymre_loss(
     """AsymRE: REINFORCE with no ratio on the advantage r - (V + dV).
 
     `advantages` must be r - V (a centred estimator: group_centered or
-    leave_one_out); dV < 0 lowers the baseline's complement, i.e. shifts every
-    advantage up by |dV|, which keeps off-policy REINFORCE from collapsing.
+    leave_one_out). dV < 0 lowers the baseline to V + dV, shifting every advantage
+    up by |dV|: the asymmetry that keeps REINFORCE on stale data from collapsing.
     """
     adv = advantages[:, None] - asymre_delta_v
     loss = -aggregate(adv * logprobs, mask)
