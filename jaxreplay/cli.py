@@ -33,6 +33,13 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--k", type=_ks, default=(1,), help="pass@k values, e.g. 1,8 (max(k) samples per problem)")
     ev.add_argument("--batch", type=int, default=128, help="rows per sampling call")
     ev.add_argument("--out", help="write the results here as JSON")
+    ex = sub.add_parser("export", help="a checkpoint's policy as a Hugging Face model directory")
+    ex.add_argument("config", help="the run's config (with model.hf_path if it started from an HF model)")
+    ex.add_argument("overrides", nargs="*")
+    ex.add_argument("--checkpoint", required=True, help="a run directory (or its checkpoints/)")
+    ex.add_argument("--out", required=True, help="the directory to write")
+    ex.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the saved weights")
     research.add_parsers(sub)
     return parser
 
@@ -84,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
             results = run_eval(config, checkpoint=args.checkpoint, hf=args.hf, step=args.step, ks=args.k,
                                out=args.out, batch=args.batch)
             print(json.dumps({k: v for k, v in results.items() if k != "correct_per_problem"}))
+            return 0
+        if args.command == "export":
+            from jaxreplay.export import export_checkpoint
+
+            out = export_checkpoint(config, args.checkpoint, args.out, step=args.step, dtype=args.dtype)
+            print(f"wrote {out}")
             return 0
         if args.command == "config":
             import yaml

@@ -329,8 +329,9 @@ def test_tokenizer_chat_template_and_stop_ids(hf_model):
 @pytest.mark.slow
 def test_training_starts_from_the_hf_weights(tmp_path):
     """model.hf_path: the loop trains the imported weights (no warm start) with the HF tokenizer's
-    chat template, and its checkpoint exports back to a directory transformers loads."""
+    chat template, and `jaxreplay export` writes its checkpoint as a directory transformers loads."""
     from jaxreplay.checkpoint import restore_policy_params
+    from jaxreplay.cli import main
     from jaxreplay.config import load_config
     from jaxreplay.loop import train
 
@@ -363,7 +364,9 @@ def test_training_starts_from_the_hf_weights(tmp_path):
                 for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(imported)))
     assert 0 < moved < 1e-2  # two small Adam steps away from the HF weights, not from a fresh init
 
-    save_hf_model(tmp_path / "out", cfg, trained, tokenizer=tok, base=tmp_path / "hf")
+    run = tmp_path / "run"
+    assert main(["export", str(run / "config.yaml"), "--checkpoint", str(run), "--out", str(tmp_path / "out")]) == 0
+    assert load_tokenizer(tmp_path / "out").eos_ids == tok.eos_ids
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
     tokens = np.random.default_rng(2).integers(0, VOCAB, (1, 10)).astype(np.int32)
     ours = np.asarray(forward(graphdef, trained, jnp.asarray(tokens), jnp.ones(tokens.shape, bool)))
