@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 import reverb
@@ -21,9 +21,12 @@ class RolloutWriter:
     """Inserts batches of rollouts into `table`, never blocking past `timeout_s`."""
 
     def __init__(self, source: Source, item_spec: ItemSpec, *, timeout_s: float, table: str = TABLE_NAME,
-                 positive_table: Optional[str] = None):
+                 positive_table: Optional[str] = None,
+                 priority_fn: Optional[Callable[[Mapping[str, np.ndarray]], np.ndarray]] = None):
         """positive_table: rows with reward > 0 also get an item there (positive-bias
-        sampling); both items reference the same stored row."""
+        sampling); both items reference the same stored row. priority_fn: the priorities
+        of a batch when `insert` is given none (default: 1 for every row)."""
+        self._priority_fn = priority_fn
         self._client = connect(source)
         self._table = table
         self._positive_table = positive_table
@@ -41,7 +44,7 @@ class RolloutWriter:
         """
         arrays, n = self._validate(batch)
         if priorities is None:
-            priorities = np.ones(n, np.float64)
+            priorities = self._priority_fn(arrays) if self._priority_fn is not None else np.ones(n, np.float64)
         priorities = np.asarray(priorities, np.float64)
         if priorities.shape != (n,):
             raise ValueError(f"priorities: expected shape ({n},), got {priorities.shape}")
@@ -98,4 +101,12 @@ class RolloutWriter:
 def writer_for(source: Source, config: Config, item_spec: ItemSpec) -> RolloutWriter:
     """The writer `config` asks for: also filling the positives table when positive bias is on."""
     positive = POSITIVE_TABLE_NAME if positive_split(config).positive_size else None
-    return RolloutWriter(source, item_spec, timeout_s=config.replay.timeout_s, positive_table=positive)
+    priority = advantage_priority if config.replay.selector == "prioritized" else None
+    return RolloutWriter(source, item_spec, timeout_s=config.replay.timeout_s, positive_table=positive,
+                         priority_fn=priority)
+
+
+def advantage_priority(batch: Mapping[str, np.ndarray]) -> np.ndarray:
+    """|advantage| (+ a floor, so no row is unreachable): a rollout whose group all scored
+    alike carries no gradient and is rarely worth a sample."""
+    return np.abs(np.asarray(batch["advantage"], np.float64)) + 1e-3

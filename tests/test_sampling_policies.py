@@ -1,4 +1,5 @@
-"""Positive-bias sampling against a real Reverb server: what each table keeps, how batches split."""
+"""Sampling policies against a real Reverb server: positive bias (what each table keeps, how batches
+split) and prioritized replay (priorities from the frozen advantage)."""
 
 import numpy as np
 import pytest
@@ -77,3 +78,17 @@ def test_positive_fraction_is_validated():
         load_config(None, ["replay.positive_fraction=1"])
     with pytest.raises(ConfigError, match="replay.positive_fraction"):
         load_config(None, ["replay.positive_fraction=0.9"])  # leaves 51 rows < min_size_to_sample 128
+
+
+def test_prioritized_selector_samples_in_proportion_to_absolute_advantage():
+    c = load_config(None, ["replay.selector=prioritized", "replay.priority_exponent=1", "replay.min_size_to_sample=2",
+                           "replay.max_size=64", "train.batch_size=8", "replay.error_buffer=1000"])
+    rows = _rows([0, 1, 2], correct=lambda i: False)
+    rows["advantage"] = np.array([0.0, 1.0, -3.0], np.float32)  # priorities 0.001, 1.001, 3.001
+    with ReplayServer(build_tables(c, SPEC), timeout_s=10) as server:
+        writer_for(server, c, SPEC).insert(rows)
+        samples = list(reverb.Client(server.address).sample(TABLE_NAME, 1000, emit_timesteps=False))
+    ids = np.array([int(s.data[sorted(SPEC).index("policy_version")]) for s in samples])
+    probability = {int(i): p for i, p in zip(ids, [s.info.probability for s in samples])}
+    assert probability[2] == pytest.approx(3.001 / 4.003) and probability[1] == pytest.approx(1.001 / 4.003)
+    assert (ids == 0).mean() < 0.01
