@@ -3,10 +3,10 @@
 Import (`load_hf_model`) takes the architecture from config.json and the weights
 from safetensors (one file, or the shards named by model.safetensors.index.json).
 Every header is checked before anything is read, so a directory with a missing or
-mis-shaped tensor fails at once with the tensor's name. Files are then opened one at
-a time and each tensor goes straight to its device; with a sharding, each device's
-slice is read from the memory-mapped file on its own (`jax.make_array_from_callback`),
-so the host holds at most one file's pages and one slice, never a full copy per device.
+mis-shaped tensor fails at once with the tensor's name. Then each tensor is read from
+its memory-mapped file and goes straight to its device; with a sharding, each device's
+slice is read on its own (`jax.make_array_from_callback`). Beyond the parameters
+themselves the host holds about one tensor at a time, never a full copy per device.
 
 Export (`save_hf_model`) writes config.json, safetensors (sharded above a size, with
 its index) and optionally the tokenizer: a directory `transformers` loads.
@@ -230,12 +230,12 @@ def load_hf_model(path: str | Path, *, param_dtype: DType = "float32", compute_d
     cfg = read_model_config(path, param_dtype=param_dtype, compute_dtype=compute_dtype, max_seq_len=max_seq_len)
     graphdef, abstract = split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))
     targets = {tuple(p): var for p, var in nnx.to_flat_state(abstract)}
-    if callable(shardings):
-        shardings = shardings(abstract)
-    placement = _sharding_map(shardings) if shardings is not None else {}
-    for p in targets:
-        if shardings is not None and p not in placement:
-            raise HFModelError(f"shardings has no entry for parameter {'.'.join(map(str, p))}")
+    placement = {}
+    if shardings is not None:
+        placement = _sharding_map(shardings(abstract) if callable(shardings) else shardings)
+        unplaced = [p for p in targets if p not in placement]
+        if unplaced:
+            raise HFModelError(f"shardings has no entry for parameter {'.'.join(map(str, unplaced[0]))}")
 
     files = _weight_files(path)
     names = {p: hf_name(p) for p in targets}
@@ -298,7 +298,8 @@ def save_hf_model(path: str | Path, cfg: ModelConfig, params: nnx.State, *, toke
     key our config does not set (special token ids, generation defaults) and its
     generation_config.json is copied. `dtype` casts the saved tensors (default: as
     stored). Files above `max_shard_bytes` are split into shards with an index. One
-    shard at a time is gathered to the host.
+    shard at a time is gathered to the host (from this process's devices: a multi-host
+    run's params must be gathered first).
     """
     path = Path(path)
     model_type = _read_hf_config(Path(base)).model_type if base is not None else family_of(cfg)
