@@ -34,7 +34,7 @@ from jaxreplay.eval import EVAL_BATCH, evaluate
 from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
 from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import abstract_params, init_params
-from jaxreplay.replay import ReplayServer, ReplayTimeoutError, RolloutReader, RolloutWriter, build_table
+from jaxreplay.replay import ReplayServer, ReplayTimeoutError, build_tables, reader_for, writer_for
 from jaxreplay.sampling import make_sampler
 from jaxreplay.tasks import make_task
 from jaxreplay.warmstart import warm_start
@@ -170,7 +170,7 @@ def train_disaggregated(config: Config, log: Callable[[str], None] = print) -> d
     actor = Actor(c, task, sample_fn)
     spec = item_spec(c, task.prompt_len)
 
-    server = ReplayServer(build_table(c, spec), port=c.replay.port, timeout_s=c.replay.timeout_s)
+    server = ReplayServer(build_tables(c, spec), port=c.replay.port, timeout_s=c.replay.timeout_s)
     metrics = MetricsWriter(run_dir)
     timeout = c.replay.timeout_s
     shared: dict[str, Any] = {"actor": {}, "actor_steps": 0, "generate_s": 0.0, "train_s": 0.0, "staleness": []}
@@ -199,10 +199,12 @@ def train_disaggregated(config: Config, log: Callable[[str], None] = print) -> d
         bar = tqdm(total=c.train.steps, disable=not c.run.progress_bar, desc="train", unit="step", dynamic_ncols=True)
         try:
             for step in range(1, c.train.steps + 1):
-                if not wait_for(lambda: server.info().can_sample(b), stop, timeout,
-                                lambda: f"a batch of {b} (actor stalled?): {server.describe()}"):
-                    return
-                batch, _ = reader.sample(b)
+                batch = None
+                while batch is None:  # replay.max_times_sampled: a batch may take several samples
+                    if not wait_for(lambda: reader.can_sample(b), stop, timeout,
+                                    lambda: f"a batch of {b} (actor stalled?): {server.describe()}"):
+                        return
+                    batch, _ = reader.sample(b)
                 t0 = time.perf_counter()
                 learner_params, opt_state, step_metrics = train_step(
                     learner_params, opt_state, to_device_batch(batch), ref_params)
@@ -231,8 +233,8 @@ def train_disaggregated(config: Config, log: Callable[[str], None] = print) -> d
             bar.close()
 
     try:
-        writer = RolloutWriter(server, spec, timeout_s=timeout)
-        reader = RolloutReader(server, spec, timeout_s=timeout)
+        writer = writer_for(server, c, spec)
+        reader = reader_for(server, c, spec)
         run_roles({"actor": actor_role, "learner": learner_role}, join_timeout_s=timeout + 30)
         table = server.info()
     finally:
