@@ -68,3 +68,25 @@ def test_kl_penalty_to_reference_is_reported_and_zero_at_the_reference():
     reference = jax.tree.map(np.array, params)
     _, _, m = step(params, optimizer.init(params), batch, reference)
     assert float(m["kl_ref"]) == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("loss", [["train.loss=tis"], ["train.loss=asymre", "train.advantage=group_centered",
+                                                       "train.asymre_delta_v=0"],
+                                  ["train.loss_aggregation=constant"], ["train.loss_aggregation=sequence_mean"]])
+def test_every_loss_by_name_raises_the_likelihood_of_positive_advantage_rollouts(loss):
+    config = load_config(None, SMALL + ["train.learning_rate=1e-3", *loss])
+    graphdef, params, batch = rollout_batch(config, 1.0)
+    optimizer = make_optimizer(config.train)
+    step = make_train_step(graphdef, config, optimizer)
+    new_params, opt_state = params, optimizer.init(params)
+
+    def mean_logprob(p):
+        lp = policy_logprobs(forward(graphdef, p, batch["tokens"], batch["attention_mask"]), batch["tokens"],
+                             temperature=1.0)
+        return float((lp * batch["completion_mask"]).sum() / batch["completion_mask"].sum())
+
+    before = mean_logprob(params)
+    for _ in range(3):
+        new_params, opt_state, m = step(new_params, opt_state, batch, None)
+    assert np.isfinite(float(m["loss"]))
+    assert mean_logprob(new_params) - before > 1e-3
