@@ -113,5 +113,7 @@ def describe(opt: Optimum, rollouts_per_step: int) -> str:
         lines.append("x* < 1: replay does not pay at these constants; train on-policy")
     else:
         lines.append(f"compute per trained rollout vs on-policy: gamma = {opt.compute_ratio:.3f}")
+        if opt.y < 1:
+            lines.append("y* < 1: fewer samples than rollouts generated; replay saves no compute here (gamma > 1)")
     lines.append("settings: " + " ".join(f"{k}={v}" for k, v in reverb_settings(opt, rollouts_per_step).items()))
     return "\n".join(lines)

@@ -48,3 +48,10 @@ def test_outside_the_model_is_refused(mu, rho, alpha):
     with pytest.raises(ValueError):
         optimum(mu, rho, alpha)
     assert math.isfinite(cost(1.0, 5.0, 0.1, 0.1))
+
+
+def test_cheap_generation_is_flagged_as_saving_nothing():
+    # mu = 0.3 (what this repo's CPU demo measures): y* < 1, so gamma > 1.
+    opt = optimum(0.3, 0.1, 0.1)
+    assert opt.y < 1 and opt.compute_ratio > 1
+    assert "replay saves no compute" in describe(opt, 64)
