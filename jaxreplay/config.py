@@ -39,6 +39,11 @@ class ModelConfig:
     d_ff: int = 384
     max_seq_len: int = 16
     rope_theta: float = 10_000.0
+    # Llama 3.1+ RoPE scaling (HF rope_type "llama3"); a factor of 1 is plain RoPE.
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
     attention_bias: bool = False
@@ -368,6 +373,10 @@ def validate(c: Config) -> None:
              f"must divide model.n_heads ({m.n_heads}), got {m.n_kv_heads}")
     _require(m.head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {m.head_dim}")
     _require(m.rope_theta > 0, "model.rope_theta", "must be positive")
+    _require(m.rope_scaling_factor >= 1, "model.rope_scaling_factor", f"must be >= 1, got {m.rope_scaling_factor}")
+    _require(0 < m.rope_low_freq_factor < m.rope_high_freq_factor, "model.rope_high_freq_factor",
+             f"must exceed model.rope_low_freq_factor ({m.rope_low_freq_factor}), which must be positive")
+    _require(m.rope_original_max_len > 0, "model.rope_original_max_len", "must be positive")
     _require(m.norm_eps > 0, "model.norm_eps", "must be positive")
     _require(m.hf_path is None or (Path(m.hf_path) / "config.json").is_file(), "model.hf_path",
              f"{m.hf_path} is not a Hugging Face model directory (no config.json)")

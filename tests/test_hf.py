@@ -36,6 +36,11 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, dict(hidden_size=64, rope_theta=1_000_000.0, tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, dict(hidden_size=48, head_dim=16, rope_theta=1_000_000.0,
                                              tie_word_embeddings=True)),
+    # Llama 3.1+ RoPE scaling; with head_dim 16 the wavelengths fall in all three of its regimes.
+    "llama3.1": (transformers.LlamaConfig, dict(
+        hidden_size=64, rope_theta=500_000.0, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})),
 }
 VOCAB = 128
 
@@ -105,7 +110,8 @@ def test_logits_match_transformers(hf_model):
     family, path, model = hf_model
     cfg, graphdef, params = load_hf_model(path)
     assert (cfg.attention_bias, cfg.qk_norm) == {"llama": (False, False), "qwen2": (True, False),
-                                                 "qwen3": (False, True)}[family]
+                                                 "qwen3": (False, True), "llama3.1": (False, False)}[family]
+    assert cfg.rope_scaling_factor == (8.0 if family == "llama3.1" else 1.0)
     tokens = np.random.default_rng(0).integers(0, VOCAB, (3, 24)).astype(np.int32)
     ours = np.asarray(forward(graphdef, params, jnp.asarray(tokens), jnp.ones(tokens.shape, bool)))
     ref = hf_logits(model, tokens)
@@ -271,8 +277,7 @@ def test_unknown_architecture_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": 64}), "rope_type='llama3'"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_type='linear'"),
     (dict(attention_bias=True), "attention_bias=true"),
     (dict(mlp_bias=True), "mlp_bias=true"),
 ])

@@ -129,7 +129,13 @@ def model_config_from_hf(hf: Any, *, param_dtype: DType = "float32", compute_dty
             raise HFModelError(f"{source}: {hf.model_type} with {what} is not supported")
 
     rope = dict(getattr(hf, "rope_parameters", None) or {})
-    unsupported(rope.get("rope_type", "default") == "default", f"rope_type={rope.get('rope_type')!r} (RoPE scaling)")
+    rope_type = rope.get("rope_type", "default")
+    unsupported(rope_type in ("default", "llama3"), f"rope_type={rope_type!r} (RoPE scaling)")
+    scaling = {}
+    if rope_type == "llama3":
+        scaling = dict(rope_scaling_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
+                       rope_high_freq_factor=float(rope["high_freq_factor"]),
+                       rope_original_max_len=int(rope["original_max_position_embeddings"]))
     unsupported(getattr(hf, "hidden_act", "silu") == "silu", f"hidden_act={getattr(hf, 'hidden_act', None)!r}")
     unsupported(not getattr(hf, "use_sliding_window", False), "use_sliding_window=true")
     unsupported(not getattr(hf, "mlp_bias", False), "mlp_bias=true")
@@ -146,6 +152,7 @@ def model_config_from_hf(hf: Any, *, param_dtype: DType = "float32", compute_dty
         d_ff=hf.intermediate_size,
         max_seq_len=max_seq_len if max_seq_len is not None else hf.max_position_embeddings,
         rope_theta=float(rope.get("rope_theta", 10_000.0)),
+        **scaling,
         norm_eps=float(hf.rms_norm_eps),
         tie_embeddings=bool(hf.tie_word_embeddings),
         attention_bias=family.attention_bias,
@@ -368,6 +375,11 @@ def _hf_config(cfg: ModelConfig, model_type: str, base: str | Path | None, dtype
         tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", dtype=dtype,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
     )
+    if cfg.rope_scaling_factor != 1.0:
+        fields["rope_parameters"] = {
+            "rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_len}
     if model_type != "qwen2":
         fields["attention_bias"] = False
     return transformers.AutoConfig.for_model(model_type, **{**keep, **fields})

@@ -112,13 +112,30 @@ class RMSNorm(nnx.Module):
         return (y * self.scale.value.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """RoPE inverse frequencies [head_dim / 2], float32.
+
+    With `rope_scaling_factor` > 1, Llama 3.1's long-context scaling: wavelengths above
+    original_max_len / low_freq_factor are slowed by the factor, those below
+    original_max_len / high_freq_factor are kept, and those between are interpolated.
+    """
+    inv_freq = 1.0 / cfg.rope_theta ** (jnp.arange(cfg.head_dim // 2, dtype=jnp.float32) * 2.0 / cfg.head_dim)
+    if cfg.rope_scaling_factor == 1.0:
+        return inv_freq
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_len = cfg.rope_original_max_len
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    between = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return jnp.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary embedding, HF "rotate_half" layout: pairs are (x[i], x[i + head_dim/2]).
 
-    x: [B, T, heads, head_dim]; positions: [B, T] int.
+    x: [B, T, heads, head_dim]; positions: [B, T] int; inv_freq: [head_dim / 2] (`rope_frequencies`).
     """
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1])
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -142,7 +159,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
-        self.rope_theta = cfg.rope_theta
+        self.cfg = cfg  # static: RoPE frequencies are constants of the config
 
     def __call__(self, x, positions, key_mask, kv=None, cache_index=None):
         """x [B, T, D] -> ([B, T, D], (k, v) of this layer: the updated cache or this call's keys)."""
@@ -152,7 +169,8 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+        inv_freq = rope_frequencies(self.cfg)
+        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
 
         if kv is None:
             query_slots = jnp.arange(t)
