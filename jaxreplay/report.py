@@ -150,7 +150,10 @@ def baseline_cost(baseline: Setting, key: str) -> tuple[float, float]:
 def _mean_std(values: Sequence[float]) -> str:
     if not values:
         return "n/a"
-    return f"{np.mean(values):.3g} ± {np.std(values):.2g}" if len(values) > 1 else f"{values[0]:.3g}"
+    if len(values) == 1:
+        return f"{values[0]:.3g}"
+    mean, std = float(np.mean(values)), float(np.std(values))
+    return f"{mean:.3g} ± {0.0 if std < 1e-9 * max(1.0, abs(mean)) else std:.2g}"  # no float-noise spreads
 
 
 def table(settings: Sequence[Setting], baseline: Setting) -> str:
