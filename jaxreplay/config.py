@@ -8,6 +8,7 @@ that would deadlock) with a `ConfigError` whose one-line message names the key.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 import types
 import typing
@@ -133,6 +134,7 @@ class ReplayConfig:
     cost_rho: float = 0.1  # rho of the cost model used by calibration
     timeout_s: float = 60.0
     port: int = 0  # 0 picks a free port
+    backend: Literal["auto", "reverb", "inprocess"] = "auto"  # auto: reverb where installed (replay/__init__.py)
 
 
 @dataclass(frozen=True)
@@ -454,6 +456,10 @@ def _validate_replay(c: Config) -> None:
     b = t.batch_size
     if r.mode == "on_policy":
         return  # the queue is sized from the batch: see replay.tables
+    _require(r.backend != "reverb" or importlib.util.find_spec("reverb") is not None, "replay.backend",
+             "reverb is not installed (pip install 'jaxreplay[reverb]', Python 3.10/3.11), or use inprocess")
+    _require(r.backend != "inprocess" or not c.distributed.enabled, "replay.backend",
+             "inprocess serves one process only; multi-host runs need reverb")
     spi = r.samples_per_insert
     _require(spi > 0, "replay.samples_per_insert", f"must be positive, got {spi}")
     _require(r.min_size_to_sample <= r.max_size, "replay.min_size_to_sample",

@@ -34,7 +34,7 @@ from jaxreplay.eval import EVAL_BATCH, evaluate
 from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
 from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import abstract_params, init_params
-from jaxreplay.replay import ReplayServer, ReplayTimeoutError, build_tables, reader_for, writer_for
+from jaxreplay.replay import ReplayServer, ReplayTimeoutError, build_tables, reader_for, serve, writer_for
 from jaxreplay.sampling import make_sampler
 from jaxreplay.tasks import make_task
 from jaxreplay.warmstart import warm_start
@@ -170,7 +170,7 @@ def train_disaggregated(config: Config, log: Callable[[str], None] = print) -> d
     actor = Actor(c, task, sample_fn)
     spec = item_spec(c, task.prompt_len)
 
-    server = ReplayServer(build_tables(c, spec), port=c.replay.port, timeout_s=c.replay.timeout_s)
+    server = serve(build_tables(c, spec), port=c.replay.port, timeout_s=c.replay.timeout_s)
     metrics = MetricsWriter(run_dir)
     timeout = c.replay.timeout_s
     shared: dict[str, Any] = {"actor": {}, "actor_steps": 0, "generate_s": 0.0, "train_s": 0.0, "staleness": []}

@@ -33,7 +33,7 @@ from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
 from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import init_params
 from jaxreplay.models.hf import load_hf_model
-from jaxreplay.replay import ReplayServer, build_tables, reader_for, writer_for
+from jaxreplay.replay import ReplayServer, build_tables, reader_for, serve, writer_for
 from jaxreplay.sampling import make_sampler
 from jaxreplay.models.tokenizer import load_tokenizer
 from jaxreplay.tasks import make_task
@@ -116,7 +116,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
         log(f"resumed from step {progress.learner_step} (policy version {progress.policy_version})")
 
     accounting = Accounting(param_count(params), progress.accounting)  # counters checkpointed in progress
-    server = ReplayServer(
+    server = serve(
         build_tables(c, spec), checkpoint_root=run_dir / "replay", restore_from=progress.replay_checkpoint,
         port=c.replay.port, timeout_s=c.replay.timeout_s,
     )

@@ -119,7 +119,7 @@ def _train(config: Config, log: Callable[[str], None]) -> dict[str, Any]:
     spec = item_spec(c, task.prompt_len)
     server = None
     if coord.is_leader:
-        server = ReplayServer(build_tables(c, spec), port=c.replay.port, timeout_s=c.replay.timeout_s)
+        server = ReplayServer(build_tables(c, spec, "reverb"), port=c.replay.port, timeout_s=c.replay.timeout_s)
     port = coord.broadcast("replay_port", None if server is None else str(server.port))
     address = server.address if server is not None else (c.distributed.replay_address or
                                                          f"{coord.coordinator_host}:{port}")

@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from jaxreplay.replay.inprocess import InProcessServer
 from jaxreplay.replay.server import Source, connect
 from jaxreplay.config import Config
 from jaxreplay.replay.tables import (
@@ -54,6 +55,8 @@ class RolloutReader:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         start = time.monotonic()
         state = self._wait(start, batch_size, 0)
+        if isinstance(self._client, InProcessServer):
+            return self._sample_inprocess(batch_size, start)
         if state.can_sample_at_once(batch_size):
             rows = list(self._client.sample(self._table, batch_size, emit_timesteps=False))
         else:  # Items may be deleted as they are sampled: take them one at a time.
@@ -68,6 +71,17 @@ class RolloutReader:
             times_sampled=np.array([r.info.times_sampled for r in rows], np.int32),
             probabilities=np.array([r.info.probability for r in rows], np.float64),
             table_size=np.array([r.info.table_size for r in rows], np.int64))
+        return batch, info
+
+    def _sample_inprocess(self, batch_size: int, start: float) -> tuple[dict[str, np.ndarray], SampleInfo]:
+        taken = self._client.sample(self._table, batch_size,
+                                    timeout_s=max(0.0, start + self._timeout_s - time.monotonic()))
+        batch = {k: np.stack([t[0].row[k] for t in taken]) for k in self._keys}
+        info = SampleInfo(
+            keys=np.array([t[0].key for t in taken], np.uint64),
+            times_sampled=np.array([t[3] for t in taken], np.int32),
+            probabilities=np.array([t[1] for t in taken], np.float64),
+            table_size=np.array([t[2] for t in taken], np.int64))
         return batch, info
 
     def can_sample(self, batch_size: int) -> bool:

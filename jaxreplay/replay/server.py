@@ -20,9 +20,8 @@ import shutil
 import tempfile
 from typing import Optional, Sequence, Union
 
-import reverb
-
-from jaxreplay.replay.tables import LimiterState, limiter_state
+from jaxreplay.replay.inprocess import InProcessServer, InProcessTable
+from jaxreplay.replay.tables import LimiterState, import_reverb, limiter_state
 
 _DONE = "DONE"  # Reverb marks a complete checkpoint with this file.
 
@@ -31,7 +30,7 @@ class ReplayServer:
     """Owns a `reverb.Server` hosting the rollout table (and any companion tables, such as
     positive-bias sampling's). Stop it explicitly (or use `with`)."""
 
-    def __init__(self, table: reverb.Table | Sequence[reverb.Table], *, port: int = 0,
+    def __init__(self, table: "reverb.Table | Sequence[reverb.Table]", *, port: int = 0,
                  checkpoint_root: Optional[str | os.PathLike] = None,
                  restore_from: Optional[str | os.PathLike] = None, timeout_s: float = 60.0):
         """Starts serving `table` (or tables: the first is the rate-limited one that `info()`
@@ -42,6 +41,7 @@ class ReplayServer:
         `checkpoint()` returned; the table is restored from it, items and limiter
         counters, and must have been saved with the same settings as `table`.
         """
+        reverb = import_reverb()
         checkpoint_root = None if checkpoint_root is None else os.fspath(checkpoint_root)
         restore_from = None if restore_from is None else os.path.abspath(restore_from)
         if restore_from is not None and not os.path.exists(os.path.join(restore_from, _DONE)):
@@ -110,7 +110,8 @@ class ReplayServer:
         """Deletes the checkpoints in `checkpoint_root` not named in `keep`; returns them.
 
         The learner's checkpointer prunes its own steps; this drops the Reverb
-        checkpoints that no remaining step refers to.
+        checkpoints that no remaining step refers to, and the staging directories
+        that servers killed without `stop()` left behind (one server per root).
         """
         if self._checkpoint_root is None:
             return []
@@ -118,7 +119,7 @@ class ReplayServer:
         removed = []
         for name in sorted(os.listdir(self._checkpoint_root)):
             path = os.path.abspath(os.path.join(self._checkpoint_root, name))
-            if name.startswith(".reverb-staging-") or path in keep or not os.path.isdir(path):
+            if path == os.path.abspath(self._staging) or path in keep or not os.path.isdir(path):
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
@@ -138,7 +139,7 @@ class ReplayServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _check_restored(self, table: reverb.Table, path: str) -> None:
+    def _check_restored(self, table: "reverb.Table", path: str) -> None:
         # A restored table keeps the settings it was saved with, whatever `table` says.
         want, got = table.info, self._client.server_info(timeout=max(1, round(self._timeout_s)))[table.name]
         fields = {
@@ -162,11 +163,24 @@ class ReplayServer:
                              + "; ".join(diffs))
 
 
-Source = Union[ReplayServer, reverb.Client, str]
+def serve(tables: Sequence, **kwargs) -> ReplayServer | InProcessServer:
+    """The server for `build_tables`' tables, whichever backend built them; `kwargs` as
+    `ReplayServer`'s (an in-process server has no port)."""
+    if all(isinstance(t, InProcessTable) for t in tables):
+        kwargs.pop("port", None)
+        return InProcessServer(tables, **kwargs)
+    return ReplayServer(tables, **kwargs)
 
 
-def connect(source: Source) -> reverb.Client:
-    """A client for a `ReplayServer`, an address "host:port", or a client as is."""
+Source = Union[ReplayServer, InProcessServer, "reverb.Client", str]
+
+
+def connect(source: Source):
+    """A client for a `ReplayServer`, an address "host:port", or a client as is; an
+    `InProcessServer` is its own client."""
+    if isinstance(source, InProcessServer):
+        return source
+    reverb = import_reverb()
     if isinstance(source, reverb.Client):
         return source
     if isinstance(source, ReplayServer):

@@ -1,19 +1,23 @@
-"""The rollout table: its Reverb definition from a `Config`, and its limiter state.
+"""The rollout tables from a `Config`, backend-neutral (`TableDef`), and their limiter state.
 
 `LimiterState` re-derives Reverb's rate-limiter decisions from `server_info()`
 counters. That matters because the `reverb.Table` object handed to a server goes
 stale once the server restores a checkpoint (Reverb swaps in a new table built from
-the checkpoint), so `Table.can_sample` would answer for an empty, dead table.
+the checkpoint), so `Table.can_sample` would answer for an empty, dead table. The
+in-process backend (inprocess.py) runs on the same `LimiterState` rules.
+
+Reverb (and TensorFlow) are imported only when a Reverb table is built or asked.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+import importlib.util
+import logging
+import sys
+from typing import Literal, Mapping
 
 import numpy as np
-import reverb
-import tensorflow as tf
 
 from jaxreplay.config import Config
 
@@ -28,8 +32,61 @@ class ReplayTimeoutError(TimeoutError):
     """A replay call waited past its timeout; the message names the table and limiter state."""
 
 
-def build_table(config: Config, item_spec: ItemSpec) -> reverb.Table:
-    """The Reverb table for `config.replay.mode`, with a signature matching `item_spec`.
+@dataclasses.dataclass(frozen=True)
+class RateLimit:
+    """Reverb's `RateLimiter` parameters; build one with the constructors below, which
+    validate as Reverb's `rate_limiters` classes do."""
+
+    samples_per_insert: float
+    min_size_to_sample: int
+    min_diff: float
+    max_diff: float
+
+
+def sample_to_insert_ratio(samples_per_insert: float, min_size_to_sample: int, error_buffer: float) -> RateLimit:
+    offset = samples_per_insert * min_size_to_sample
+    min_diff, max_diff = offset - error_buffer, offset + error_buffer
+    if samples_per_insert <= 0:
+        raise ValueError(f"samples_per_insert ({samples_per_insert}) must be > 0")
+    if max_diff - min_diff < 2 * max(1.0, samples_per_insert):
+        raise ValueError("The size of error_buffer must be >= max(1.0, samples_per_insert) as smaller values "
+                         "could completely block samples and/or insert calls.")
+    if min_diff > offset:
+        raise ValueError("The range covered by error_buffer is above samples_per_insert * min_size_to_sample.")
+    if min_size_to_sample < 1:
+        raise ValueError(f"min_size_to_sample ({min_size_to_sample}) must be a positive integer")
+    return RateLimit(samples_per_insert, min_size_to_sample, min_diff, max_diff)
+
+
+def queue_limit(size: int) -> RateLimit:
+    """Reverb's `Queue`: at most `size` items waiting, each sampled once."""
+    return RateLimit(1.0, 1, 0.0, float(size))
+
+
+def min_size_limit(min_size_to_sample: int) -> RateLimit:
+    """Reverb's `MinSize`: samples wait for `min_size_to_sample` items, nothing else is limited."""
+    if min_size_to_sample < 1:
+        raise ValueError(f"min_size_to_sample ({min_size_to_sample}) must be a positive integer")
+    return RateLimit(1.0, min_size_to_sample, -sys.float_info.max, sys.float_info.max)
+
+
+Selector = Literal["uniform", "fifo", "lifo", "prioritized"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TableDef:
+    """One table, whichever backend serves it; the remover is always FIFO."""
+
+    name: str
+    selector: Selector
+    max_size: int
+    rate_limit: RateLimit
+    max_times_sampled: int = 0  # 0: unlimited
+    priority_exponent: float = 1.0  # prioritized selector only
+
+
+def table_defs(config: Config) -> list[TableDef]:
+    """The rollout table for `config.replay.mode`, then the positives table when positive bias is on.
 
     "replay": `selector` over a FIFO window of `max_size` rollouts, held to
     `samples_per_insert` by a `SampleToInsertRatio` limiter.
@@ -38,24 +95,17 @@ def build_table(config: Config, item_spec: ItemSpec) -> reverb.Table:
     rollouts wait, so the FIFO remover never evicts an unsampled rollout.
     """
     r, t = config.replay, config.train
-    signature = table_signature(item_spec)
     split = positive_split(config)
     if r.mode == "on_policy":
         size = max(t.batch_size, config.rollouts_per_step)
-        return reverb.Table(
-            name=TABLE_NAME, sampler=reverb.selectors.Lifo(), remover=reverb.selectors.Fifo(),
-            max_size=size, max_times_sampled=1, rate_limiter=reverb.rate_limiters.Queue(size),
-            signature=signature)
-    return reverb.Table(
-        name=TABLE_NAME,
-        sampler=_selector(r.selector, r.priority_exponent),
-        remover=reverb.selectors.Fifo(),
-        max_size=split.main_size,
-        max_times_sampled=r.max_times_sampled,
-        rate_limiter=reverb.rate_limiters.SampleToInsertRatio(
-            samples_per_insert=split.main_samples_per_insert, min_size_to_sample=r.min_size_to_sample,
-            error_buffer=config.error_buffer),
-        signature=signature)
+        return [TableDef(TABLE_NAME, "lifo", size, queue_limit(size), max_times_sampled=1)]
+    defs = [TableDef(TABLE_NAME, r.selector, split.main_size,
+                     sample_to_insert_ratio(split.main_samples_per_insert, r.min_size_to_sample,
+                                            config.error_buffer),
+                     max_times_sampled=r.max_times_sampled, priority_exponent=r.priority_exponent)]
+    if split.positive_size:
+        defs.append(TableDef(POSITIVE_TABLE_NAME, "uniform", split.positive_size, min_size_limit(1)))
+    return defs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,33 +135,68 @@ def positive_split(config: Config) -> PositiveSplit:
                          positive_batch=b_pos, main_samples_per_insert=r.samples_per_insert * (b - b_pos) / b)
 
 
-def build_tables(config: Config, item_spec: ItemSpec) -> list[reverb.Table]:
-    """The rollout table, then the positives table when positive-bias sampling is on."""
-    tables = [build_table(config, item_spec)]
-    split = positive_split(config)
-    if split.positive_size:
-        tables.append(reverb.Table(
-            name=POSITIVE_TABLE_NAME, sampler=reverb.selectors.Uniform(), remover=reverb.selectors.Fifo(),
-            max_size=split.positive_size, rate_limiter=reverb.rate_limiters.MinSize(1),
-            signature=table_signature(item_spec)))
-    return tables
+def resolve_backend(name: str) -> str:
+    """"reverb" or "inprocess" for `replay.backend`; "auto" is reverb where it is installed."""
+    if name != "auto":
+        return name
+    backend = "reverb" if importlib.util.find_spec("reverb") is not None else "inprocess"
+    logging.getLogger(__name__).info("replay.backend=auto: using the %s backend", backend)
+    return backend
 
 
-def table_signature(item_spec: ItemSpec) -> dict[str, tf.TensorSpec]:
+def build_tables(config: Config, item_spec: ItemSpec, backend: str | None = None) -> list:
+    """The tables of `table_defs(config)` for `backend` (default: `config.replay.backend`):
+    `reverb.Table`s or `InProcessTable`s; pass them to `serve`."""
+    backend = resolve_backend(backend or config.replay.backend)
+    if backend == "inprocess":
+        from jaxreplay.replay.inprocess import InProcessTable
+        return [InProcessTable(d, item_spec) for d in table_defs(config)]
+    return [reverb_table(d, item_spec) for d in table_defs(config)]
+
+
+def build_table(config: Config, item_spec: ItemSpec, backend: str | None = None):
+    """The rollout table alone (see `table_defs`)."""
+    return build_tables(config, item_spec, backend)[0]
+
+
+def reverb_table(d: TableDef, item_spec: ItemSpec):
+    """`d` as a `reverb.Table` with a signature matching `item_spec`."""
+    reverb = import_reverb()
+    rl = d.rate_limit
+    limiter = reverb.rate_limiters.RateLimiter(rl.samples_per_insert, rl.min_size_to_sample, rl.min_diff,
+                                               rl.max_diff)
+    selectors = {"uniform": reverb.selectors.Uniform, "fifo": reverb.selectors.Fifo, "lifo": reverb.selectors.Lifo,
+                 "prioritized": lambda: reverb.selectors.Prioritized(d.priority_exponent)}
+    if d.selector not in selectors:
+        raise ValueError(f"replay.selector: unknown selector {d.selector!r}")
+    return reverb.Table(name=d.name, sampler=selectors[d.selector](), remover=reverb.selectors.Fifo(),
+                        max_size=d.max_size, max_times_sampled=d.max_times_sampled, rate_limiter=limiter,
+                        signature=table_signature(item_spec))
+
+
+def table_signature(item_spec: ItemSpec):
+    import tensorflow as tf
     return {name: tf.TensorSpec(tuple(shape), tf.as_dtype(np.dtype(dtype)), name=name)
             for name, (shape, dtype) in item_spec.items()}
 
 
-def _selector(name: str, priority_exponent: float):
-    if name == "uniform":
-        return reverb.selectors.Uniform()
-    if name == "fifo":
-        return reverb.selectors.Fifo()
-    if name == "lifo":
-        return reverb.selectors.Lifo()
-    if name == "prioritized":
-        return reverb.selectors.Prioritized(priority_exponent)
-    raise ValueError(f"replay.selector: unknown selector {name!r}")
+def set_tf_cpu_only() -> None:
+    """Keeps TensorFlow off GPUs; a no-op once TensorFlow has initialized its devices."""
+    import os
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    import tensorflow as tf
+    try:
+        tf.config.set_visible_devices([], "GPU")
+    except RuntimeError:
+        pass  # Devices already initialized: too late to hide them, and nothing to do here.
+
+
+def import_reverb():
+    """The `reverb` module, TensorFlow hidden from GPUs first (Reverb imports it)."""
+    if "reverb" not in sys.modules:
+        set_tf_cpu_only()
+    import reverb
+    return reverb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,8 +273,11 @@ class LimiterState:
                 f"window=[{self.min_diff:g}, {self.max_diff:g}], diff={self.diff:g}")
 
 
-def limiter_state(client: reverb.Client, table: str, timeout_s: float) -> LimiterState:
+def limiter_state(client, table: str, timeout_s: float) -> LimiterState:
     """The live state of `table`, asked of the server (bounded by `timeout_s`)."""
+    if hasattr(client, "state"):  # the in-process server is its own client
+        return client.state(table)
+    reverb = import_reverb()
     try:
         infos = client.server_info(timeout=max(1, int(np.ceil(timeout_s))))
     except reverb.errors.DeadlineExceededError:

@@ -6,12 +6,12 @@ import time
 from typing import Callable, Mapping, Optional
 
 import numpy as np
-import reverb
 
+from jaxreplay.replay.inprocess import InProcessServer
 from jaxreplay.replay.server import Source, connect
 from jaxreplay.config import Config
 from jaxreplay.replay.tables import (
-    POSITIVE_TABLE_NAME, TABLE_NAME, ItemSpec, ReplayTimeoutError, limiter_state, positive_split)
+    POSITIVE_TABLE_NAME, TABLE_NAME, ItemSpec, ReplayTimeoutError, import_reverb, limiter_state, positive_split)
 
 # Reverb warns ("alarmingly high") past ~50 unconfirmed items; flush in slices below that.
 _FLUSH_EVERY = 32
@@ -33,7 +33,8 @@ class RolloutWriter:
         self._spec = {k: (tuple(shape), np.dtype(dtype)) for k, (shape, dtype) in item_spec.items()}
         self._timeout_s = timeout_s
         # One step per item: each item references only the step just appended.
-        self._writer = self._client.trajectory_writer(num_keep_alive_refs=1, validate_items=False)
+        self._writer = None if isinstance(self._client, InProcessServer) else \
+            self._client.trajectory_writer(num_keep_alive_refs=1, validate_items=False)
 
     def insert(self, batch: Mapping[str, np.ndarray], priorities: Optional[np.ndarray] = None) -> None:
         """Inserts row i of every array as one item (with `priorities[i]`, default 1).
@@ -48,6 +49,12 @@ class RolloutWriter:
         priorities = np.asarray(priorities, np.float64)
         if priorities.shape != (n,):
             raise ValueError(f"priorities: expected shape ({n},), got {priorities.shape}")
+        if self._writer is None:
+            positive = (lambda i: (self._positive_table,) if arrays["reward"][i] > 0 else ()) \
+                if self._positive_table is not None else (lambda i: ())
+            self._client.insert([{k: a[i] for k, a in arrays.items()} for i in range(n)], priorities, positive,
+                                table=self._table, timeout_s=self._timeout_s)
+            return
         deadline = time.monotonic() + self._timeout_s
         for start in range(0, n, _FLUSH_EVERY):
             for i in range(start, min(n, start + _FLUSH_EVERY)):
@@ -60,7 +67,8 @@ class RolloutWriter:
 
     def close(self) -> None:
         """Releases the stream; rows still queued behind the limiter may be dropped."""
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
     def __enter__(self) -> "RolloutWriter":
         return self
@@ -70,6 +78,7 @@ class RolloutWriter:
 
     def _flush(self, deadline: float, n: int) -> None:
         remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        reverb = import_reverb()
         try:
             self._writer.flush(timeout_ms=remaining_ms)
         except reverb.errors.DeadlineExceededError:

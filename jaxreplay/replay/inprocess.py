@@ -1,0 +1,276 @@
+"""The in-process replay backend: Reverb's table semantics for one host, without Reverb.
+
+dm-reverb ships wheels only for CPython 3.10/3.11 and needs TensorFlow; this backend
+is plain Python and numpy, so the stack runs where Reverb cannot install (Colab's
+Python 3.12). It serves the same `TableDef`s with the same rules: the selector
+(uniform, fifo, lifo, prioritized with an exponent), a FIFO remover at `max_size`,
+`max_times_sampled`, and the rate limiter decided by `LimiterState.can_insert` /
+`can_sample`, the operation-for-operation mirror of Reverb's rate_limiter.cc, so both
+backends admit and block the same calls (tests/test_replay_differential.py checks).
+Like Reverb, the limiter admits one item at a time. Unlike Reverb, rows that a timed-out
+insert had not yet landed are dropped rather than left queued, and the server is
+reachable only from this process (threads included): multi-host runs need Reverb.
+
+Checkpoints are plain directories: per table an `.npz` of the items (fields, keys,
+priorities, times sampled; loaded without pickle) and a `tables.json` of settings and
+counters, written under a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from jaxreplay.replay.tables import ItemSpec, LimiterState, RateLimit, ReplayTimeoutError, TableDef
+
+_DONE = "DONE"  # marks a complete checkpoint, as in Reverb's
+_FORMAT = 1
+
+
+@dataclasses.dataclass
+class _Item:
+    key: int
+    row: Mapping[str, np.ndarray]  # shared between tables that hold the same rollout
+    priority: float
+    times_sampled: int = 0
+
+
+class InProcessTable:
+    """One table's items and limiter counters. Not thread-safe on its own: the
+    `InProcessServer` that hosts it calls it under its lock."""
+
+    def __init__(self, definition: TableDef, item_spec: ItemSpec):
+        if definition.selector not in ("uniform", "fifo", "lifo", "prioritized"):
+            raise ValueError(f"replay.selector: unknown selector {definition.selector!r}")
+        self.definition = definition
+        self.item_spec = {k: (tuple(shape), np.dtype(dtype)) for k, (shape, dtype) in item_spec.items()}
+        self.items: list[_Item] = []  # insertion order: the FIFO remover takes items[0]
+        self.inserts = 0
+        self.samples = 0
+
+    @property
+    def name(self) -> str:
+        return self.definition.name
+
+    def state(self) -> LimiterState:
+        d, rl = self.definition, self.definition.rate_limit
+        return LimiterState(
+            table=d.name, size=len(self.items), max_size=d.max_size, max_times_sampled=d.max_times_sampled,
+            inserts=self.inserts, samples=self.samples, deletes=self.inserts - len(self.items),
+            samples_per_insert=rl.samples_per_insert, min_size_to_sample=rl.min_size_to_sample,
+            min_diff=rl.min_diff, max_diff=rl.max_diff)
+
+    def insert(self, item: _Item) -> None:
+        """Inserts one admitted item, first evicting the oldest if the table is full."""
+        if len(self.items) >= self.definition.max_size:
+            self.items.pop(0)
+        self.items.append(item)
+        self.inserts += 1
+
+    def sample(self, rng: np.random.Generator) -> tuple[_Item, float, int, int]:
+        """Samples one admitted item: (item, its probability, table size before any removal,
+        times sampled with this sample)."""
+        n, d = len(self.items), self.definition
+        if d.selector == "fifo":
+            i, p = 0, 1.0
+        elif d.selector == "lifo":
+            i, p = n - 1, 1.0
+        elif d.selector == "uniform":
+            i, p = int(rng.integers(n)), 1.0 / n
+        else:
+            weights = np.array([it.priority for it in self.items], np.float64) ** d.priority_exponent
+            probs = weights / weights.sum()
+            i = int(rng.choice(n, p=probs))
+            p = float(probs[i])
+        item = self.items[i]
+        item.times_sampled += 1
+        self.samples += 1
+        if d.max_times_sampled > 0 and item.times_sampled >= d.max_times_sampled:
+            self.items.pop(i)
+        return item, p, n, item.times_sampled
+
+
+class InProcessServer:
+    """Hosts `InProcessTable`s in this process with `ReplayServer`'s interface, and is its
+    own client: readers and writers call `state`, `insert` and `sample` directly."""
+
+    def __init__(self, tables: InProcessTable | Sequence[InProcessTable], *,
+                 checkpoint_root: Optional[str | os.PathLike] = None,
+                 restore_from: Optional[str | os.PathLike] = None, timeout_s: float = 60.0,
+                 seed: Optional[int] = None):
+        """As `ReplayServer`; `seed` seeds the uniform and prioritized selectors."""
+        tables = [tables] if isinstance(tables, InProcessTable) else list(tables)
+        self._tables = {t.name: t for t in tables}
+        self._table = tables[0].name
+        self._timeout_s = timeout_s
+        self._checkpoint_root = None if checkpoint_root is None else os.fspath(checkpoint_root)
+        if self._checkpoint_root is not None:
+            os.makedirs(self._checkpoint_root, exist_ok=True)
+        self._cond = threading.Condition()
+        self._rng = np.random.default_rng(seed)
+        self._next_key = 1
+        self._stopped = False
+        if restore_from is not None:
+            self._restore(os.fspath(restore_from))
+
+    address = "inprocess"
+    port = 0
+
+    @property
+    def table(self) -> str:
+        return self._table
+
+    # --- ReplayServer's interface -------------------------------------------------
+
+    def info(self) -> LimiterState:
+        return self.state(self._table)
+
+    def describe(self) -> str:
+        return self.info().describe()
+
+    def can_insert(self, n: int) -> bool:
+        return self.info().can_insert(n)
+
+    def can_sample(self, n: int) -> bool:
+        return self.info().can_sample(n)
+
+    def checkpoint(self) -> str:
+        """Saves items and counters of every table; returns the path for `restore_from`."""
+        if self._checkpoint_root is None:
+            raise ValueError("this InProcessServer was started without a checkpoint_root")
+        with self._cond:
+            staging = tempfile.mkdtemp(prefix=".inprocess-staging-", dir=self._checkpoint_root)
+            meta = {"format": _FORMAT, "next_key": self._next_key, "tables": []}
+            for t in self._tables.values():
+                arrays = {f"field.{k}": (np.stack([it.row[k] for it in t.items]) if t.items
+                                         else np.zeros((0, *shape), dtype))
+                          for k, (shape, dtype) in t.item_spec.items()}
+                arrays["key"] = np.array([it.key for it in t.items], np.uint64)
+                arrays["priority"] = np.array([it.priority for it in t.items], np.float64)
+                arrays["times_sampled"] = np.array([it.times_sampled for it in t.items], np.int64)
+                np.savez(os.path.join(staging, f"{t.name}.npz"), **arrays)
+                meta["tables"].append({"definition": dataclasses.asdict(t.definition),
+                                       "inserts": t.inserts, "samples": t.samples})
+            with open(os.path.join(staging, "tables.json"), "w") as f:
+                json.dump(meta, f)
+            open(os.path.join(staging, _DONE), "w").close()
+            path = os.path.join(self._checkpoint_root, f"{time.strftime('%Y%m%dT%H%M%S')}-{self._next_key}-"
+                                f"{os.urandom(4).hex()}")
+            os.replace(staging, path)
+            return path
+
+    def prune_checkpoints(self, keep: set[str]) -> list[str]:
+        """Deletes the checkpoints in `checkpoint_root` not named in `keep`; returns them."""
+        if self._checkpoint_root is None:
+            return []
+        keep = {os.path.abspath(p) for p in keep}
+        removed = []
+        for name in sorted(os.listdir(self._checkpoint_root)):
+            path = os.path.abspath(os.path.join(self._checkpoint_root, name))
+            if name.startswith(".") or path in keep or not os.path.isdir(path):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        return removed
+
+    def stop(self) -> None:
+        """Wakes every blocked call (which then fails); idempotent."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def __enter__(self) -> "InProcessServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- the client side ----------------------------------------------------------
+
+    def state(self, table: str) -> LimiterState:
+        with self._cond:
+            return self._get(table).state()
+
+    def insert(self, rows: Sequence[Mapping[str, np.ndarray]], priorities: Sequence[float],
+               extra_tables: Callable[[int], Sequence[str]], *, table: str, timeout_s: float) -> None:
+        """Inserts `rows` in order, row i into `table` with `priorities[i]` and (priority 1)
+        into `extra_tables(i)`, each item once its limiter admits it; raises
+        `ReplayTimeoutError` after `timeout_s` in all, dropping the rows not yet inserted."""
+        deadline = time.monotonic() + timeout_s
+        for i, row in enumerate(rows):
+            for name, priority in [(table, float(priorities[i])), *((t, 1.0) for t in extra_tables(i))]:
+                with self._cond:
+                    t = self._await(name, lambda s: s.can_insert(1), deadline,
+                                    lambda s: f"insert of {len(rows)} rows timed out after {timeout_s:g}s "
+                                    f"with {i} inserted, waiting for the rate limiter to admit them "
+                                    f"(no sampler draining the table?): {s.describe()}")
+                    t.insert(_Item(self._next_key, row, priority))
+                    self._next_key += 1
+                    self._cond.notify_all()
+
+    def sample(self, table: str, n: int, *, timeout_s: float) -> list[tuple[_Item, float, int, int]]:
+        """Samples `n` items one at a time, each once the limiter allows it, within
+        `timeout_s` in all: [(item, probability, table size, times sampled)]."""
+        deadline, out = time.monotonic() + timeout_s, []
+        for i in range(n):
+            with self._cond:
+                t = self._await(table, lambda s: s.can_sample(1), deadline,
+                                lambda s: f"sample({n}) timed out after {timeout_s:g}s with {i} items taken, "
+                                f"waiting for the rate limiter (no actor inserting?): {s.describe()}")
+                out.append(t.sample(self._rng))
+                self._cond.notify_all()
+        return out
+
+    # --- internals ----------------------------------------------------------------
+
+    def _get(self, table: str) -> InProcessTable:
+        if table not in self._tables:
+            raise KeyError(f"no table {table!r} on the in-process server (tables: {', '.join(sorted(self._tables))})")
+        return self._tables[table]
+
+    def _await(self, table: str, admitted, deadline: float, message) -> InProcessTable:
+        """Waits (holding the lock between checks) until `admitted(state)`; the table."""
+        t = self._get(table)
+        while not admitted(t.state()):
+            if self._stopped:
+                raise RuntimeError(f"the in-process replay server was stopped: {t.state().describe()}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ReplayTimeoutError(message(t.state()))
+            self._cond.wait(remaining)
+        return t
+
+    def _restore(self, path: str) -> None:
+        if not os.path.exists(os.path.join(path, _DONE)):
+            raise FileNotFoundError(f"no complete in-process replay checkpoint at {path}")
+        with open(os.path.join(path, "tables.json")) as f:
+            meta = json.load(f)
+        saved = {m["definition"]["name"]: m for m in meta["tables"]}
+        if sorted(saved) != sorted(self._tables):
+            raise ValueError(f"replay checkpoint {path} holds tables {sorted(saved)}, the config {sorted(self._tables)}")
+        for name, t in self._tables.items():
+            d = saved[name]["definition"]
+            got = dataclasses.replace(t.definition, rate_limit=RateLimit(**d.pop("rate_limit")), **d)
+            if got != t.definition:
+                diffs = [f"{f.name}: checkpoint {getattr(got, f.name)!r} vs config {getattr(t.definition, f.name)!r}"
+                         for f in dataclasses.fields(TableDef) if getattr(got, f.name) != getattr(t.definition, f.name)]
+                raise ValueError(f"replay checkpoint {path} was saved with different table settings: "
+                                 + "; ".join(diffs))
+            with np.load(os.path.join(path, f"{name}.npz"), allow_pickle=False) as z:
+                fields = {k: z[f"field.{k}"] for k in t.item_spec if f"field.{k}" in z}
+                if set(fields) != set(t.item_spec) or any(
+                        fields[k].shape[1:] != shape or fields[k].dtype != dtype
+                        for k, (shape, dtype) in t.item_spec.items()):
+                    raise ValueError(f"replay checkpoint {path}: table {name!r} was saved with other item fields")
+                t.items = [_Item(int(key), {k: a[i] for k, a in fields.items()}, float(pr), int(ts))
+                           for i, (key, pr, ts) in enumerate(zip(z["key"], z["priority"], z["times_sampled"]))]
+            t.inserts, t.samples = saved[name]["inserts"], saved[name]["samples"]
+        self._next_key = meta["next_key"]

@@ -1,0 +1,119 @@
+"""The in-process replay backend against real Reverb: the same seeded operations on both.
+
+Limiter decisions are compared with Reverb's own C++ limiter (`reverb.Table.can_insert`
+/ `can_sample` on the live table) before a checkpoint, and with the server's counters
+after a restore (the table object goes stale then); contents are compared exactly
+under fifo/lifo, and sampling frequencies under uniform/prioritized by chi-square.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+pytest.importorskip("reverb", reason="the differential tests need dm-reverb (the `reverb` extra, Python 3.10/3.11)")
+from scipy import stats  # noqa: E402
+
+from jaxreplay.config import load_config  # noqa: E402
+from jaxreplay.replay import (  # noqa: E402
+    ReplayTimeoutError, RolloutReader, RolloutWriter, TableDef, build_tables, serve)
+from jaxreplay.replay.inprocess import InProcessServer, InProcessTable  # noqa: E402
+from jaxreplay.replay.tables import min_size_limit, reverb_table  # noqa: E402
+from test_replay import SPEC, rollouts  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120, method="thread")
+
+SEQUENCES = {
+    "fifo": ("replay.selector=fifo", "replay.samples_per_insert=2", "replay.error_buffer=4"),
+    "lifo": ("replay.selector=lifo", "replay.samples_per_insert=0.5", "replay.error_buffer=3"),
+    "fifo_max_times_sampled": ("replay.selector=fifo", "replay.samples_per_insert=1.5", "replay.error_buffer=4",
+                               "replay.max_times_sampled=2"),
+    "uniform": ("replay.selector=uniform", "replay.samples_per_insert=3", "replay.error_buffer=5"),
+    "on_policy": ("replay.mode=on_policy", "replay.error_buffer=4"),
+}
+SMALL = ("train.batch_size=4", "train.prompts_per_step=2", "train.group_size=2", "replay.max_size=10",
+         "replay.min_size_to_sample=4")
+
+
+@contextlib.contextmanager
+def both(cfg, checkpoint_root, restore=(None, None)):
+    """(reverb server, its live tables, in-process server) for `cfg`."""
+    reverb_tables = build_tables(cfg, SPEC, "reverb")
+    with serve(reverb_tables, checkpoint_root=checkpoint_root / "reverb", restore_from=restore[0]) as rv, \
+            serve(build_tables(cfg, SPEC, "inprocess"), checkpoint_root=checkpoint_root / "inprocess",
+                  restore_from=restore[1]) as ip:
+        yield rv, reverb_tables[0], ip
+
+
+@pytest.mark.parametrize("name", sorted(SEQUENCES))
+def test_same_operations_same_decisions_counters_and_fifo_lifo_contents(name, tmp_path):
+    cfg = load_config(None, [*SMALL, *SEQUENCES[name]])
+    rng = np.random.default_rng(sum(map(ord, name)))
+    next_id, decisions, restore = 0, {"insert": [0, 0], "sample": [0, 0]}, (None, None)
+    for phase in range(2):  # phase 1 continues from phase 0's checkpoints
+        with both(cfg, tmp_path, restore) as (rv, live, ip):
+            servers = (rv, ip)
+            writers = [RolloutWriter(s, SPEC, timeout_s=5) for s in servers]
+            readers = [RolloutReader(s, SPEC, timeout_s=5) for s in servers]
+            for step in range(60):
+                states = [s.info() for s in servers]
+                assert _counters(states[0]) == _counters(states[1]), (phase, step)
+                op, k = ("insert", "sample")[int(rng.integers(2))], int(rng.integers(1, 5))
+                admitted = [st.can_insert(k) if op == "insert" else st.can_sample_at_once(k) for st in states]
+                if phase == 0:  # Reverb's own limiter, while the live table is the served one
+                    cpp = live.can_insert(k) if op == "insert" else live.can_sample(k)
+                    assert cpp == (states[1].can_insert(k) if op == "insert" else states[1].can_sample(k)), step
+                assert admitted[0] == admitted[1], (phase, step, op, k)
+                decisions[op][admitted[1]] += 1
+                if not admitted[1]:
+                    if op == "sample" and not states[1].can_sample(1):
+                        for r in readers:  # blocked on both: each times out
+                            r._timeout_s = 0.05
+                            with pytest.raises(ReplayTimeoutError):
+                                r.sample(1)
+                            r._timeout_s = 5
+                    continue
+                if op == "insert":
+                    for w in writers:
+                        w.insert(rollouts(range(next_id, next_id + k)))
+                    next_id += k
+                else:
+                    got = [r.sample(k) for r in readers]
+                    if cfg.replay.selector != "uniform" or cfg.replay.mode == "on_policy":
+                        np.testing.assert_array_equal(got[0][0]["policy_version"], got[1][0]["policy_version"])
+                        for field in ("times_sampled", "probabilities", "table_size"):
+                            np.testing.assert_array_equal(getattr(got[0][1], field), getattr(got[1][1], field))
+            restore = (rv.checkpoint(), ip.checkpoint())
+            for w in writers:
+                w.close()
+    assert all(min(v) > 0 for v in decisions.values()), decisions  # both branches exercised
+
+
+def _counters(state):
+    return (state.size, state.inserts, state.samples, state.deletes, state.min_diff, state.max_diff)
+
+
+@pytest.mark.parametrize("selector,exponent", [("uniform", 1.0), ("prioritized", 1.0), ("prioritized", 0.5)])
+def test_sampling_frequencies_agree_with_reverb(selector, exponent, tmp_path):
+    n, draws = 6, 3000
+    definition = TableDef("rollouts", selector, 16, min_size_limit(1), priority_exponent=exponent)
+    priorities = np.arange(1.0, n + 1)
+    expected = priorities ** (exponent if selector == "prioritized" else 0.0)
+    expected = expected / expected.sum()
+    counts = []
+    for server in (serve([reverb_table(definition, SPEC)]), InProcessServer([InProcessTable(definition, SPEC)], seed=0)):
+        with server:
+            with RolloutWriter(server, SPEC, timeout_s=5) as writer:
+                writer.insert(rollouts(range(n)), priorities=priorities)
+            reader = RolloutReader(server, SPEC, timeout_s=5)
+            batches = [reader.sample(300) for _ in range(draws // 300)]
+            ids = np.concatenate([b["policy_version"] for b, _ in batches])
+            probs = np.concatenate([info.probabilities for _, info in batches])
+            np.testing.assert_allclose(probs, expected[ids], rtol=1e-6)  # reported probabilities agree exactly
+            counts.append(np.bincount(ids, minlength=n))
+    for c in counts:  # each backend matches the selector's distribution
+        assert stats.chisquare(c, expected * draws).pvalue > 1e-4, (c, expected * draws)
+    # and the two samples come from one distribution
+    assert stats.chi2_contingency(np.stack(counts)).pvalue > 1e-4, counts
