@@ -1,6 +1,8 @@
 # The two commands of the quickstart. Each creates .venv (Python 3.11) when missing.
 PYTHON ?= python3.11
 VENV   := .venv
+# .ci/run's Python 3.12 lane sets EXTRAS=test: no Reverb/TensorFlow wheels there (in-process replay).
+EXTRAS ?= test,reverb
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
 .PHONY: demo test clean
@@ -8,7 +10,7 @@ STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(VENV)/bin/python -m pip install --quiet -e '.[$(EXTRAS)]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
 ## make demo: the embedded default demo on CPU (ARGS='train.steps=40 ...' to override)

@@ -64,6 +64,7 @@ def _prepare(data_dir, name, features, data, convert):
 def tfds_dir(tmp_path_factory):
     """GSM8K in TFDS's own feature layout (the registered `gsm8k` builder reads it back) and MATH's
     fields under `hendrycks_math` (no registered builder: TFDS reads it from the files)."""
+    pytest.importorskip("tensorflow_datasets", reason="TFDS needs TensorFlow (the `reverb` extra; Python 3.10/3.11)")
     data_dir = tmp_path_factory.mktemp("tfds")
     _prepare(data_dir, "gsm8k", ["question", "answer", "annotation", "short_answer"], GSM8K,
              lambda q, a: {"question": q, "answer": a, "annotation": a.split("####")[0],
@@ -107,6 +108,7 @@ def test_math_reads_a_prepared_dataset_without_a_registered_builder(tfds_dir):
 
 
 def test_an_unprepared_tfds_dataset_is_an_error_never_a_download(tmp_path):
+    pytest.importorskip("tensorflow_datasets", reason="TFDS needs TensorFlow (the `reverb` extra; Python 3.10/3.11)")
     with pytest.raises(DatasetError, match=r"'gsm8k' is not prepared in .*tfds build gsm8k"):
         make_task(config("task.name=gsm8k", f"task.data_dir={tmp_path}").task)
     with pytest.raises(DatasetError, match="'no_such_set' is neither a TFDS builder nor prepared"):

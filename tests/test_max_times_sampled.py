@@ -8,7 +8,7 @@ import pytest
 from jaxreplay.config import load_config
 from jaxreplay.loop import train
 from jaxreplay.metrics import read_metrics
-from jaxreplay.replay import IncrementalReader, ReplayServer, build_tables, reader_for, writer_for
+from jaxreplay.replay import IncrementalReader, build_tables, reader_for, serve, writer_for
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 SPEC = {"tokens": ((3,), np.int32), "attention_mask": ((3,), np.bool_), "completion_mask": ((3,), np.bool_),
@@ -28,7 +28,7 @@ def _rows(ids):
 def test_a_batch_is_assembled_from_what_can_be_taken_without_blocking():
     c = load_config(None, ["replay.max_times_sampled=1", "replay.min_size_to_sample=4", "replay.max_size=64",
                            "train.batch_size=8", "replay.samples_per_insert=1", "replay.timeout_s=10"])
-    with ReplayServer(build_tables(c, SPEC), timeout_s=10) as server:
+    with serve(build_tables(c, SPEC), timeout_s=10) as server:
         writer, reader = writer_for(server, c, SPEC), reader_for(server, c, SPEC)
         assert isinstance(reader, IncrementalReader)
         writer.insert(_rows(range(6)))

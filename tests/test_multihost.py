@@ -15,6 +15,8 @@ from typing import Optional
 
 import pytest
 
+pytest.importorskip("reverb", reason="needs dm-reverb (the `reverb` extra; Python 3.10/3.11): one Reverb server for all processes")
+
 from jaxreplay.config import ConfigError, load_config
 from jaxreplay.multihost import _choose, _insertable
 from jaxreplay.replay import LimiterState

@@ -11,6 +11,8 @@ import time
 import numpy as np
 import pytest
 
+pytest.importorskip("reverb", reason="needs dm-reverb (the `reverb` extra; Python 3.10/3.11)")
+
 from jaxreplay.config import ConfigError, load_config, validate
 from jaxreplay.replay import (
     TABLE_NAME, ReplayServer, ReplayTimeoutError, RolloutReader, RolloutWriter, build_table)

@@ -3,7 +3,8 @@ split) and prioritized replay (priorities from the frozen advantage)."""
 
 import numpy as np
 import pytest
-import reverb
+
+reverb = pytest.importorskip("reverb", reason="needs dm-reverb (the `reverb` extra; Python 3.10/3.11)")
 
 from jaxreplay.config import ConfigError, load_config
 from jaxreplay.replay import (

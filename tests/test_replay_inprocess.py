@@ -1,0 +1,99 @@
+"""The in-process replay backend on its own (it runs where Reverb cannot install):
+imports, blocking with timeouts, checkpoints. tests/test_replay_differential.py holds
+it to Reverb's behaviour."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxreplay.config import load_config
+from jaxreplay.replay import (
+    InProcessServer, ReplayTimeoutError, RolloutReader, RolloutWriter, build_tables, serve)
+
+pytestmark = pytest.mark.timeout(60, method="thread")
+
+SPEC = {"tokens": ((3,), np.int32), "reward": ((), np.float32), "policy_version": ((), np.int32)}
+CFG = ("train.batch_size=4", "train.prompts_per_step=2", "train.group_size=2", "replay.max_size=6",
+       "replay.min_size_to_sample=2", "replay.samples_per_insert=2", "replay.error_buffer=4")
+
+
+def rollouts(ids):
+    ids = np.asarray(list(ids), np.int32)
+    return {"tokens": np.stack([ids, ids + 1, ids + 2], axis=1), "reward": ids.astype(np.float32) % 2,
+            "policy_version": ids}
+
+
+def server(*overrides, **kwargs) -> InProcessServer:
+    return serve(build_tables(load_config(None, [*CFG, *overrides]), SPEC, "inprocess"), **kwargs)
+
+
+def test_importing_replay_imports_neither_reverb_nor_tensorflow():
+    code = ("import sys, jaxreplay.replay, jaxreplay.loop; "
+            "print(sorted(m for m in ('reverb', 'tensorflow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_auto_backend_without_reverb_is_inprocess(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "reverb" else real(name, *a))
+    assert isinstance(serve(build_tables(load_config(None, list(CFG)), SPEC)), InProcessServer)
+
+
+def test_blocked_calls_time_out_with_the_limiter_state():
+    with server(timeout_s=1) as s:
+        reader, writer = RolloutReader(s, SPEC, timeout_s=0.2), RolloutWriter(s, SPEC, timeout_s=0.2)
+        t0 = time.monotonic()
+        with pytest.raises(ReplayTimeoutError, match=r"size=0, inserts=0"):
+            reader.sample(1)  # below min_size_to_sample
+        writer.insert(rollouts(range(4)))  # diff 8 = offset 4 + buffer 4: the window is full
+        with pytest.raises(ReplayTimeoutError, match=r"insert of 1 rows timed out .* inserts=4"):
+            writer.insert(rollouts([4]))
+        assert time.monotonic() - t0 < 1.5
+        assert s.info().inserts == 4
+
+
+def test_a_blocked_sample_is_woken_by_an_insert_from_another_thread():
+    with server() as s:
+        reader = RolloutReader(s, SPEC, timeout_s=10)
+        threading.Timer(0.2, lambda: RolloutWriter(s, SPEC, timeout_s=5).insert(rollouts(range(2)))).start()
+        batch, info = reader.sample(2)
+        assert sorted(batch["tokens"][:, 0]) == sorted(batch["policy_version"])
+        assert set(batch["policy_version"]) <= {0, 1} and (info.table_size == 2).all()
+
+
+def test_checkpoint_restores_items_and_counters_exactly(tmp_path):
+    with server("replay.positive_fraction=0.5", checkpoint_root=tmp_path) as s:
+        RolloutWriter(s, SPEC, timeout_s=5, positive_table="positives").insert(rollouts(range(5)))
+        RolloutReader(s, SPEC, timeout_s=5).sample(3)
+        path = s.checkpoint()
+        before = {t: s.state(t) for t in ("rollouts", "positives")}
+        rows_before = {t: [(it.key, it.times_sampled, it.row["policy_version"].item()) for it in tab.items]
+                       for t, tab in s._tables.items()}
+    assert sorted(os.listdir(path)) == ["DONE", "positives.npz", "rollouts.npz", "tables.json"]
+    json.load(open(os.path.join(path, "tables.json")))
+    with np.load(os.path.join(path, "rollouts.npz"), allow_pickle=False) as z:
+        assert z["field.tokens"].shape == (3, 3)  # the main table holds N - dN = 3
+    with server("replay.positive_fraction=0.5", checkpoint_root=tmp_path, restore_from=path) as s:
+        assert {t: s.state(t) for t in before} == before
+        assert {t: [(it.key, it.times_sampled, it.row["policy_version"].item()) for it in tab.items]
+                for t, tab in s._tables.items()} == rows_before
+        assert s.prune_checkpoints(keep={path}) == []
+
+
+def test_restore_refuses_other_settings_and_incomplete_checkpoints(tmp_path):
+    with server(checkpoint_root=tmp_path) as s:
+        path = s.checkpoint()
+    with pytest.raises(ValueError, match=r"different table settings: rate_limit"):
+        server("replay.samples_per_insert=3", restore_from=path)
+    with pytest.raises(FileNotFoundError, match="no complete in-process replay checkpoint"):
+        server(restore_from=str(tmp_path / "nope"))
