@@ -16,6 +16,7 @@ it says so.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from pathlib import Path
@@ -28,6 +29,7 @@ from jaxreplay.accounting import STALENESS_LABELS
 from jaxreplay.metrics import read_metrics
 
 _PASS_AT = re.compile(r"eval/pass@(\d+)$")
+EVAL_FILE = "eval.json"  # `jaxreplay eval CONFIG --checkpoint RUN_DIR --k 1,8 --out RUN_DIR/eval.json`
 # x axes of the accuracy plots: metrics key (cumulative, per step) and label.
 _AXES = {
     "tokens": ("tokens/generated", "generated tokens"),
@@ -41,6 +43,14 @@ class RunData:
     dir: Path
     config: dict[str, Any]
     records: list[dict[str, Any]]
+    final_eval: dict[str, Any] = dataclasses.field(default_factory=dict)  # RUN_DIR/eval.json, if any
+
+    def pass_at(self, k: str) -> Optional[float]:
+        """pass@k of the final policy from `jaxreplay eval ... --out RUN_DIR/eval.json`."""
+        if k == "1" and "pass@1" in self.final_eval:
+            return float(self.final_eval["pass@1"])
+        value = self.final_eval.get("pass@k", {}).get(k)
+        return None if value is None else float(value)
 
     def series(self, key: Optional[str]) -> tuple[np.ndarray, np.ndarray]:
         """(steps, values) of `key` where present; key None: cumulative loop seconds."""
@@ -86,7 +96,9 @@ def load_runs(run_dirs: Sequence[str | Path]) -> list[RunData]:
     for d in map(Path, run_dirs):
         if not (d / "metrics.jsonl").exists() or not (d / "config.yaml").exists():
             raise FileNotFoundError(f"{d} is not a run dir (needs metrics.jsonl and config.yaml)")
-        runs.append(RunData(dir=d, config=yaml.safe_load((d / "config.yaml").read_text()), records=read_metrics(d)))
+        final_eval = json.loads((d / EVAL_FILE).read_text()) if (d / EVAL_FILE).exists() else {}
+        runs.append(RunData(dir=d, config=yaml.safe_load((d / "config.yaml").read_text()), records=read_metrics(d),
+                            final_eval=final_eval))
     if not runs:
         raise ValueError("no run dirs given")
     return runs
@@ -162,7 +174,10 @@ def table(settings: Sequence[Setting], baseline: Setting) -> str:
                        key=lambda k: int(_PASS_AT.match(k).group(1)))
     target, base_tokens = baseline_cost(baseline, "tokens/generated")
     _, base_flops = baseline_cost(baseline, "compute/flops")
+    final_ks = sorted({k for s in settings for r in s.runs for k in ["1", *r.final_eval.get("pass@k", {})]
+                       if r.pass_at(k) is not None}, key=int)
     header = ["setting", "seeds", "peak eval acc", "final eval acc", *[f"peak {k[5:]}" for k in pass_keys],
+              *[f"final pass@{k} (jaxreplay eval)" for k in final_ks],
               f"tokens to baseline peak ({target:.3f}), × baseline", "compute to baseline peak, × baseline",
               "replay ratio", "staleness mean", "mu (gen/train s per rollout)"]
     rows = []
@@ -173,6 +188,8 @@ def table(settings: Sequence[Setting], baseline: Setting) -> str:
                  _mean_std(finals)]
         for k in pass_keys:
             cells.append(_mean_std([float(np.max(v)) for r in s.runs if len(v := r.series(k)[1])]))
+        for k in final_ks:
+            cells.append(_mean_std([v for r in s.runs if (v := r.pass_at(k)) is not None]))
         for key, base in (("tokens/generated", base_tokens), ("compute/flops", base_flops)):
             reached = [c / base for c in cost_to_reach(s, key, target) if c is not None and base > 0]
             if base == 0:
