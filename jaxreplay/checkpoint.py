@@ -3,12 +3,16 @@
 A checkpoint is one Orbax step holding two items: `state` (params, optimizer
 state, RNG key) and `meta` (counters, and the path of the Reverb checkpoint taken
 just before, so a resume restores exactly that buffer, never a newer orphan).
-Orbax finalises a step by an atomic rename, so a half-written one is never listed.
+Orbax finalises a step by an atomic rename, so a half-written one is never listed;
+steps past `keep` are likewise renamed away before they are deleted, so a kill
+mid-delete leaves no half-deleted step listed either.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,6 +30,7 @@ class Progress:
     replay_checkpoint: Optional[str] = None
     tokens_generated: int = 0
     tokens_trained: int = 0
+    nonfinite_steps: int = 0  # learner steps skipped for a non-finite loss, gradient or update
     time_generate_s: float = 0.0
     time_train_s: float = 0.0
     time_replay_s: float = 0.0
@@ -34,13 +39,34 @@ class Progress:
     accounting: dict = dataclasses.field(default_factory=dict)  # jaxreplay.accounting counters
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, or that exists but cannot be read back."""
+
+
+@contextlib.contextmanager
+def _unreadable(directory: str | Path, step: int):
+    """Orbax's many (often multi-line) errors for a damaged or mismatched step, as one line."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised with the step named
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"checkpoint step {step} in {directory} cannot be restored "
+                              f"({type(e).__name__}: {first})") from e
+
+
+_DELETED = ".deleted"  # steps past `keep` are renamed in here, then deleted
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int):
         self.directory = Path(directory).absolute()
+        # A step killed mid-write stays a tmp directory, never listed, deleted on the next start.
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False,
+                                                 cleanup_tmp_directories=True, todelete_subdir=_DELETED),
         )
+        shutil.rmtree(self.directory / _DELETED, ignore_errors=True)
 
     def latest_step(self) -> Optional[int]:
         return self._manager.latest_step()
@@ -54,6 +80,7 @@ class Checkpointer:
             force=True,
         )
         self._manager.wait_until_finished()
+        shutil.rmtree(self.directory / _DELETED, ignore_errors=True)
 
     def replay_checkpoints(self) -> set[str]:
         """The Reverb checkpoints that the kept steps refer to."""
@@ -68,13 +95,14 @@ class Checkpointer:
         """Restores onto the structure, shapes, dtypes and shardings of `state_like`."""
         step = self.latest_step() if step is None else step
         if step is None:
-            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+            raise CheckpointError(f"no complete checkpoint in {self.directory}")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
-        )
-        return restored.state, Progress(**restored.meta)
+        with _unreadable(self.directory, step):
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
+            )
+            return restored.state, Progress(**restored.meta)
 
     def close(self) -> None:
         self._manager.close()
@@ -100,14 +128,15 @@ def restore_policy_params(directory: str | Path, params_like: Any, step: Optiona
     try:
         step = manager.latest_step() if step is None else step
         if step is None or step not in manager.all_steps():
-            raise FileNotFoundError(f"no complete checkpoint{'' if step is None else f' at step {step}'} in "
-                                    f"{directory}")
+            raise CheckpointError(f"no complete checkpoint{'' if step is None else f' at step {step}'} in "
+                                  f"{directory}")
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         tree = {"params": jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or device),
             params_like)}
-        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree), transforms={})))
-        return restored.state["params"], step
+        with _unreadable(directory, step):
+            restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree), transforms={})))
+            return restored.state["params"], step
     finally:
         manager.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow (under Reverb) is chatty on import
     from jaxreplay.config import ConfigError, load_config
+    from jaxreplay.guards import Preempted
 
     try:
         if args.command in research.COMMANDS:
@@ -123,11 +125,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jaxreplay: interrupted", file=sys.stderr)
         return 130
+    except Preempted as e:  # SIGTERM, after the final checkpoint
+        print(f"jaxreplay: stopped: {e}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except Exception as e:  # one line for users; --debug for developers
         if args.debug:
             traceback.print_exc()
         print(f"jaxreplay: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        return 2 if _bad_input(e) else 1
+
+
+def _bad_input(error: Exception) -> bool:
+    """Errors that name something wrong in what the user gave (a checkpoint, a dataset):
+    exit code 2, like a config error."""
+    from jaxreplay.checkpoint import CheckpointError
+    from jaxreplay.tasks.datasets import DatasetError
+
+    return isinstance(error, (CheckpointError, DatasetError))
 
 
 if __name__ == "__main__":

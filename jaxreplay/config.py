@@ -151,6 +151,7 @@ class TrainConfig:
     adam_b1: float = 0.9
     adam_b2: float = 0.99
     grad_clip: float = 1.0
+    max_nonfinite_steps: int = 5  # this many non-finite (skipped) updates in a row stop the run
     eps_low: float = 0.2
     eps_high: float = 0.2
     kl_coef: float = 0.0  # > 0 adds k3 KL to the warm-start reference policy
@@ -365,6 +366,7 @@ def validate(c: Config) -> None:
         ("model.d_ff", m.d_ff), ("model.max_seq_len", m.max_seq_len), ("train.steps", t.steps),
         ("train.batch_size", t.batch_size), ("train.prompts_per_step", t.prompts_per_step),
         ("train.group_size", t.group_size), ("train.eval_every", t.eval_every),
+        ("train.max_nonfinite_steps", t.max_nonfinite_steps),
         ("sampling.max_new_tokens", s.max_new_tokens), ("checkpoint.every", c.checkpoint.every),
         ("checkpoint.keep", c.checkpoint.keep), ("replay.max_size", r.max_size),
         ("replay.min_size_to_sample", r.min_size_to_sample), ("task.eval_size", c.task.eval_size),

@@ -45,7 +45,8 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
                     mesh: Optional[Mesh] = None) -> TrainStep:
     """Returns `step(params, opt_state, batch, ref_params) -> (params, opt_state, metrics)`, jitted.
 
-    params and opt_state are donated: the caller must use the returned ones.
+    params and opt_state are donated: the caller must use the returned ones. A step
+    whose loss, gradient or update is not finite returns them unchanged, with `nonfinite` = 1.
     `ref_params` is only read when `train.kl_coef > 0` (pass None otherwise).
     With a `mesh`, params, opt_state and ref_params carry `sharding.param_shardings`
     (place them with `sharding.shard_params`), the batch is split over its rows, and
@@ -76,11 +77,17 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
 
     def step(params, opt_state, batch: Batch, ref_params):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, ref_params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        grad_norm = optax.global_norm(grads)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # A non-finite loss, gradient or update would poison params and Adam's moments for
+        # good: skip the update (keep both), and say so in the metrics.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.global_norm(updates))
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         metrics["loss"] = loss
-        metrics["grad_norm"] = optax.global_norm(grads)
-        return params, opt_state, metrics
+        metrics["grad_norm"] = grad_norm
+        metrics["nonfinite"] = (~finite).astype(jnp.int32)
+        return keep(new_params, params), keep(new_opt_state, opt_state), metrics
 
     if mesh is None:
         return jax.jit(step, donate_argnums=(0, 1))

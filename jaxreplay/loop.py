@@ -29,6 +29,7 @@ from jaxreplay.calibrate import calibrated, measure_mu
 from jaxreplay.checkpoint import Checkpointer, Progress
 from jaxreplay.config import Config, to_dict
 from jaxreplay.eval import EVAL_BATCH, evaluate
+from jaxreplay.guards import NonFiniteStreak, Preempted, PreemptionNotice
 from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
 from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import init_params
@@ -122,6 +123,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     )
     metrics = MetricsWriter(run_dir)
     bar = None
+    notice = PreemptionNotice()
     try:
         writer = writer_for(server, c, spec)
         reader = reader_for(server, c, spec)
@@ -132,9 +134,16 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
 
         actor_stats: dict[str, float] = {}
         last_saved = progress.learner_step
+        nonfinite = NonFiniteStreak(c.train.max_nonfinite_steps)
         bar = tqdm(total=c.train.steps, initial=progress.learner_step, disable=not c.run.progress_bar,
                    desc="train", unit="step", dynamic_ncols=True)
         while progress.learner_step < c.train.steps:
+            if notice.is_set():  # preemption: save between turns, then stop
+                if last_saved != progress.learner_step:
+                    _checkpoint(checkpointer, server, _state(params, opt_state, pending, spec, c.rollouts_per_step),
+                                progress)
+                raise Preempted(f"SIGTERM: checkpoint at step {progress.learner_step} in {checkpointer.directory}; "
+                                "the same command resumes")
             if pending is not None and (n := _insertable(server, len(pending["reward"]))) > 0:
                 t0 = time.perf_counter()
                 writer.insert({k: v[:n] for k, v in pending.items()})
@@ -153,6 +162,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
                 progress.time_replay_s += t1 - t0
                 progress.time_train_s += t2 - t1
                 progress.learner_step += 1
+                progress.nonfinite_steps += int(step_metrics["nonfinite"])
                 progress.tokens_trained += int(batch["completion_mask"].sum())
                 staleness = progress.policy_version - batch["policy_version"]
                 progress.policy_version += 1
@@ -171,6 +181,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
                     "staleness/mean": float(staleness.mean()),
                     "staleness/max": int(staleness.max()),
                     "policy_version": progress.policy_version,
+                    "train/nonfinite_steps": progress.nonfinite_steps,
                     "tokens/generated": progress.tokens_generated,
                     "tokens/trained": progress.tokens_trained,
                     "time/generate_s": progress.time_generate_s,
@@ -181,6 +192,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
                 if step % c.train.eval_every == 0 or step == c.train.steps:
                     progress.eval_accuracy = record["eval/accuracy"] = evaluate(params, task, greedy_fn)
                 metrics.write(step, record)
+                nonfinite.update(bool(step_metrics["nonfinite"]), step)  # raises before this step's checkpoint
                 bar.update(1)
                 bar.set_postfix(acc=f"{actor_stats.get('accuracy', 0):.2f}", eval=f"{progress.eval_accuracy:.2f}",
                                 ratio=f"{record['replay/ratio']:.2f}", refresh=False)
@@ -215,6 +227,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
             "replay/samples": table.samples,
             "tokens/generated": progress.tokens_generated,
             "tokens/trained": progress.tokens_trained,
+            "train/nonfinite_steps": progress.nonfinite_steps,
             "time/generate_s": round(progress.time_generate_s, 2),
             "time/train_s": round(progress.time_train_s, 2),
             "time/replay_s": round(progress.time_replay_s, 2),
@@ -230,6 +243,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
         )
         return summary
     finally:
+        notice.close()
         if bar is not None:
             bar.close()
         metrics.close()

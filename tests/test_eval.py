@@ -87,7 +87,7 @@ def test_eval_needs_exactly_one_source(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["eval", str(ROOT / "configs" / "demo.yaml")])
     assert "one of the arguments --checkpoint --hf is required" in capsys.readouterr().err
-    assert main(["eval", str(ROOT / "configs" / "demo.yaml"), "--checkpoint", str(tmp_path)]) == 1
+    assert main(["eval", str(ROOT / "configs" / "demo.yaml"), "--checkpoint", str(tmp_path)]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["eval", str(ROOT / "configs" / "demo.yaml"), "--hf", str(tmp_path), "--k", "1,0"])

@@ -168,14 +168,16 @@ class InProcessServer:
             return path
 
     def prune_checkpoints(self, keep: set[str]) -> list[str]:
-        """Deletes the checkpoints in `checkpoint_root` not named in `keep`; returns them."""
+        """Deletes the checkpoints in `checkpoint_root` not named in `keep`, and the staging
+        directories of checkpoints a killed process left unfinished; returns them."""
         if self._checkpoint_root is None:
             return []
         keep = {os.path.abspath(p) for p in keep}
         removed = []
         for name in sorted(os.listdir(self._checkpoint_root)):
             path = os.path.abspath(os.path.join(self._checkpoint_root, name))
-            if name.startswith(".") or path in keep or not os.path.isdir(path):
+            stale = name.startswith(".inprocess-staging-")  # this server stages only inside checkpoint()
+            if (name.startswith(".") and not stale) or path in keep or not os.path.isdir(path):
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
