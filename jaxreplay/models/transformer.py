@@ -162,7 +162,13 @@ class Attention(nnx.Module):
         self.cfg = cfg  # static: RoPE frequencies are constants of the config
 
     def __call__(self, x, positions, key_mask, kv=None, cache_index=None):
-        """x [B, T, D] -> ([B, T, D], (k, v) of this layer: the updated cache or this call's keys)."""
+        """x [B, T, D] -> ([B, T, D], (k, v) of this call's T tokens, [B, T, kv_heads, head_dim]).
+
+        With a cache `kv` (this layer's [B, max_len, ...] keys and values), the queries also
+        see its slots before `cache_index`. The cache is only read here: the caller writes
+        the new keys into its slots, so a decode step writes T slots instead of copying
+        every layer's cache.
+        """
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
@@ -172,25 +178,33 @@ class Attention(nnx.Module):
         inv_freq = rope_frequencies(self.cfg)
         q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
 
+        # Keys: the cache's slots (if any), then this call's T tokens in slots
+        # cache_index .. cache_index + T - 1. Query j sees cache slot s iff s < cache_index
+        # and key_mask[:, s], and new token j' iff j' <= j and it is a real token.
+        keys, values, masks = [k], [v], []
         if kv is None:
-            query_slots = jnp.arange(t)
-        else:  # write the new keys into their slots, then attend over the whole cache
-            k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, cache_index, 0, 0))
-            v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, cache_index, 0, 0))
-            query_slots = cache_index + jnp.arange(t)
-        key_slots = jnp.arange(k.shape[1])
-        mask = (key_slots[None, :] <= query_slots[:, None])[None] & key_mask[:, None, :]  # [B, T, S]
+            new_mask = key_mask
+        else:
+            new_mask = jax.lax.dynamic_slice_in_dim(key_mask, cache_index, t, axis=1)
+        if kv is not None and not (isinstance(cache_index, int) and cache_index == 0):  # a prefill sees no cache
+            old = (jnp.arange(kv[0].shape[1]) < cache_index)[None, :] & key_mask  # [B, S]
+            keys, values, masks = [kv[0]] + keys, [kv[1]] + values, [jnp.broadcast_to(old[:, None], (b, t, old.shape[1]))]
+        masks.append(jnp.tril(jnp.ones((t, t), bool))[None] & new_mask[:, None, :])  # [B, T, T]
 
         groups = self.n_heads // self.n_kv_heads
         q = q.reshape(b, t, self.n_kv_heads, groups, self.head_dim)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(self.head_dim)
+        # Scores per key block, softmax over all of them: the cache is never concatenated.
         # A finite floor, not -inf, so a query with no visible key (a pad slot) gives
         # a harmless uniform average instead of NaN.
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.concatenate([
+            jnp.where(m[:, None, None], jnp.einsum("btkgh,bskh->bkgts", q, kk.astype(q.dtype),
+                                                   preferred_element_type=jnp.float32) / math.sqrt(self.head_dim),
+                      jnp.finfo(jnp.float32).min)
+            for kk, m in zip(keys, masks)], axis=-1)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(q.dtype)).reshape(b, t, -1)
-        return self.o_proj(out), (k, v)
+        blocks = jnp.split(probs, [keys[0].shape[1]], axis=-1) if len(keys) == 2 else [probs]
+        out = sum(jnp.einsum("bkgts,bskh->btkgh", p, vv.astype(q.dtype)) for p, vv in zip(blocks, values))
+        return self.o_proj(out.reshape(b, t, -1)), (k, v)
 
 
 class MLP(nnx.Module):
@@ -277,8 +291,13 @@ class Transformer(nnx.Module):
             x, (k, v) = layer(x, positions, key_mask, kv, cache_index)
             ks.append(k)
             vs.append(v)
-        new_cache = None if cache is None else KVCache(jnp.stack(ks), jnp.stack(vs))
-        return self.final_norm(x), new_cache
+        if cache is None:
+            return self.final_norm(x), None
+        # One in-place write of the T new slots of every layer (in a decode loop XLA
+        # updates the carried cache buffer instead of rebuilding it each step).
+        write = lambda buf, new: jax.lax.dynamic_update_slice(buf, jnp.stack(new).astype(buf.dtype),
+                                                              (0, 0, cache_index, 0, 0))
+        return self.final_norm(x), KVCache(write(cache.k, ks), write(cache.v, vs))
 
     def unembed(self, h: jax.Array) -> jax.Array:
         """[B, T, D] -> float32 logits [B, T, V]."""
