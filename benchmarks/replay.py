@@ -1,0 +1,79 @@
+"""Replay overhead: Reverb insert and sample throughput with realistic items (512 tokens,
+per-token log-probs and masks, scalars), and the share of a colocated demo run's wall
+time spent in replay calls (loop.py's `time/replay_s`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+
+import numpy as np
+
+from jaxreplay.actor import item_spec
+from jaxreplay.config import Config, load_config
+from jaxreplay.loop import train
+from jaxreplay.replay import ReplayServer, build_tables, reader_for, writer_for
+
+
+def unlimited(config: Config, max_size: int) -> Config:
+    """A table of `max_size` rows whose limiter never holds a call back: this measures the calls."""
+    replay = dataclasses.replace(config.replay, max_size=max_size, min_size_to_sample=1, error_buffer=1e12)
+    return dataclasses.replace(config, replay=replay)
+
+
+def random_items(spec, rows: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Rows matching `spec` (actor.item_spec): random tokens and log-probs, True masks."""
+    out = {}
+    for key, (shape, dtype) in spec.items():
+        if dtype == np.bool_:
+            out[key] = np.ones((rows, *shape), bool)
+        elif np.issubdtype(dtype, np.integer):
+            out[key] = rng.integers(0, 512, (rows, *shape)).astype(dtype)
+        else:
+            out[key] = rng.normal(size=(rows, *shape)).astype(dtype)
+    return out
+
+
+def throughput(quick: bool = False) -> dict:
+    """Items per second through insert (batches of R) and sample (batches of B)."""
+    config = Config()
+    sampling = dataclasses.replace(config.sampling, max_new_tokens=256)
+    config = unlimited(dataclasses.replace(config, sampling=sampling), max_size=4096)
+    spec = item_spec(config, prompt_len=256)  # 512 tokens per item
+    rows, calls = config.rollouts_per_step, (4 if quick else 40)
+    items = random_items(spec, rows, np.random.default_rng(0))
+    with ReplayServer(build_tables(config, spec), timeout_s=30.0) as server:
+        writer, reader = writer_for(server, config, spec), reader_for(server, config, spec)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            writer.insert(items)
+        insert_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            reader.sample(config.train.batch_size)
+        sample_s = time.perf_counter() - t0
+        writer.close()
+    item_bytes = sum(a[0].nbytes for a in items.values())
+    return {"item_tokens": 512, "item_kib": item_bytes / 1024, "insert_items_s": calls * rows / insert_s,
+            "sample_items_s": calls * config.train.batch_size / sample_s,
+            "insert_ms_per_call": 1e3 * insert_s / calls, "sample_ms_per_call": 1e3 * sample_s / calls}
+
+
+def demo_share(quick: bool = False) -> dict:
+    """The demo config, run colocated for a few steps: the share of its loop in replay calls."""
+    steps = 4 if quick else 60
+    with tempfile.TemporaryDirectory() as run_dir:
+        config = load_config("configs/demo.yaml", [f"train.steps={steps}", f"run.dir={run_dir}",
+                                                   "run.progress_bar=false", "warmstart.steps=0",
+                                                   f"train.eval_every={steps}"])
+        summary = train(config, log=lambda _: None)
+    loop_s = summary["time/generate_s"] + summary["time/train_s"] + summary["time/replay_s"]
+    return {"steps": summary["steps"], "run_s": summary["seconds"], "replay_s": summary["time/replay_s"],
+            "replay_share_of_run": summary["time/replay_s"] / summary["seconds"],
+            "replay_share_of_loop": summary["time/replay_s"] / loop_s}
+
+
+if __name__ == "__main__":
+    print(throughput())
+    print(demo_share())

@@ -1,0 +1,77 @@
+"""All CPU benchmarks in one process, side by side: prints a table of ratios, writes JSON.
+
+    .venv/bin/python -m benchmarks.run [--quick] [--out results.json]
+
+`--quick` shrinks every benchmark to seconds (tests/test_benchmarks.py runs it so it cannot
+rot); its figures mean nothing. The full run takes a few minutes on 2 CPU cores. Absolute
+throughput depends on what else runs on the machine, so the load average is recorded and
+every comparison is a ratio of two measurements taken in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+from benchmarks import learner, replay, sampler, scaling
+
+TARGETS = {"sampler_ratio_b16_b64": 2.0, "replay_share_of_loop": 0.02}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the code runs, measures nothing")
+    parser.add_argument("--out", help="write the results here as JSON")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                           "loadavg_start": os.getloadavg()}, "quick": args.quick}
+    for name, fn in [("sampler", sampler.run), ("learner", learner.run), ("replay", replay.throughput),
+                     ("demo", replay.demo_share), ("scaling", scaling.run)]:
+        t0 = time.perf_counter()
+        results[name] = fn(quick=args.quick)
+        print(f"[{name}: {time.perf_counter() - t0:.0f}s]", flush=True)
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    results["seconds"] = time.perf_counter() - start
+    print(table(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+def table(r: dict) -> str:
+    """The human summary: one line per figure, target alongside where the issue sets one."""
+    lines = [f"{'benchmark':<44}{'value':>14}  target"]
+    row = lambda name, value, target="": lines.append(f"{name:<44}{value:>14}  {target}")
+    for s in r["sampler"]:
+        row(f"sampler/generate tok/s, batch {s['batch']}", f"{s['ratio']:.2f}x", ">= 2x" if s["batch"] >= 16 else "")
+        row(f"  ours | generate tok/s (torch {s['torch_threads']} thr)",
+            f"{s['ours_tok_s']:.0f} | {s['generate_tok_s']:.0f}")
+        row("  our compile s", f"{s['compile_s']:.1f}")
+    ln = r["learner"]
+    row("learner tokens/s (demo model)", f"{ln['tokens_s']:.0f}")
+    row("learner step share outside the update", f"{100 * ln['outside_share']:.1f}%")
+    rp = r["replay"]
+    row("replay insert items/s (512 tokens)", f"{rp['insert_items_s']:.0f}")
+    row("replay sample items/s (512 tokens)", f"{rp['sample_items_s']:.0f}")
+    d = r["demo"]
+    row(f"demo loop share in replay calls ({d['steps']} steps)", f"{100 * d['replay_share_of_loop']:.1f}%", "<= 2%")
+    sc = r["scaling"]
+    for s in sc["rows"]:
+        row(f"learner step ms, N = {s['items']}", f"{s['step_ms']:.1f}")
+    row(f"step time N={sc['rows'][-1]['items']} / N={sc['rows'][0]['items']}", f"{sc['flatness']:.2f}x", "~1 (flat)")
+    row(f"RSS growth over {sc['rows'][-1]['steps']} steps at full table", f"{sc['rss_growth_mib']:.1f} MiB", "~0")
+    m = r["machine"]
+    row("load average start | end", f"{m['loadavg_start'][0]:.1f} | {m['loadavg_end'][0]:.1f}",
+        f"({m['cpus']} cpus)")
+    row("total seconds", f"{r['seconds']:.0f}", "< 600")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

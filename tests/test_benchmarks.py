@@ -1,0 +1,28 @@
+"""The benchmark entry point runs end to end (tiny sizes), so it cannot rot."""
+
+import json
+
+from benchmarks import run
+
+
+def test_quick_benchmark_writes_every_figure(tmp_path):
+    out = tmp_path / "results.json"
+    results = run.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text()).keys() == results.keys()
+    for row in results["sampler"]:
+        assert row["ours_tok_s"] > 0 and row["generate_tok_s"] > 0 and row["compile_s"] > 0
+    assert results["learner"]["tokens_s"] > 0 and 0 <= results["learner"]["outside_share"] < 1
+    assert results["replay"]["insert_items_s"] > 0 and results["replay"]["sample_items_s"] > 0
+    assert results["demo"]["steps"] == 4 and 0 < results["demo"]["replay_share_of_loop"] < 1
+    assert [r["items"] for r in results["scaling"]["rows"]] == [100, 1000]
+    assert "sampler/generate" in run.table(results)
+
+
+def test_device_benchmark_dry_run_on_cpu(tmp_path):
+    from benchmarks import device
+
+    results = device.main(["--quick", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "device.json").read_text())["params"] == results["params"] > 0
+    assert [r["batch"] for r in results["decode"]] == list(device.QUICK["batches"])
+    assert results["decode"][0]["generate_tok_s"] > 0  # the transformers reference ran too
+    assert results["train"]["tokens_s"] > 0
