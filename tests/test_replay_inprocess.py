@@ -97,3 +97,9 @@ def test_restore_refuses_other_settings_and_incomplete_checkpoints(tmp_path):
         server("replay.samples_per_insert=3", restore_from=path)
     with pytest.raises(FileNotFoundError, match="no complete in-process replay checkpoint"):
         server(restore_from=str(tmp_path / "nope"))
+
+
+def test_a_reverb_server_refuses_in_process_tables():
+    from jaxreplay.replay import ReplayServer
+    with pytest.raises(TypeError, match="in-process ones .* replay.serve"):
+        ReplayServer(build_tables(load_config(None, list(CFG)), SPEC, "inprocess"))

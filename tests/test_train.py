@@ -1,5 +1,6 @@
 """End-to-end: real training runs through a real Reverb server, real Orbax checkpoints, resume."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -162,5 +163,6 @@ def test_cli_trains_and_keeps_native_logs_off_the_terminal(tmp_path):
                             capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "[reverb/cc" not in result.stderr and "[reverb/cc" not in result.stdout
-    assert "[reverb/cc" in (tmp_path / "native.log").read_text()
+    if importlib.util.find_spec("reverb") is not None:  # the in-process backend logs nothing natively
+        assert "[reverb/cc" in (tmp_path / "native.log").read_text()
     assert result.stdout.strip().splitlines()[-1].startswith("done: 4 steps")

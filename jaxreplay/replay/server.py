@@ -41,6 +41,9 @@ class ReplayServer:
         `checkpoint()` returned; the table is restored from it, items and limiter
         counters, and must have been saved with the same settings as `table`.
         """
+        if any(isinstance(t, InProcessTable) for t in ([table] if isinstance(table, InProcessTable) else table)):
+            raise TypeError("ReplayServer serves Reverb tables; these are in-process ones (replay.backend): "
+                            "start servers with replay.serve")
         reverb = import_reverb()
         checkpoint_root = None if checkpoint_root is None else os.fspath(checkpoint_root)
         restore_from = None if restore_from is None else os.path.abspath(restore_from)
