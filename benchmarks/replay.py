@@ -13,7 +13,7 @@ import numpy as np
 from jaxreplay.actor import item_spec
 from jaxreplay.config import Config, load_config
 from jaxreplay.loop import train
-from jaxreplay.replay import ReplayServer, build_tables, reader_for, writer_for
+from jaxreplay.replay import build_tables, reader_for, serve, writer_for
 
 
 def unlimited(config: Config, max_size: int) -> Config:
@@ -43,7 +43,7 @@ def throughput(quick: bool = False) -> dict:
     spec = item_spec(config, prompt_len=256)  # 512 tokens per item
     rows, calls = config.rollouts_per_step, (4 if quick else 40)
     items = random_items(spec, rows, np.random.default_rng(0))
-    with ReplayServer(build_tables(config, spec), timeout_s=30.0) as server:
+    with serve(build_tables(config, spec), timeout_s=30.0) as server:
         writer, reader = writer_for(server, config, spec), reader_for(server, config, spec)
         t0 = time.perf_counter()
         for _ in range(calls):

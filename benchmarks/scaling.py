@@ -15,7 +15,7 @@ from jaxreplay.actor import item_spec
 from jaxreplay.config import Config
 from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
 from jaxreplay.models import init_params
-from jaxreplay.replay import ReplayServer, build_tables, reader_for, writer_for
+from jaxreplay.replay import build_tables, reader_for, serve, writer_for
 
 
 def rss_mib() -> float:
@@ -38,7 +38,7 @@ def run(quick: bool = False) -> dict:
     rows = []
     for n in sizes:
         config = unlimited(base, max_size=n)
-        with ReplayServer(build_tables(config, spec), timeout_s=60.0) as server:
+        with serve(build_tables(config, spec), timeout_s=60.0) as server:
             writer, reader = writer_for(server, config, spec), reader_for(server, config, spec)
             fill = random_items(spec, n, rng)
             fill["tokens"] %= base.model.vocab_size
