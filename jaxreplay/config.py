@@ -456,12 +456,12 @@ def _validate_replay(c: Config) -> None:
     """
     r, t = c.replay, c.train
     b = t.batch_size
-    if r.mode == "on_policy":
-        return  # the queue is sized from the batch: see replay.tables
     _require(r.backend != "reverb" or importlib.util.find_spec("reverb") is not None, "replay.backend",
              "reverb is not installed (pip install 'jaxreplay[reverb]', Python 3.10/3.11), or use inprocess")
     _require(r.backend != "inprocess" or not c.distributed.enabled, "replay.backend",
              "inprocess serves one process only; multi-host runs need reverb")
+    if r.mode == "on_policy":
+        return  # the queue is sized from the batch: see replay.tables
     spi = r.samples_per_insert
     _require(spi > 0, "replay.samples_per_insert", f"must be positive, got {spi}")
     _require(r.min_size_to_sample <= r.max_size, "replay.min_size_to_sample",
