@@ -1,8 +1,9 @@
 # The two commands of the quickstart. Each creates .venv (Python 3.11) when missing.
 PYTHON ?= python3.11
 VENV   := .venv
-# .ci/run's Python 3.12 lane sets EXTRAS=test: no Reverb/TensorFlow wheels there (in-process replay).
-EXTRAS ?= test,reverb
+# .ci/run's Python 3.12 lane sets EXTRAS=test: no Reverb/TensorFlow wheels there (in-process
+# replay), and no torch (parity tests against transformers' torch models skip).
+EXTRAS ?= test,reverb,parity
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
 .PHONY: demo test clean

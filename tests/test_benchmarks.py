@@ -2,7 +2,12 @@
 
 import json
 
+import pytest
+
 from benchmarks import run
+
+# Both benchmarks compare against transformers' torch models on the same weights.
+pytest.importorskip("torch", reason="the 'parity' extra (CPU torch) is not installed")
 
 
 def test_quick_benchmark_writes_every_figure(tmp_path):

@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch  # the test extra: CPU torch, for transformers' reference models only
 import transformers
 from flax import nnx
 from safetensors.numpy import load_file, save_file
+
+torch = pytest.importorskip("torch", reason="the 'parity' extra (CPU torch) is not installed")
 
 from jaxreplay.models import forward
 from jaxreplay.models.hf import HFModelError, load_hf_model, read_model_config, save_hf_model
