@@ -41,7 +41,8 @@ class ReplayServer:
         `checkpoint()` returned; the table is restored from it, items and limiter
         counters, and must have been saved with the same settings as `table`.
         """
-        if any(isinstance(t, InProcessTable) for t in ([table] if isinstance(table, InProcessTable) else table)):
+        tables = list(table) if isinstance(table, (list, tuple)) else [table]
+        if any(isinstance(t, InProcessTable) for t in tables):
             raise TypeError("ReplayServer serves Reverb tables; these are in-process ones (replay.backend): "
                             "start servers with replay.serve")
         reverb = import_reverb()
@@ -50,7 +51,6 @@ class ReplayServer:
         if restore_from is not None and not os.path.exists(os.path.join(restore_from, _DONE)):
             # Reverb would silently start empty.
             raise FileNotFoundError(f"no complete Reverb checkpoint at {restore_from}")
-        tables = [table] if isinstance(table, reverb.Table) else list(table)
         self._table = tables[0].name  # the scheduled one: `info()` reports its limiter
         self._timeout_s = timeout_s
         self._checkpoint_root = checkpoint_root
