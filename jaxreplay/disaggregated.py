@@ -35,7 +35,7 @@ from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
 from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import abstract_params, init_params
 from jaxreplay.replay import ReplayServer, ReplayTimeoutError, build_tables, reader_for, serve, writer_for
-from jaxreplay.sampling import make_sampler
+from jaxreplay.sampling import make_run_samplers
 from jaxreplay.tasks import make_task
 from jaxreplay.warmstart import warm_start
 
@@ -146,11 +146,7 @@ def train_disaggregated(config: Config, log: Callable[[str], None] = print) -> d
     task = make_task(c.task)
     tok = task.tokenizer
     graphdef, params = init_params(c.model, c.run.seed)
-    sampler_args = dict(max_new_tokens=c.sampling.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                        mesh=actor_mesh)
-    sample_fn = make_sampler(graphdef, c.model, temperature=c.sampling.temperature, top_p=c.sampling.top_p,
-                             top_k=c.sampling.top_k, **sampler_args)
-    greedy_fn = make_sampler(graphdef, c.model, greedy=True, **sampler_args)
+    sample_fn, greedy_fn = make_run_samplers(graphdef, c, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=actor_mesh)
 
     start = time.perf_counter()
     params, cached = warm_start(graphdef, params, task, c, run_dir / "warmstart")

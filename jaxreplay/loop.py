@@ -35,7 +35,7 @@ from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import init_params
 from jaxreplay.models.hf import load_hf_model
 from jaxreplay.replay import ReplayServer, build_tables, reader_for, serve, writer_for
-from jaxreplay.sampling import make_sampler
+from jaxreplay.sampling import make_run_samplers
 from jaxreplay.models.tokenizer import load_tokenizer
 from jaxreplay.tasks import make_task
 from jaxreplay.warmstart import warm_start
@@ -82,14 +82,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
         task = make_task(c.task)
     tok = task.tokenizer
     sharding.check_batch_sizes(mesh, {"eval batch (eval.EVAL_BATCH)": EVAL_BATCH})
-    sample_fn = make_sampler(
-        graphdef, c.model, max_new_tokens=c.sampling.max_new_tokens, temperature=c.sampling.temperature,
-        top_p=c.sampling.top_p, top_k=c.sampling.top_k, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=mesh,
-    )
-    greedy_fn = make_sampler(
-        graphdef, c.model, max_new_tokens=c.sampling.max_new_tokens, greedy=True, eos_id=tok.eos_id,
-        pad_id=tok.pad_id, mesh=mesh,
-    )
+    sample_fn, greedy_fn = make_run_samplers(graphdef, c, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=mesh)
 
     start = time.perf_counter()
     if c.model.hf_path is None:  # a released model needs no warm start

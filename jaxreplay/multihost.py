@@ -43,7 +43,7 @@ from jaxreplay.models import abstract_params, init_params
 from jaxreplay.models.hf import load_hf_model, read_model_config
 from jaxreplay.models.tokenizer import load_tokenizer
 from jaxreplay.replay import LimiterState, ReplayServer, RolloutReader, RolloutWriter, build_tables
-from jaxreplay.sampling import make_sampler
+from jaxreplay.sampling import make_run_samplers
 from jaxreplay.tasks import make_task
 from jaxreplay.warmstart import supervised_warm_start
 
@@ -105,14 +105,7 @@ def _train(config: Config, log: Callable[[str], None]) -> dict[str, Any]:
     opt_state = sharding.shard_params(optimizer.init(params), mesh)
     train_step = make_train_step(graphdef, c, optimizer, mesh)
     rows = sharding.batch_sharding(mesh)
-    sample_fn = make_sampler(
-        graphdef, c.model, max_new_tokens=c.sampling.max_new_tokens, temperature=c.sampling.temperature,
-        top_p=c.sampling.top_p, top_k=c.sampling.top_k, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=mesh,
-    )
-    greedy_fn = make_sampler(
-        graphdef, c.model, max_new_tokens=c.sampling.max_new_tokens, greedy=True, eos_id=tok.eos_id,
-        pad_id=tok.pad_id, mesh=mesh,
-    )
+    sample_fn, greedy_fn = make_run_samplers(graphdef, c, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=mesh)
     actor = Actor(c, task, _on_local_rows(sample_fn, mesh), shard=(pid, nproc))
     greedy_all = _on_all_rows(greedy_fn, mesh)
 

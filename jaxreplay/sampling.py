@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxreplay import sharding
-from jaxreplay.config import ModelConfig
+from jaxreplay.config import Config, ModelConfig
 from jaxreplay.models.transformer import KV_CACHE_AXES, KVCache, abstract_params, init_cache, positions_from_mask
 
 
@@ -215,3 +215,12 @@ def make_sampler(
                       sharding.replicated(mesh)),
         out_shardings=rows,
     )
+
+
+def make_run_samplers(graphdef, config: Config, *, eos_id: int, pad_id: int, mesh: Optional[Mesh] = None):
+    """The two samplers every training loop needs: rollouts at the configured temperature /
+    top-k / top-p, and greedy decoding for evaluation."""
+    common = dict(max_new_tokens=config.sampling.max_new_tokens, eos_id=eos_id, pad_id=pad_id, mesh=mesh)
+    s = config.sampling
+    rollout = make_sampler(graphdef, config.model, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, **common)
+    return rollout, make_sampler(graphdef, config.model, greedy=True, **common)

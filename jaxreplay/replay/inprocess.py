@@ -29,7 +29,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from jaxreplay.replay.tables import ItemSpec, LimiterState, RateLimit, ReplayTimeoutError, TableDef
+from jaxreplay.replay.tables import (ItemSpec, LimiterQueries, LimiterState, RateLimit, ReplayTimeoutError,
+                                     TableDef)
 
 _DONE = "DONE"  # marks a complete checkpoint, as in Reverb's
 _FORMAT = 1
@@ -98,7 +99,7 @@ class InProcessTable:
         return item, p, n, item.times_sampled
 
 
-class InProcessServer:
+class InProcessServer(LimiterQueries):
     """Hosts `InProcessTable`s in this process with `ReplayServer`'s interface, and is its
     own client: readers and writers call `state`, `insert` and `sample` directly."""
 
@@ -132,15 +133,6 @@ class InProcessServer:
 
     def info(self) -> LimiterState:
         return self.state(self._table)
-
-    def describe(self) -> str:
-        return self.info().describe()
-
-    def can_insert(self, n: int) -> bool:
-        return self.info().can_insert(n)
-
-    def can_sample(self, n: int) -> bool:
-        return self.info().can_sample(n)
 
     def checkpoint(self) -> str:
         """Saves items and counters of every table; returns the path for `restore_from`."""

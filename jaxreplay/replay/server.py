@@ -21,12 +21,12 @@ import tempfile
 from typing import Optional, Sequence, Union
 
 from jaxreplay.replay.inprocess import InProcessServer, InProcessTable
-from jaxreplay.replay.tables import LimiterState, import_reverb, limiter_state
+from jaxreplay.replay.tables import LimiterQueries, LimiterState, import_reverb, limiter_state
 
 _DONE = "DONE"  # Reverb marks a complete checkpoint with this file.
 
 
-class ReplayServer:
+class ReplayServer(LimiterQueries):
     """Owns a `reverb.Server` hosting the rollout table (and any companion tables, such as
     positive-bias sampling's). Stop it explicitly (or use `with`)."""
 
@@ -86,16 +86,6 @@ class ReplayServer:
     def info(self) -> LimiterState:
         """Size, counters (inserts, samples, deletes, `ratio`) and limiter window."""
         return limiter_state(self._client, self._table, self._timeout_s)
-
-    def describe(self) -> str:
-        """One line for error messages and logs: size, counters, window, diff."""
-        return self.info().describe()
-
-    def can_insert(self, n: int) -> bool:
-        return self.info().can_insert(n)
-
-    def can_sample(self, n: int) -> bool:
-        return self.info().can_sample(n)
 
     def checkpoint(self) -> str:
         """Saves items and limiter counters; returns the path to pass as `restore_from`.

@@ -273,6 +273,23 @@ class LimiterState:
                 f"window=[{self.min_diff:g}, {self.max_diff:g}], diff={self.diff:g}")
 
 
+class LimiterQueries:
+    """The limiter questions both server backends answer, in terms of their `info()`."""
+
+    def info(self) -> LimiterState:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """One line for error messages and logs: size, counters, window, diff."""
+        return self.info().describe()
+
+    def can_insert(self, n: int) -> bool:
+        return self.info().can_insert(n)
+
+    def can_sample(self, n: int) -> bool:
+        return self.info().can_sample(n)
+
+
 def limiter_state(client, table: str, timeout_s: float) -> LimiterState:
     """The live state of `table`, asked of the server (bounded by `timeout_s`)."""
     if hasattr(client, "state"):  # the in-process server is its own client
