@@ -1,4 +1,17 @@
-"""The actor's side: insert scored rollouts, one table item per row."""
+"""The actor's side: insert scored rollouts, one table item per row.
+
+Each row is one step of a Reverb trajectory writer and each item references that one
+step. The writer's Python layer (`append` restructuring the row, `history` rebuilding
+every column's references, `create_item` validating them) costs 3x what the C++
+writer underneath does for the same calls, so `insert` calls the C++ writer
+directly, with the row's fields in the signature's (sorted-key) order; fields are
+checked against the item spec before any reaches Reverb (dm-reverb is pinned).
+
+Rows are stored in chunks of up to `_FLUSH_EVERY` steps (each flush closes a chunk)
+rather than one chunk per row: 1.8x cheaper to insert, no dearer to sample. A chunk
+lives while any item references it, so with `max_times_sampled` deleting items out
+of order a table can hold up to `_FLUSH_EVERY` rows of memory per live item.
+"""
 
 from __future__ import annotations
 
@@ -33,8 +46,13 @@ class RolloutWriter:
         self._spec = {k: (tuple(shape), np.dtype(dtype)) for k, (shape, dtype) in item_spec.items()}
         self._timeout_s = timeout_s
         # One step per item: each item references only the step just appended.
-        self._writer = None if isinstance(self._client, InProcessServer) else \
-            self._client.trajectory_writer(num_keep_alive_refs=1, validate_items=False)
+        self._writer = self._cpp = None
+        if not isinstance(self._client, InProcessServer):
+            reverb = import_reverb()
+            # The pybind writer, and Reverb's Python one around it for `flush` and `close`.
+            self._cpp = self._client._client.NewTrajectoryWriter(
+                reverb.pybind.ConstantChunkerOptions(_FLUSH_EVERY, _FLUSH_EVERY), False)
+            self._writer = reverb.trajectory_writer.TrajectoryWriter(self._cpp)
 
     def insert(self, batch: Mapping[str, np.ndarray], priorities: Optional[np.ndarray] = None) -> None:
         """Inserts row i of every array as one item (with `priorities[i]`, default 1).
@@ -56,13 +74,15 @@ class RolloutWriter:
                                 table=self._table, timeout_s=self._timeout_s)
             return
         deadline = time.monotonic() + self._timeout_s
+        columns = list(arrays.values())  # sorted by key, as the table signature flattens
+        squeezed = [True] * len(columns)  # each field is one step's value, not a [1, ...] slice
+        positive = arrays["reward"] > 0 if self._positive_table is not None else np.zeros(n, bool)
         for start in range(0, n, _FLUSH_EVERY):
             for i in range(start, min(n, start + _FLUSH_EVERY)):
-                self._writer.append({k: a[i] for k, a in arrays.items()})
-                row = {k: self._writer.history[k][-1] for k in arrays}
-                self._writer.create_item(self._table, float(priorities[i]), row)
-                if self._positive_table is not None and arrays["reward"][i] > 0:
-                    self._writer.create_item(self._positive_table, 1.0, row)
+                refs = [[ref] for ref in self._cpp.Append([a[i] for a in columns])]
+                self._cpp.CreateItem(self._table, float(priorities[i]), refs, squeezed)
+                if positive[i]:
+                    self._cpp.CreateItem(self._positive_table, 1.0, refs, squeezed)
             self._flush(deadline, n)
 
     def close(self) -> None:
