@@ -6,6 +6,15 @@ Each turn takes the first move the table allows:
   3. otherwise, with nothing waiting, generate the next batch of rollouts.
 Nothing ever blocks on the limiter in this thread, so this cannot deadlock as long
 as the limiter window fits one batch plus one insert (checked in config).
+
+Every decision of a turn is made on one limiter snapshot (`server.snapshot()`, one
+RPC). This loop is the table's only client, so a snapshot stays exact until the
+loop's own next insert or sample: generating keeps it; the one after a learner step
+serves both that step's metrics record and the next turn. With a single table and
+no `max_times_sampled` the loop's own inserts and samples change only counters it
+can add itself (`LimiterState.after_insert` / `after_sample`), so after the first
+snapshot it asks the server no more; otherwise it asks again after each insert and
+sample. `time/replay_s` counts every replay call the loop makes, snapshots included.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import init_params
 from jaxreplay.models.hf import load_hf_model
 from jaxreplay.replay import ReplayServer, build_tables, reader_for, serve, writer_for
+from jaxreplay.replay.tables import LimiterState, Snapshot
 from jaxreplay.sampling import make_run_samplers
 from jaxreplay.models.tokenizer import load_tokenizer
 from jaxreplay.tasks import make_task
@@ -45,9 +55,8 @@ class SchedulerStuckError(RuntimeError):
     """Neither an insert nor a sample is admitted: the limiter settings are inconsistent."""
 
 
-def _insertable(server: ReplayServer, n: int) -> int:
-    """Largest k <= n that the limiter admits now (admission is monotone in k)."""
-    state = server.info()
+def _insertable(state: LimiterState, n: int) -> int:
+    """Largest k <= n that the limiter admits in `state` (admission is monotone in k)."""
     if state.can_insert(n):
         return n
     lo, hi = 0, n  # can_insert(lo) holds (vacuously for 0), can_insert(hi) does not
@@ -130,6 +139,19 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
         nonfinite = NonFiniteStreak(c.train.max_nonfinite_steps)
         bar = tqdm(total=c.train.steps, initial=progress.learner_step, disable=not c.run.progress_bar,
                    desc="train", unit="step", dynamic_ncols=True)
+        snapshot: Optional[Snapshot] = None  # the tables' state now; None once the loop changed them
+
+        def take_snapshot() -> Snapshot:
+            t0 = time.perf_counter()
+            states = server.snapshot()
+            progress.time_replay_s += time.perf_counter() - t0
+            return states
+
+        def after(states: Snapshot, move: Callable[[LimiterState], LimiterState]) -> Optional[Snapshot]:
+            """`states` advanced by the loop's own move, where that is exact; else None (ask)."""
+            main = states[server.table]
+            return {server.table: move(main)} if len(states) == 1 and main.max_times_sampled == 0 else None
+
         while progress.learner_step < c.train.steps:
             if notice.is_set():  # preemption: save between turns, then stop
                 if last_saved != progress.learner_step:
@@ -137,14 +159,18 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
                                 progress)
                 raise Preempted(f"SIGTERM: checkpoint at step {progress.learner_step} in {checkpointer.directory}; "
                                 "the same command resumes")
-            if pending is not None and (n := _insertable(server, len(pending["reward"]))) > 0:
+            if snapshot is None:
+                snapshot = take_snapshot()
+            if pending is not None and (n := _insertable(snapshot[server.table], len(pending["reward"]))) > 0:
                 t0 = time.perf_counter()
                 writer.insert({k: v[:n] for k, v in pending.items()})
                 progress.time_replay_s += time.perf_counter() - t0
+                snapshot = after(snapshot, lambda s: s.after_insert(n))
                 pending = {k: v[n:] for k, v in pending.items()} if n < len(pending["reward"]) else None
-            elif reader.can_sample(c.train.batch_size):
+            elif reader.can_sample(c.train.batch_size, snapshot):
                 t0 = time.perf_counter()
-                batch, info = reader.sample(c.train.batch_size)
+                batch, info = reader.sample(c.train.batch_size, snapshot)
+                snapshot = after(snapshot, lambda s: s.after_sample(c.train.batch_size)) if batch is not None else None
                 if batch is None:  # replay.max_times_sampled: the batch is assembled over several turns
                     progress.time_replay_s += time.perf_counter() - t0
                     continue
@@ -160,7 +186,9 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
                 staleness = progress.policy_version - batch["policy_version"]
                 progress.policy_version += 1
 
-                table = server.info()
+                if snapshot is None:
+                    snapshot = take_snapshot()  # for the record, and the next turn
+                table = snapshot[server.table]
                 record = {
                     **{k: float(v) for k, v in step_metrics.items()},
                     **actor_stats,
@@ -203,12 +231,13 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
                                                      "reward/errors")}
                 pending = items
             else:
-                raise SchedulerStuckError(f"the limiter admits neither an insert nor a sample: {server.describe()}")
+                raise SchedulerStuckError("the limiter admits neither an insert nor a sample: "
+                                          f"{snapshot[server.table].describe()}")
         if last_saved != progress.learner_step:
             _checkpoint(checkpointer, server, _state(params, opt_state, pending, spec, c.rollouts_per_step), progress)
         bar.close()
 
-        table = server.info()
+        table = (snapshot if snapshot is not None else server.snapshot())[server.table]
         summary = {
             "steps": progress.learner_step,
             "seconds": round(time.perf_counter() - start, 1),

@@ -117,3 +117,39 @@ def test_sampling_frequencies_agree_with_reverb(selector, exponent, tmp_path):
         assert stats.chisquare(c, expected * draws).pvalue > 1e-4, (c, expected * draws)
     # and the two samples come from one distribution
     assert stats.chi2_contingency(np.stack(counts)).pvalue > 1e-4, counts
+
+
+@pytest.mark.parametrize("selector", ["uniform", "fifo"])
+def test_a_snapshot_advanced_by_the_callers_own_moves_is_what_the_server_reports(selector, tmp_path):
+    """The colocated loop, the table's only client, takes one snapshot and then adds its own
+    inserts and samples to it (`after_insert` / `after_sample`) instead of asking again; on
+    both backends that must equal the server's counters, FIFO eviction at max_size included,
+    and a reader deciding on the snapshot must decide as on fresh state."""
+    cfg = load_config(None, [*SMALL, f"replay.selector={selector}", "replay.samples_per_insert=2",
+                             "replay.error_buffer=6"])
+    with both(cfg, tmp_path) as (rv, _, ip):
+        for server in (rv, ip):
+            writer, reader = RolloutWriter(server, SPEC, timeout_s=5), RolloutReader(server, SPEC, timeout_s=5)
+            derived, next_id = server.snapshot()[server.table], 0
+            for step in range(40):
+                snapshot = {server.table: derived}
+                assert reader.can_sample(4, snapshot) == reader.can_sample(4), step
+                if derived.can_sample_at_once(4):
+                    batch, _ = reader.sample(4, snapshot)
+                    assert len(batch["reward"]) == 4
+                    derived = derived.after_sample(4)
+                else:
+                    n = next(k for k in (3, 2, 1) if derived.can_insert(k))
+                    writer.insert(rollouts(range(next_id, next_id + n)))
+                    next_id += n
+                    derived = derived.after_insert(n)
+                assert derived == server.info(), (step, derived.describe(), server.info().describe())
+            assert derived.deletes > 0 and derived.samples > 0  # the window slid and was sampled
+            writer.close()
+
+
+def test_samples_that_may_delete_items_are_not_derived_locally():
+    cfg = load_config(None, [*SMALL, "replay.max_times_sampled=2"])
+    with serve(build_tables(cfg, SPEC, "inprocess")) as server:
+        with pytest.raises(ValueError, match="max_times_sampled"):
+            server.info().after_sample(1)

@@ -134,6 +134,9 @@ class InProcessServer(LimiterQueries):
     def info(self) -> LimiterState:
         return self.state(self._table)
 
+    def snapshot(self) -> dict[str, LimiterState]:
+        return self.states()
+
     def checkpoint(self) -> str:
         """Saves items and counters of every table; returns the path for `restore_from`."""
         if self._checkpoint_root is None:
@@ -192,6 +195,11 @@ class InProcessServer(LimiterQueries):
     def state(self, table: str) -> LimiterState:
         with self._cond:
             return self._get(table).state()
+
+    def states(self) -> dict[str, LimiterState]:
+        """Every table's state, taken together."""
+        with self._cond:
+            return {name: t.state() for name, t in self._tables.items()}
 
     def insert(self, rows: Sequence[Mapping[str, np.ndarray]], priorities: Sequence[float],
                extra_tables: Callable[[int], Sequence[str]], *, table: str, timeout_s: float) -> None:

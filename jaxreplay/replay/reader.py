@@ -1,9 +1,18 @@
 """The learner's side: sample training batches, never blocking past a timeout.
 
-Reverb's `Client.sample` has no timeout, so the reader first waits (polling the
-server's limiter counters with a backoff sleep) until the whole batch can be
-sampled without blocking, then samples exactly `batch_size` items: a sampler that
-fetches ahead would spend limiter budget, since samples in flight count against it.
+Reverb's samplers have no timeout, so the reader first waits (polling the server's
+limiter counters with a backoff sleep) until the whole batch can be sampled without
+blocking, then samples exactly `batch_size` items: a sampler that fetches ahead would
+spend limiter budget, since samples in flight count against it. A caller that already
+holds a current `Snapshot` (the colocated loop, the table's only client) passes it and
+skips the polling when it admits the batch.
+
+Each batch gets its own Reverb sampler asking for exactly the batch in one request.
+A sampler kept open across calls cannot avoid fetching ahead: its worker asks for
+the next request as soon as the last one is answered, and the server takes that
+sample (spending limiter budget, before the next insert) while the learner trains.
+`reverb.Client.sample` asks for one item per request; requesting the whole batch
+is 4x cheaper, hence the pybind sampler (dm-reverb is pinned).
 """
 
 from __future__ import annotations
@@ -17,9 +26,11 @@ from jaxreplay.replay.inprocess import InProcessServer
 from jaxreplay.replay.server import Source, connect
 from jaxreplay.config import Config
 from jaxreplay.replay.tables import (
-    POSITIVE_TABLE_NAME, TABLE_NAME, ItemSpec, LimiterState, ReplayTimeoutError, limiter_state, positive_split)
+    POSITIVE_TABLE_NAME, TABLE_NAME, ItemSpec, LimiterState, ReplayTimeoutError, Snapshot, limiter_state,
+    limiter_states, positive_split, table_state)
 
 _MAX_POLL_S = 0.05
+_INFO = 5  # a pybind sample: key, probability, table size, priority, times sampled, then the item's fields
 
 
 class SampleInfo(NamedTuple):
@@ -45,33 +56,45 @@ class RolloutReader:
         # Reverb returns an item's fields flattened in the signature's (sorted-key) order.
         self._keys = sorted(item_spec)
         self._timeout_s = timeout_s
+        # Reverb's sampler factory: (table, max_samples, samples per request) -> sampler.
+        self._new_sampler = None if isinstance(self._client, InProcessServer) else self._client._client.NewSampler
 
-    def sample(self, batch_size: int) -> tuple[dict[str, np.ndarray], SampleInfo]:
+    def sample(self, batch_size: int, snapshot: Optional[Snapshot] = None) -> tuple[dict[str, np.ndarray], SampleInfo]:
         """Waits up to `timeout_s` until `batch_size` items can be sampled, then samples them.
 
+        snapshot: the server's state now, if the caller knows it (nothing inserted or
+        sampled since it was taken); when it admits the whole batch there is no wait.
         Raises `ReplayTimeoutError` if the limiter does not allow it in time.
         """
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         start = time.monotonic()
-        state = self._wait(start, batch_size, 0)
+        state = None if snapshot is None else table_state(snapshot, self._table)
+        if state is None or not state.can_sample_at_once(batch_size):
+            state = self._wait(start, batch_size, 0)
         if isinstance(self._client, InProcessServer):
             return self._sample_inprocess(batch_size, start)
         if state.can_sample_at_once(batch_size):
-            rows = list(self._client.sample(self._table, batch_size, emit_timesteps=False))
+            rows = self._take(batch_size)
         else:  # Items may be deleted as they are sampled: take them one at a time.
             rows = []
             for i in range(batch_size):
                 if i:
                     self._wait(start, batch_size, i)
-                rows.extend(self._client.sample(self._table, 1, emit_timesteps=False))
-        batch = {k: np.stack([r.data[j] for r in rows]) for j, k in enumerate(self._keys)}
+                rows.extend(self._take(1))
+        batch = {k: np.stack([r[_INFO + j] for r in rows]) for j, k in enumerate(self._keys)}
         info = SampleInfo(
-            keys=np.array([r.info.key for r in rows], np.uint64),
-            times_sampled=np.array([r.info.times_sampled for r in rows], np.int32),
-            probabilities=np.array([r.info.probability for r in rows], np.float64),
-            table_size=np.array([r.info.table_size for r in rows], np.int64))
+            keys=np.array([r[0] for r in rows], np.uint64),
+            probabilities=np.array([r[1] for r in rows], np.float64),
+            table_size=np.array([r[2] for r in rows], np.int64),
+            times_sampled=np.array([r[4] for r in rows], np.int32))
         return batch, info
+
+    def _take(self, n: int) -> list:
+        """`n` samples through one sampler that requests exactly `n` at once (see the module
+        docstring); the caller has checked that the limiter admits them."""
+        sampler = self._new_sampler(self._table, n, n)
+        return [sampler.GetNextTrajectory() for _ in range(n)]
 
     def _sample_inprocess(self, batch_size: int, start: float) -> tuple[dict[str, np.ndarray], SampleInfo]:
         taken = self._client.sample(self._table, batch_size,
@@ -84,9 +107,15 @@ class RolloutReader:
             table_size=np.array([t[2] for t in taken], np.int64))
         return batch, info
 
-    def can_sample(self, batch_size: int) -> bool:
-        """Whether `sample(batch_size)` would return without waiting."""
-        return limiter_state(self._client, self._table, self._timeout_s).can_sample_at_once(batch_size)
+    def can_sample(self, batch_size: int, snapshot: Optional[Snapshot] = None) -> bool:
+        """Whether `sample(batch_size)` would return without waiting (in `snapshot`'s state,
+        if given, else the server's now)."""
+        return self._state(snapshot).can_sample_at_once(batch_size)
+
+    def _state(self, snapshot: Optional[Snapshot]) -> LimiterState:
+        if snapshot is None:
+            return limiter_state(self._client, self._table, self._timeout_s)
+        return table_state(snapshot, self._table)
 
     def _wait(self, start: float, batch_size: int, done: int) -> LimiterState:
         """Polls until `batch_size` samples are allowed or, once `done` > 0, one more."""
@@ -126,20 +155,24 @@ class PositiveBiasReader:
         self._positive_batch = positive_batch
         self._timeout_s = timeout_s
 
-    def split(self, batch_size: int) -> tuple[int, int]:
-        """(rows from the rollout table, rows from the positives table) for a batch now."""
-        have = limiter_state(self._client, self._positive_table, self._timeout_s).size > 0
+    def split(self, batch_size: int, snapshot: Optional[Snapshot] = None) -> tuple[int, int]:
+        """(rows from the rollout table, rows from the positives table) for a batch now
+        (`snapshot`: the server's state now, if the caller knows it)."""
+        have = self._positives._state(snapshot).size > 0
         n_pos = min(self._positive_batch, batch_size) if have else 0
         return batch_size - n_pos, n_pos
 
-    def can_sample(self, batch_size: int) -> bool:
-        n_main, _ = self.split(batch_size)
-        return n_main == 0 or self._main.can_sample(n_main)
+    def can_sample(self, batch_size: int, snapshot: Optional[Snapshot] = None) -> bool:
+        if snapshot is None:  # one query answers for both tables
+            snapshot = limiter_states(self._client, self._timeout_s)
+        n_main, _ = self.split(batch_size, snapshot)
+        return n_main == 0 or self._main.can_sample(n_main, snapshot)
 
-    def sample(self, batch_size: int) -> tuple[dict[str, np.ndarray], SampleInfo]:
-        """Samples the split; rows from the positives table come last."""
-        n_main, n_pos = self.split(batch_size)
-        parts = [reader.sample(n) for reader, n in ((self._main, n_main), (self._positives, n_pos)) if n]
+    def sample(self, batch_size: int, snapshot: Optional[Snapshot] = None) -> tuple[dict[str, np.ndarray], SampleInfo]:
+        """Samples the split; rows from the positives table come last. Sampling one table
+        leaves the other's state in `snapshot` current."""
+        n_main, n_pos = self.split(batch_size, snapshot)
+        parts = [reader.sample(n, snapshot) for reader, n in ((self._main, n_main), (self._positives, n_pos)) if n]
         batch = {k: np.concatenate([p[0][k] for p in parts]) for k in parts[0][0]}
         info = SampleInfo(*(np.concatenate([getattr(p[1], f) for p in parts]) for f in SampleInfo._fields))
         return batch, info
@@ -168,9 +201,9 @@ class IncrementalReader:
         """Rows of the batch being assembled (0 between batches: checkpoints see none)."""
         return sum(len(p[1].keys) for p in self._parts)
 
-    def _room(self, batch_size: int) -> int:
+    def _room(self, batch_size: int, snapshot: Optional[Snapshot]) -> int:
         """The most rows, up to what the batch still lacks, that can be sampled now without blocking."""
-        state = limiter_state(self._client, self._table, self._timeout_s)
+        state = self._reader._state(snapshot)
         lo, hi = 0, batch_size - self.pending_rows
         if state.can_sample_at_once(hi):
             return hi
@@ -179,15 +212,16 @@ class IncrementalReader:
             lo, hi = (mid, hi) if state.can_sample_at_once(mid) else (lo, mid)
         return lo
 
-    def can_sample(self, batch_size: int) -> bool:
-        """Whether `sample` can take at least one more row now."""
-        return self._room(batch_size) > 0
+    def can_sample(self, batch_size: int, snapshot: Optional[Snapshot] = None) -> bool:
+        """Whether `sample` can take at least one more row now (in `snapshot`'s state, if given)."""
+        return self._room(batch_size, snapshot) > 0
 
-    def sample(self, batch_size: int) -> tuple[Optional[dict[str, np.ndarray]], Optional[SampleInfo]]:
+    def sample(self, batch_size: int,
+               snapshot: Optional[Snapshot] = None) -> tuple[Optional[dict[str, np.ndarray]], Optional[SampleInfo]]:
         """Takes what it can; returns the whole batch once complete, else (None, None)."""
-        n = self._room(batch_size)
+        n = self._room(batch_size, snapshot)
         if n:
-            self._parts.append(self._reader.sample(n))
+            self._parts.append(self._reader.sample(n, snapshot))
         if self.pending_rows < batch_size:
             return None, None
         parts, self._parts = self._parts, []

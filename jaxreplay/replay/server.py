@@ -21,7 +21,8 @@ import tempfile
 from typing import Optional, Sequence, Union
 
 from jaxreplay.replay.inprocess import InProcessServer, InProcessTable
-from jaxreplay.replay.tables import LimiterQueries, LimiterState, import_reverb, limiter_state
+from jaxreplay.replay.tables import (LimiterQueries, LimiterState, Snapshot, import_reverb, limiter_state,
+                                     limiter_states)
 
 _DONE = "DONE"  # Reverb marks a complete checkpoint with this file.
 
@@ -86,6 +87,9 @@ class ReplayServer(LimiterQueries):
     def info(self) -> LimiterState:
         """Size, counters (inserts, samples, deletes, `ratio`) and limiter window."""
         return limiter_state(self._client, self._table, self._timeout_s)
+
+    def snapshot(self) -> Snapshot:
+        return limiter_states(self._client, self._timeout_s)
 
     def checkpoint(self) -> str:
         """Saves items and limiter counters; returns the path to pass as `restore_from`.

@@ -223,7 +223,7 @@ class LimiterState:
 
     @classmethod
     def from_table_info(cls, info) -> "LimiterState":
-        """From a `reverb.TableInfo`; Reverb reports the limiter's own counters as
+        """From a `reverb.TableInfo` (or the `TableInfo` proto it is read from); Reverb reports the limiter's own counters as
         `completed` insert/sample calls (restored with a checkpoint), and every item
         ever inserted is either still in the table or deleted."""
         rl = info.rate_limiter_info
@@ -265,6 +265,21 @@ class LimiterState:
         worst_size = self.size - (n - 1 if self.max_times_sampled > 0 else 0)
         return self.can_sample(n) and worst_size >= self.min_size_to_sample
 
+    def after_insert(self, n: int) -> "LimiterState":
+        """The state once `n` admitted inserts have landed and no other call has: the FIFO
+        remover evicts the oldest item for each insert into a full table. Exact for a
+        table with no other client (the colocated loop), as Reverb's table.cc counts."""
+        size = min(self.size + n, self.max_size)
+        return dataclasses.replace(self, size=size, inserts=self.inserts + n, deletes=self.inserts + n - size)
+
+    def after_sample(self, n: int) -> "LimiterState":
+        """The state once `n` admitted samples were taken and no other call was made, for a
+        table without `max_times_sampled` (whose samples delete items)."""
+        if self.max_times_sampled > 0:
+            raise ValueError(f"table {self.table!r}: samples may delete items (max_times_sampled="
+                             f"{self.max_times_sampled}); ask the server instead")
+        return dataclasses.replace(self, samples=self.samples + n)
+
     def describe(self) -> str:
         return (f"table {self.table!r}: size={self.size}, inserts={self.inserts}, "
                 f"samples={self.samples}, deletes={self.deletes}, "
@@ -289,17 +304,45 @@ class LimiterQueries:
     def can_sample(self, n: int) -> bool:
         return self.info().can_sample(n)
 
+    def snapshot(self) -> Snapshot:
+        """Every table's state from one query (one RPC on Reverb). It stays exact for as long
+        as no one inserts or samples: a colocated loop, the table's only client, reuses it
+        for every decision until its own next insert or sample."""
+        raise NotImplementedError
+
+
+# table name -> its state, all taken at once (`LimiterQueries.snapshot`).
+Snapshot = Mapping[str, LimiterState]
+
+
+def limiter_states(client, timeout_s: float, asked_for: str = "its tables") -> dict[str, LimiterState]:
+    """The live state of every table on the server, from one query (bounded by `timeout_s`;
+    `asked_for` names what was wanted in the timeout's message)."""
+    if hasattr(client, "states"):  # the in-process server is its own client
+        return client.states()
+    import_reverb()
+    from reverb.cc import schema_pb2
+    # `reverb.Client.server_info` also decodes every table's signature into TensorFlow
+    # specs, which costs more than the RPC; the limiter needs only the counters.
+    try:
+        protos = client._client.ServerInfo(max(1, int(np.ceil(timeout_s))))
+    except RuntimeError as e:
+        if "Deadline Exceeded" in str(e):
+            raise ReplayTimeoutError(f"the Reverb server did not report {asked_for} within {timeout_s:g}s") from None
+        raise
+    infos = (schema_pb2.TableInfo.FromString(p) for p in protos)
+    return {info.name: LimiterState.from_table_info(info) for info in infos}
+
+
+def table_state(states: Snapshot, table: str) -> LimiterState:
+    """`states[table]`, with an error naming the tables there are."""
+    if table not in states:
+        raise KeyError(f"no table {table!r} on the replay server (tables: {', '.join(sorted(states))})")
+    return states[table]
+
 
 def limiter_state(client, table: str, timeout_s: float) -> LimiterState:
     """The live state of `table`, asked of the server (bounded by `timeout_s`)."""
     if hasattr(client, "state"):  # the in-process server is its own client
         return client.state(table)
-    reverb = import_reverb()
-    try:
-        infos = client.server_info(timeout=max(1, int(np.ceil(timeout_s))))
-    except reverb.errors.DeadlineExceededError:
-        raise ReplayTimeoutError(f"the Reverb server did not report table {table!r} "
-                                 f"within {timeout_s:g}s") from None
-    if table not in infos:
-        raise KeyError(f"no table {table!r} on the Reverb server (tables: {', '.join(sorted(infos))})")
-    return LimiterState.from_table_info(infos[table])
+    return table_state(limiter_states(client, timeout_s, f"table {table!r}"), table)

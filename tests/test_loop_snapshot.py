@@ -1,0 +1,61 @@
+"""The colocated loop decides every turn on a limiter snapshot it keeps itself (one
+`server_info` RPC, then its own moves added): each decision must be the one fresh
+server state gives, for every reader kind the loop drives."""
+
+from __future__ import annotations
+
+import pytest
+
+import jaxreplay.loop as loop
+from jaxreplay.config import load_config
+from jaxreplay.replay import reader_for
+from test_train import DEMO, TINY
+
+pytestmark = pytest.mark.slow
+
+
+class FreshStateCheck:
+    """The loop's reader, checking each snapshot the loop hands it against the server's
+    state at that moment (a spy around the real reader; the server is real)."""
+
+    def __init__(self, reader, server):
+        self._reader, self._server, self.checked = reader, server, 0
+
+    def _check(self, snapshot):
+        fresh = self._server.snapshot()
+        assert snapshot is not None
+        for name, state in snapshot.items():
+            assert state == fresh[name], (state.describe(), fresh[name].describe())
+        self.checked += 1
+
+    def can_sample(self, batch_size, snapshot=None):
+        self._check(snapshot)
+        decision = self._reader.can_sample(batch_size, snapshot)
+        assert decision == self._reader.can_sample(batch_size)  # as on fresh state
+        return decision
+
+    def sample(self, batch_size, snapshot=None):
+        self._check(snapshot)
+        return self._reader.sample(batch_size, snapshot)
+
+
+@pytest.mark.parametrize("overrides", [
+    (),  # one table: after the first snapshot the loop asks the server no more
+    ("replay.positive_fraction=0.25",),  # two tables: asks after each insert and step
+    ("replay.max_times_sampled=1", "replay.samples_per_insert=2"),  # batches over several turns
+    ("replay.backend=inprocess",),
+], ids=["plain", "positive_bias", "max_times_sampled", "inprocess"])
+def test_every_turn_decides_on_the_servers_current_state(tmp_path, monkeypatch, overrides):
+    spies = []
+
+    def spying_reader_for(server, config, spec):
+        spies.append(FreshStateCheck(reader_for(server, config, spec), server))
+        return spies[-1]
+
+    monkeypatch.setattr(loop, "reader_for", spying_reader_for)
+    config = load_config(DEMO, [*TINY, f"run.dir={tmp_path}", "train.steps=6", "warmstart.steps=0", *overrides])
+    summary = loop.train(config, log=lambda _: None)
+    assert summary["steps"] == 6
+    assert spies and spies[0].checked >= 2 * 6  # a can_sample and a sample per step, at least
+    assert summary["replay/samples"] == 6 * config.train.batch_size
+    assert summary["time/replay_s"] > 0
