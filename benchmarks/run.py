@@ -17,6 +17,7 @@ import platform
 import time
 
 from benchmarks import learner, replay, sampler, scaling
+from jaxreplay.xla_cpu import tune_cpu_compiler
 
 TARGETS = {"sampler_ratio_b16_b64": 2.0, "replay_share_of_loop": 0.02}
 
@@ -26,6 +27,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the code runs, measures nothing")
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args(argv)
+    tune_cpu_compiler()  # as the CLI does, before the first JAX computation
 
     start = time.perf_counter()
     results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
@@ -65,7 +67,8 @@ def table(r: dict) -> str:
     for s in sc["rows"]:
         row(f"learner step ms, N = {s['items']}", f"{s['step_ms']:.1f}")
     row(f"step time N={sc['rows'][-1]['items']} / N={sc['rows'][0]['items']}", f"{sc['flatness']:.2f}x", "~1 (flat)")
-    row(f"RSS growth over {sc['rows'][-1]['steps']} steps at full table", f"{sc['rss_growth_mib']:.1f} MiB", "~0")
+    row(f"RSS growth over the last {sc['rss_growth_steps']} steps at full table", f"{sc['rss_growth_mib']:.1f} MiB",
+        "~0")
     m = r["machine"]
     row("load average start | end", f"{m['loadavg_start'][0]:.1f} | {m['loadavg_end'][0]:.1f}",
         f"({m['cpus']} cpus)")
