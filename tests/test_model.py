@@ -49,11 +49,13 @@ def test_shapes_and_dtypes():
 
     full_cache = init_cache(TINY, 3, 10)
     assert isinstance(full_cache, KVCache)
-    assert full_cache.k.shape == (TINY.n_layers, 3, 10, TINY.n_kv_heads, TINY.head_dim)
+    assert len(full_cache.k) == len(full_cache.v) == TINY.n_layers
+    assert full_cache.k[0].shape == (3, TINY.n_kv_heads, 10, TINY.head_dim)
     key_mask = jnp.zeros((3, 10), bool).at[:, :7].set(True)
     logits2, new_cache = apply(graphdef, params, tokens, positions_from_mask(mask), key_mask, full_cache, 0)
     assert logits2.shape == logits.shape
-    assert new_cache.k.shape == full_cache.k.shape and new_cache.v.dtype == full_cache.v.dtype
+    assert jax.tree.map(jnp.shape, new_cache) == jax.tree.map(jnp.shape, full_cache)
+    assert new_cache.v[0].dtype == full_cache.v[0].dtype
     np.testing.assert_allclose(logits2, logits, atol=1e-5)
 
 
@@ -176,7 +178,7 @@ def test_bfloat16_compute(param_dtype):
     mask = jnp.ones((2, 8), bool).at[1, :3].set(False)
     logits = forward(graphdef, params, tokens, mask)
     assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()
-    assert init_cache(lo_cfg, 2, 8).k.dtype == jnp.bfloat16
+    assert init_cache(lo_cfg, 2, 8).k[0].dtype == jnp.bfloat16
 
     # The same weights in float32 give nearly the same logits (bf16 keeps ~3 digits).
     f32_graphdef, _ = init_params(FULL, 0)

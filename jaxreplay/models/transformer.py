@@ -56,26 +56,28 @@ def dtype_of(name: str) -> jnp.dtype:
 # KV cache
 
 
-# Logical axes of KVCache.k and KVCache.v.
-KV_CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+# Logical axes of each layer's array in KVCache.k and KVCache.v.
+KV_CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer, stacked: [n_layers, B, max_len, n_kv_heads, head_dim].
+    """Keys and values, one [B, n_kv_heads, max_len, head_dim] array per layer.
 
-    Keys are stored after RoPE (and q/k norm), in `compute_dtype`. Which slots are
-    valid is not stored here: it is the caller's `key_mask` (see the module doc).
+    One array per layer (not one stacked array) so a decode step updates each in place
+    and attention reads it straight after; slots are the second-minor axis, so the
+    score and value contractions need no transpose. Keys are stored after RoPE (and
+    q/k norm), in `compute_dtype`. Which slots are valid is not stored here: it is the
+    caller's `key_mask` (see the module doc).
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
     """An all-zero cache for `batch` rows of up to `max_len` slots."""
-    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-    zeros = jnp.zeros(shape, dtype_of(cfg.compute_dtype))
-    return KVCache(k=zeros, v=zeros)
+    zeros = lambda: jnp.zeros((batch, cfg.n_kv_heads, max_len, cfg.head_dim), dtype_of(cfg.compute_dtype))
+    return KVCache(k=tuple(zeros() for _ in range(cfg.n_layers)), v=tuple(zeros() for _ in range(cfg.n_layers)))
 
 
 # ----------------------------------------------------------------------------------
@@ -131,15 +133,25 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
     return jnp.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding, HF "rotate_half" layout: pairs are (x[i], x[i + head_dim/2]).
+class Rotation(NamedTuple):
+    """RoPE's cos and sin for each token, [B, T, 1, head_dim / 2] float32: computed once
+    per forward pass and shared by every layer's queries and keys."""
 
-    x: [B, T, heads, head_dim]; positions: [B, T] int; inv_freq: [head_dim / 2] (`rope_frequencies`).
-    """
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
-    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    cos: jax.Array
+    sin: jax.Array
+
+
+def rotation(positions: jax.Array, cfg: ModelConfig) -> Rotation:
+    """The rotation of tokens at `positions` [B, T] (int)."""
+    angles = positions.astype(jnp.float32)[..., None, None] * rope_frequencies(cfg)  # [B, T, 1, half]
+    return Rotation(jnp.cos(angles), jnp.sin(angles))
+
+
+def rope(x: jax.Array, rot: Rotation) -> jax.Array:
+    """Rotary embedding of x [B, T, heads, head_dim], HF "rotate_half" layout: pairs are
+    (x[i], x[i + head_dim/2])."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return jnp.concatenate([x1 * rot.cos - x2 * rot.sin, x2 * rot.cos + x1 * rot.sin], axis=-1).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -159,15 +171,14 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
-        self.cfg = cfg  # static: RoPE frequencies are constants of the config
 
-    def __call__(self, x, positions, key_mask, kv=None, cache_index=None):
-        """x [B, T, D] -> ([B, T, D], (k, v) of this call's T tokens, [B, T, kv_heads, head_dim]).
+    def __call__(self, x, rot: Rotation, key_mask, kv=None, cache_index=None):
+        """x [B, T, D] -> ([B, T, D], this layer's updated (k, v) cache, or None without one).
 
-        With a cache `kv` (this layer's [B, max_len, ...] keys and values), the queries also
-        see its slots before `cache_index`. The cache is only read here: the caller writes
-        the new keys into its slots, so a decode step writes T slots instead of copying
-        every layer's cache.
+        With a cache `kv` (this layer's two [B, kv_heads, max_len, head_dim] arrays), the
+        T new keys and values are first written to slots cache_index .. cache_index + T - 1,
+        then the queries attend over the cache: in a decode loop the write happens in place
+        and nothing reads the cache as it was before it.
         """
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
@@ -175,36 +186,41 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_frequencies(self.cfg)
-        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+        q, k = rope(q, rot), rope(k, rot)
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, kv_heads, T, head_dim]
 
-        # Keys: the cache's slots (if any), then this call's T tokens in slots
-        # cache_index .. cache_index + T - 1. Query j sees cache slot s iff s < cache_index
-        # and key_mask[:, s], and new token j' iff j' <= j and it is a real token.
-        keys, values, masks = [k], [v], []
-        if kv is None:
-            new_mask = key_mask
+        if kv is None:  # whole sequences: the keys are the T tokens themselves, slots 0..T-1
+            keys, values, first = k, v, 0
         else:
-            new_mask = jax.lax.dynamic_slice_in_dim(key_mask, cache_index, t, axis=1)
-        if kv is not None and not (isinstance(cache_index, int) and cache_index == 0):  # a prefill sees no cache
-            old = (jnp.arange(kv[0].shape[1]) < cache_index)[None, :] & key_mask  # [B, S]
-            keys, values, masks = [kv[0]] + keys, [kv[1]] + values, [jnp.broadcast_to(old[:, None], (b, t, old.shape[1]))]
-        masks.append(jnp.tril(jnp.ones((t, t), bool))[None] & new_mask[:, None, :])  # [B, T, T]
+            write = lambda buf, new: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0, 0, cache_index, 0))
+            kv = keys, values = write(kv[0], k), write(kv[1], v)
+            first = cache_index
+            if isinstance(cache_index, int):  # a static index: no slot past the new tokens is needed
+                keys, values = keys[:, :, :cache_index + t], values[:, :, :cache_index + t]
+        # Query j sits in slot first + j and sees slot s iff s <= first + j and key_mask[:, s].
+        n_keys = keys.shape[2]
+        causal = jnp.arange(n_keys)[None, :] <= first + jnp.arange(t)[:, None]  # [T, S]
+        visible = causal[None] & key_mask[:, None, :n_keys]  # [B, T, S]
 
+        # Query rows (token j, group g) of each kv head: [B, kv_heads, T * groups, head_dim].
         groups = self.n_heads // self.n_kv_heads
-        q = q.reshape(b, t, self.n_kv_heads, groups, self.head_dim)
-        # Scores per key block, softmax over all of them: the cache is never concatenated.
-        # A finite floor, not -inf, so a query with no visible key (a pad slot) gives
-        # a harmless uniform average instead of NaN.
-        scores = jnp.concatenate([
-            jnp.where(m[:, None, None], jnp.einsum("btkgh,bskh->bkgts", q, kk.astype(q.dtype),
-                                                   preferred_element_type=jnp.float32) / math.sqrt(self.head_dim),
-                      jnp.finfo(jnp.float32).min)
-            for kk, m in zip(keys, masks)], axis=-1)
+        q = jnp.swapaxes(q.reshape(b, t, self.n_kv_heads, groups, self.head_dim), 1, 2)
+        q = q.reshape(b, self.n_kv_heads, t * groups, self.head_dim)
+        keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+        if t == 1:
+            # Decode: a multiply-reduce, one fused pass over the keys. As a batched dot, XLA's
+            # CPU runtime makes B * kv_heads tiny GEMM calls (2.7x slower at B=64, measured).
+            # XLA fuses the query's RoPE into it, once per key: hence precomputed rotations.
+            scores = jnp.sum(q[:, :, :, None, :].astype(jnp.float32) * keys[:, :, None].astype(jnp.float32), axis=-1)
+        else:
+            scores = jnp.einsum("bkqh,bksh->bkqs", q, keys, preferred_element_type=jnp.float32)
+        # A finite floor, not -inf, so a query with no visible key (a pad slot) gives a
+        # harmless uniform average instead of NaN.
+        visible = jnp.repeat(visible, groups, axis=1)[:, None]  # [B, 1, T * groups, S]
+        scores = jnp.where(visible, scores / math.sqrt(self.head_dim), jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        blocks = jnp.split(probs, [keys[0].shape[1]], axis=-1) if len(keys) == 2 else [probs]
-        out = sum(jnp.einsum("bkgts,bskh->btkgh", p, vv.astype(q.dtype)) for p, vv in zip(blocks, values))
-        return self.o_proj(out.reshape(b, t, -1)), (k, v)
+        out = jnp.einsum("bkqs,bksh->bkqh", probs, values).reshape(b, self.n_kv_heads, t, groups, self.head_dim)
+        return self.o_proj(jnp.swapaxes(out, 1, 2).reshape(b, t, -1)), kv
 
 
 class MLP(nnx.Module):
@@ -231,8 +247,8 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, key_mask, kv=None, cache_index=None):
-        h, kv = self.attn(self.input_norm(x), positions, key_mask, kv, cache_index)
+    def __call__(self, x, rot: Rotation, key_mask, kv=None, cache_index=None):
+        h, kv = self.attn(self.input_norm(x), rot, key_mask, kv, cache_index)
         x = x + h
         return x + self.mlp(self.post_attn_norm(x)), kv
 
@@ -281,23 +297,22 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens, positions, key_mask, cache: Optional[KVCache] = None, cache_index=None):
         """The final-normed residual stream [B, T, D]; split from `unembed` so callers
-        that need only some positions' logits (prefill) skip the [B, T, V] product."""
+        that need only some positions' logits (prefill) skip the [B, T, V] product.
+
+        `positions` may also be their `Rotation`: a decode loop computes every step's
+        before the loop, which keeps cos and sin out of the loop body.
+        """
         if cache is not None and cache_index is None:
             raise ValueError("a cache needs cache_index: the slot the first new token is written to")
         x = self.embed(tokens)
+        rot = positions if isinstance(positions, Rotation) else rotation(positions, self.cfg)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, (k, v) = layer(x, positions, key_mask, kv, cache_index)
-            ks.append(k)
-            vs.append(v)
-        if cache is None:
-            return self.final_norm(x), None
-        # One in-place write of the T new slots of every layer (in a decode loop XLA
-        # updates the carried cache buffer instead of rebuilding it each step).
-        write = lambda buf, new: jax.lax.dynamic_update_slice(buf, jnp.stack(new).astype(buf.dtype),
-                                                              (0, 0, cache_index, 0, 0))
-        return self.final_norm(x), KVCache(write(cache.k, ks), write(cache.v, vs))
+            x, kv = layer(x, rot, key_mask, None if cache is None else (cache.k[i], cache.v[i]), cache_index)
+            if kv is not None:
+                ks.append(kv[0])
+                vs.append(kv[1])
+        return self.final_norm(x), None if cache is None else KVCache(tuple(ks), tuple(vs))
 
     def unembed(self, h: jax.Array) -> jax.Array:
         """[B, T, D] -> float32 logits [B, T, V]."""
