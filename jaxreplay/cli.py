@@ -11,6 +11,7 @@ import traceback
 from pathlib import Path
 
 from jaxreplay import commands as research
+from jaxreplay.xla_cpu import tune_cpu_compiler
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -77,6 +78,7 @@ def _native_logs_to(path: Path):
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow (under Reverb) is chatty on import
+    tune_cpu_compiler()  # before the first JAX computation
     from jaxreplay.config import ConfigError, load_config
     from jaxreplay.guards import Preempted
 
