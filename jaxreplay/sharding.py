@@ -37,7 +37,6 @@ RULES: dict[str, tuple[str, ...]] = {
     "mlp": ("tensor",),
     "head_dim": (),
     "norm": (),
-    "layers": (),
     "length": (),
 }
 
