@@ -145,7 +145,11 @@ def _train(config: Config, log: Callable[[str], None]) -> dict[str, Any]:
                 counts["sampled"] += len(local["reward"])
                 coord.barrier(f"sampled/{turn}")
                 batch = {k: _global_rows(local[k], rows) for k in BATCH_KEYS}
-                params, opt_state, step_metrics = train_step(params, opt_state, batch, ref_params)
+                # Wait for every local device, not just the one device_get reads: a device
+                # that started the next computation early would pair its collectives with a
+                # peer still in this step (gloo matches collectives by order; seen on CPU).
+                params, opt_state, step_metrics = jax.block_until_ready(
+                    train_step(params, opt_state, batch, ref_params))
                 counts["learner_steps"] += 1
                 step = counts["learner_steps"]
                 record = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
@@ -245,8 +249,8 @@ def _on_local_rows(sample_fn, mesh):
     spec = rows.spec
 
     def sample(params, prompts, prompt_mask, key):
-        rollout = sample_fn(params, _global_rows(prompts, rows), _global_rows(prompt_mask, rows),
-                            _replicated(key, mesh))
+        rollout = jax.block_until_ready(sample_fn(params, _global_rows(prompts, rows), _global_rows(prompt_mask, rows),
+                                                  _replicated(key, mesh)))  # all devices done: see `train`
         return jax.tree.map(
             lambda x: np.asarray(multihost_utils.global_array_to_host_local_array(x, mesh, spec)), rollout)
 
@@ -260,7 +264,7 @@ def _on_all_rows(sample_fn, mesh):
     def sample(params, prompts, prompt_mask, key):
         whole = [jax.make_array_from_callback(np.shape(x), rows, lambda index, x=np.asarray(x): x[index])
                  for x in (prompts, prompt_mask)]
-        rollout = sample_fn(params, *whole, _replicated(key, mesh))
+        rollout = jax.block_until_ready(sample_fn(params, *whole, _replicated(key, mesh)))  # see `train`
         return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), rollout)
 
     return sample
