@@ -1,5 +1,6 @@
 """The jitted sampler agrees with a full forward pass, token by token."""
 
+import dataclasses
 import functools
 
 import jax
@@ -9,7 +10,7 @@ import pytest
 
 from jaxreplay.config import ModelConfig
 from jaxreplay.models import forward, init_params
-from jaxreplay.sampling import Rollout, filter_logits, make_sampler, token_entropy, token_logprobs
+from jaxreplay.sampling import Rollout, _phase_ends, filter_logits, make_sampler, token_entropy, token_logprobs
 
 CFG = ModelConfig(vocab_size=8, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
                   max_seq_len=20, tie_embeddings=False, attention_bias=True, qk_norm=True)
@@ -79,6 +80,17 @@ def test_eos_then_pad_and_masks():
 def test_logprobs_match_full_forward_with_temperature():
     r = rollout(temperature=0.7)
     check_structure(r)
+    ref = np.asarray(token_logprobs(FORWARD(PARAMS, r.tokens, r.attention_mask), r.tokens, 0.7))
+    np.testing.assert_allclose(r.logprobs, np.where(r.completion_mask, ref, 0.0), atol=1e-5)
+
+
+def test_a_long_decode_grows_its_cache_in_phases_and_still_matches_a_full_forward():
+    """70 new tokens decode in two loops, over caches of P + 35 then P + 70 slots."""
+    assert _phase_ends(70) == [35, 70] and _phase_ends(128) == [32, 64, 96, 128] and _phase_ends(N_NEW) == [N_NEW]
+    cfg = dataclasses.replace(CFG, max_seq_len=80)
+    sampler = make_sampler(GRAPHDEF, cfg, max_new_tokens=70, temperature=0.7, eos_id=-1, pad_id=PAD)  # no EOS
+    r = jax.tree.map(np.asarray, sampler(PARAMS, PROMPT, PROMPT_MASK, jax.random.key(3)))
+    assert r.completion_mask[:, 6:].all()
     ref = np.asarray(token_logprobs(FORWARD(PARAMS, r.tokens, r.attention_mask), r.tokens, 0.7))
     np.testing.assert_allclose(r.logprobs, np.where(r.completion_mask, ref, 0.0), atol=1e-5)
 
