@@ -99,6 +99,20 @@ class InProcessTable:
         return item, p, n, item.times_sampled
 
 
+
+def prune_directories(root: str, keep: set[str], skip: Callable[[str, str], bool]) -> list[str]:
+    """Deletes the directories in `root` that are not in `keep` and that `skip(name, abspath)`
+    spares; returns their paths. Both replay servers prune their checkpoints with it."""
+    keep = {os.path.abspath(p) for p in keep}
+    removed = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.abspath(os.path.join(root, name))
+        if path in keep or not os.path.isdir(path) or skip(name, path):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
 class InProcessServer(LimiterQueries):
     """Hosts `InProcessTable`s in this process with `ReplayServer`'s interface, and is its
     own client: readers and writers call `state`, `insert` and `sample` directly."""
@@ -167,16 +181,9 @@ class InProcessServer(LimiterQueries):
         directories of checkpoints a killed process left unfinished; returns them."""
         if self._checkpoint_root is None:
             return []
-        keep = {os.path.abspath(p) for p in keep}
-        removed = []
-        for name in sorted(os.listdir(self._checkpoint_root)):
-            path = os.path.abspath(os.path.join(self._checkpoint_root, name))
-            stale = name.startswith(".inprocess-staging-")  # this server stages only inside checkpoint()
-            if (name.startswith(".") and not stale) or path in keep or not os.path.isdir(path):
-                continue
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-        return removed
+        # This server stages only inside checkpoint(): any staging directory is stale.
+        hidden = lambda name, path: name.startswith(".") and not name.startswith(".inprocess-staging-")
+        return prune_directories(self._checkpoint_root, keep, skip=hidden)
 
     def stop(self) -> None:
         """Wakes every blocked call (which then fails); idempotent."""

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from typing import Optional, Sequence, Union
 
-from jaxreplay.replay.inprocess import InProcessServer, InProcessTable
+from jaxreplay.replay.inprocess import InProcessServer, InProcessTable, prune_directories
 from jaxreplay.replay.tables import (LimiterQueries, LimiterState, Snapshot, import_reverb, limiter_state,
                                      limiter_states)
 
@@ -112,15 +112,8 @@ class ReplayServer(LimiterQueries):
         """
         if self._checkpoint_root is None:
             return []
-        keep = {os.path.abspath(p) for p in keep}
-        removed = []
-        for name in sorted(os.listdir(self._checkpoint_root)):
-            path = os.path.abspath(os.path.join(self._checkpoint_root, name))
-            if path == os.path.abspath(self._staging) or path in keep or not os.path.isdir(path):
-                continue
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-        return removed
+        staging = os.path.abspath(self._staging)
+        return prune_directories(self._checkpoint_root, keep, skip=lambda name, path: path == staging)
 
     def stop(self) -> None:
         """Stops serving; idempotent."""

@@ -223,9 +223,10 @@ class LimiterState:
 
     @classmethod
     def from_table_info(cls, info) -> "LimiterState":
-        """From a `reverb.TableInfo` (or the `TableInfo` proto it is read from); Reverb reports the limiter's own counters as
-        `completed` insert/sample calls (restored with a checkpoint), and every item
-        ever inserted is either still in the table or deleted."""
+        """From a `reverb.TableInfo` (or the `TableInfo` proto it is read from). Reverb
+        reports the limiter's own counters as `completed` insert/sample calls (restored
+        with a checkpoint), and every item ever inserted is either still in the table or
+        deleted."""
         rl = info.rate_limiter_info
         inserts, samples = int(rl.insert_stats.completed), int(rl.sample_stats.completed)
         return cls(
