@@ -269,6 +269,10 @@ def test_restore_refuses_a_missing_or_mismatched_checkpoint(tmp_path):
     other = config(*LOOSE, "replay.samples_per_insert=3")
     with pytest.raises(ValueError, match="samples_per_insert: checkpoint 2.0 vs config 3.0"):
         ReplayServer(build_table(other, SPEC), checkpoint_root=root, restore_from=path)
+    # Same bytes per row, other fields: rows would be misread, so the layout is part of the signature.
+    same_size = {**SPEC, "logprobs": ((T,), np.int32)}
+    with pytest.raises(ValueError, match="signature: checkpoint .*logprobs:<f4.* vs config .*logprobs:<i4"):
+        ReplayServer(build_table(cfg, same_size), checkpoint_root=root, restore_from=path)
 
 
 # 5. build_table agrees with config validation ----------------------------------------

@@ -23,6 +23,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from jaxreplay.replay.inprocess import InProcessServer
+from jaxreplay.replay.rows import RowLayout
 from jaxreplay.replay.server import Source, connect
 from jaxreplay.config import Config
 from jaxreplay.replay.tables import (
@@ -30,7 +31,7 @@ from jaxreplay.replay.tables import (
     limiter_states, positive_split, table_state)
 
 _MAX_POLL_S = 0.05
-_INFO = 5  # a pybind sample: key, probability, table size, priority, times sampled, then the item's fields
+_INFO = 5  # a pybind sample: key, probability, table size, priority, times sampled, then the packed row
 
 
 class SampleInfo(NamedTuple):
@@ -53,8 +54,8 @@ class RolloutReader:
     def __init__(self, source: Source, item_spec: ItemSpec, *, timeout_s: float, table: str = TABLE_NAME):
         self._client = connect(source)
         self._table = table
-        # Reverb returns an item's fields flattened in the signature's (sorted-key) order.
         self._keys = sorted(item_spec)
+        self._layout = RowLayout(item_spec)  # a Reverb item is one packed row
         self._timeout_s = timeout_s
         # Reverb's sampler factory: (table, max_samples, samples per request) -> sampler.
         self._new_sampler = None if isinstance(self._client, InProcessServer) else self._client._client.NewSampler
@@ -82,7 +83,7 @@ class RolloutReader:
                 if i:
                     self._wait(start, batch_size, i)
                 rows.extend(self._take(1))
-        batch = {k: np.stack([r[_INFO + j] for r in rows]) for j, k in enumerate(self._keys)}
+        batch = self._layout.unpack(np.stack([r[_INFO] for r in rows]))
         info = SampleInfo(
             keys=np.array([r[0] for r in rows], np.uint64),
             probabilities=np.array([r[1] for r in rows], np.float64),

@@ -20,12 +20,13 @@ from typing import Literal, Mapping
 import numpy as np
 
 from jaxreplay.config import Config
+from jaxreplay.replay.rows import ItemSpec, RowLayout  # one table row per rollout
 
 TABLE_NAME = "rollouts"
 POSITIVE_TABLE_NAME = "positives"  # positive-bias sampling: the freshest correct rollouts
 
-# name -> (per-item shape, dtype); one table row per rollout.
-ItemSpec = Mapping[str, tuple[tuple[int, ...], np.dtype]]
+ROW_FIELD = "row"  # a Reverb item's one tensor: the packed rollout row
+
 
 
 class ReplayTimeoutError(TimeoutError):
@@ -175,9 +176,10 @@ def reverb_table(d: TableDef, item_spec: ItemSpec):
 
 
 def table_signature(item_spec: ItemSpec):
+    """One packed-row tensor (rows.py), named by its layout so checkpoints can be checked."""
     import tensorflow as tf
-    return {name: tf.TensorSpec(tuple(shape), tf.as_dtype(np.dtype(dtype)), name=name)
-            for name, (shape, dtype) in item_spec.items()}
+    layout = RowLayout(item_spec)
+    return {ROW_FIELD: tf.TensorSpec((layout.nbytes,), tf.uint8, name=layout.describe())}
 
 
 def set_tf_cpu_only() -> None:

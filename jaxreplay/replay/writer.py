@@ -1,16 +1,19 @@
 """The actor's side: insert scored rollouts, one table item per row.
 
-Each row is one step of a Reverb trajectory writer and each item references that one
-step. The writer's Python layer (`append` restructuring the row, `history` rebuilding
-every column's references, `create_item` validating them) costs 3x what the C++
-writer underneath does for the same calls, so `insert` calls the C++ writer
-directly, with the row's fields in the signature's (sorted-key) order; fields are
-checked against the item spec before any reaches Reverb (dm-reverb is pinned).
+Each row, packed into one byte tensor (rows.py), is one step of a Reverb trajectory
+writer, and each item references that one step. The writer's Python layer (`append`
+restructuring the row, `history` rebuilding references, `create_item` validating
+them) costs 3x what the C++ writer underneath does for the same calls, so `insert`
+calls the C++ writer directly; fields are checked against the item spec before any
+reaches Reverb (dm-reverb is pinned).
 
-Rows are stored in chunks of up to `_FLUSH_EVERY` steps (each flush closes a chunk)
-rather than one chunk per row: 1.8x cheaper to insert, no dearer to sample. A chunk
-lives while any item references it, so with `max_times_sampled` deleting items out
-of order a table can hold up to `_FLUSH_EVERY` rows of memory per live item.
+Small rows are stored in chunks of up to `_FLUSH_EVERY` steps (each flush closes a
+chunk) rather than one chunk per row: 1.8x cheaper to insert. But a sampled item
+brings its whole chunk, decompressed, so a chunk holds at most `_CHUNK_BYTES` of rows
+(at least one): sampling 64 rows of 512 tokens from 2,560 took 6.7 ms in 32-row chunks
+and 1.5-1.8 ms in 3-row ones (benchmarks/replay.py). A chunk lives while any item
+references it, so with `max_times_sampled` deleting items out of order a table can
+hold a chunk of memory per live item.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Callable, Mapping, Optional
 import numpy as np
 
 from jaxreplay.replay.inprocess import InProcessServer
+from jaxreplay.replay.rows import RowLayout
 from jaxreplay.replay.server import Source, connect
 from jaxreplay.config import Config
 from jaxreplay.replay.tables import (
@@ -28,6 +32,8 @@ from jaxreplay.replay.tables import (
 
 # Reverb warns ("alarmingly high") past ~50 unconfirmed items; flush in slices below that.
 _FLUSH_EVERY = 32
+# A sampled item brings its whole chunk with it, decompressed: chunks of large rows stay small.
+_CHUNK_BYTES = 16 * 1024
 
 
 class RolloutWriter:
@@ -44,14 +50,16 @@ class RolloutWriter:
         self._table = table
         self._positive_table = positive_table
         self._spec = {k: (tuple(shape), np.dtype(dtype)) for k, (shape, dtype) in item_spec.items()}
+        self._layout = RowLayout(self._spec)
         self._timeout_s = timeout_s
         # One step per item: each item references only the step just appended.
         self._writer = self._cpp = None
         if not isinstance(self._client, InProcessServer):
             reverb = import_reverb()
             # The pybind writer, and Reverb's Python one around it for `flush` and `close`.
+            chunk_rows = max(1, min(_FLUSH_EVERY, _CHUNK_BYTES // self._layout.nbytes))
             self._cpp = self._client._client.NewTrajectoryWriter(
-                reverb.pybind.ConstantChunkerOptions(_FLUSH_EVERY, _FLUSH_EVERY), False)
+                reverb.pybind.ConstantChunkerOptions(chunk_rows, chunk_rows), False)
             self._writer = reverb.trajectory_writer.TrajectoryWriter(self._cpp)
 
     def insert(self, batch: Mapping[str, np.ndarray], priorities: Optional[np.ndarray] = None) -> None:
@@ -74,12 +82,12 @@ class RolloutWriter:
                                 table=self._table, timeout_s=self._timeout_s)
             return
         deadline = time.monotonic() + self._timeout_s
-        columns = list(arrays.values())  # sorted by key, as the table signature flattens
-        squeezed = [True] * len(columns)  # each field is one step's value, not a [1, ...] slice
+        rows = self._layout.pack(arrays)
+        squeezed = [True]  # the item is one step's row, not a [1, nbytes] slice
         positive = arrays["reward"] > 0 if self._positive_table is not None else np.zeros(n, bool)
         for start in range(0, n, _FLUSH_EVERY):
             for i in range(start, min(n, start + _FLUSH_EVERY)):
-                refs = [[ref] for ref in self._cpp.Append([a[i] for a in columns])]
+                refs = [self._cpp.Append([rows[i]])]
                 self._cpp.CreateItem(self._table, float(priorities[i]), refs, squeezed)
                 if positive[i]:
                     self._cpp.CreateItem(self._positive_table, 1.0, refs, squeezed)
