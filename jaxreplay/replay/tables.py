@@ -28,7 +28,6 @@ POSITIVE_TABLE_NAME = "positives"  # positive-bias sampling: the freshest correc
 ROW_FIELD = "row"  # a Reverb item's one tensor: the packed rollout row
 
 
-
 class ReplayTimeoutError(TimeoutError):
     """A replay call waited past its timeout; the message names the table and limiter state."""
 
