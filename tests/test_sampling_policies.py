@@ -10,6 +10,7 @@ from jaxreplay.config import ConfigError, load_config
 from jaxreplay.replay import (
     POSITIVE_TABLE_NAME, TABLE_NAME, PositiveBiasReader, ReplayServer, build_tables, positive_split, reader_for,
     writer_for)
+from jaxreplay.replay.rows import RowLayout
 from jaxreplay.replay.tables import limiter_state
 
 pytestmark = pytest.mark.timeout(60, method="thread")
@@ -34,11 +35,15 @@ def _config(**extra):
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
 
 
+def _row_id(sample) -> int:
+    """The id of a row sampled with Reverb's own client (an item is one packed row)."""
+    return int(RowLayout(SPEC).unpack(sample.data[0][None])["policy_version"][0])
+
+
 def _ids_in(server, table, draws=600):
     """Every row id in `table`: uniform draws with replacement find all of <= 30 rows (miss odds < 1e-9)."""
     client = reverb.Client(server.address)
-    return {int(s.data[list(sorted(SPEC)).index("policy_version")]) for s in
-            client.sample(table, draws, emit_timesteps=False)}
+    return {_row_id(s) for s in client.sample(table, draws, emit_timesteps=False)}
 
 
 def test_split_divides_window_and_batch_in_proportion_and_keeps_the_overall_ratio():
@@ -89,7 +94,7 @@ def test_prioritized_selector_samples_in_proportion_to_absolute_advantage():
     with ReplayServer(build_tables(c, SPEC), timeout_s=10) as server:
         writer_for(server, c, SPEC).insert(rows)
         samples = list(reverb.Client(server.address).sample(TABLE_NAME, 1000, emit_timesteps=False))
-    ids = np.array([int(s.data[sorted(SPEC).index("policy_version")]) for s in samples])
+    ids = np.array([_row_id(s) for s in samples])
     probability = {int(i): p for i, p in zip(ids, [s.info.probability for s in samples])}
     assert probability[2] == pytest.approx(3.001 / 4.003) and probability[1] == pytest.approx(1.001 / 4.003)
     assert (ids == 0).mean() < 0.01
