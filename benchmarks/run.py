@@ -63,7 +63,7 @@ def table(r: dict) -> str:
     row("replay sample items/s (512 tokens)", f"{rp['sample_items_s']:.0f}")
     d = r["demo"]
     row(f"demo loop share in replay calls ({d['steps']} steps)", f"{100 * d['replay_share_of_loop']:.1f}%", "<= 2%")
-    row("  replay ms per learner step", f"{d['replay_ms_per_step']:.2f}")
+    row("  replay | loop ms per learner step", f"{d['replay_ms_per_step']:.2f} | {d['loop_ms_per_step']:.1f}")
     sc = r["scaling"]
     for s in sc["rows"]:
         row(f"learner step ms, N = {s['items']}", f"{s['step_ms']:.1f}")

@@ -18,7 +18,7 @@ def test_quick_benchmark_writes_every_figure(tmp_path):
         assert row["ours_tok_s"] > 0 and row["generate_tok_s"] > 0 and row["compile_s"] > 0
     assert results["learner"]["tokens_s"] > 0 and 0 <= results["learner"]["outside_share"] < 1
     assert results["replay"]["insert_items_s"] > 0 and results["replay"]["sample_items_s"] > 0
-    assert results["demo"]["steps"] == 4 and 0 < results["demo"]["replay_share_of_loop"] < 1
+    assert results["demo"]["steps"] == 3 and 0 < results["demo"]["replay_share_of_loop"] < 1  # 4, 1 for warm-up
     assert [r["items"] for r in results["scaling"]["rows"]] == [100, 1000]
     assert "sampler/generate" in run.table(results)
 
