@@ -99,10 +99,9 @@ class InProcessTable:
         return item, p, n, item.times_sampled
 
 
-
 def prune_directories(root: str, keep: set[str], skip: Callable[[str, str], bool]) -> list[str]:
-    """Deletes the directories in `root` that are not in `keep` and that `skip(name, abspath)`
-    spares; returns their paths. Both replay servers prune their checkpoints with it."""
+    """Deletes each directory in `root` unless it is in `keep` or `skip(name, abspath)` is
+    true; returns the deleted paths. Both replay servers prune their checkpoints with it."""
     keep = {os.path.abspath(p) for p in keep}
     removed = []
     for name in sorted(os.listdir(root)):
@@ -112,6 +111,7 @@ def prune_directories(root: str, keep: set[str], skip: Callable[[str, str], bool
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
+
 
 class InProcessServer(LimiterQueries):
     """Hosts `InProcessTable`s in this process with `ReplayServer`'s interface, and is its
