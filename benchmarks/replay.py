@@ -1,6 +1,7 @@
 """Replay overhead: Reverb insert and sample throughput with realistic items (512 tokens,
-per-token log-probs and masks, scalars), and the share of a colocated demo run's wall
-time spent in replay calls (loop.py's `time/replay_s`)."""
+per-token log-probs and masks, scalars), and the share of a colocated demo run's loop
+(generate + train + replay, in steady state) spent in replay calls (loop.py's
+`time/replay_s`)."""
 
 from __future__ import annotations
 
