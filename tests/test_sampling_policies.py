@@ -35,9 +35,12 @@ def _config(**extra):
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
 
 
+LAYOUT = RowLayout(SPEC)  # a Reverb item is one packed row
+
+
 def _row_id(sample) -> int:
-    """The id of a row sampled with Reverb's own client (an item is one packed row)."""
-    return int(RowLayout(SPEC).unpack(sample.data[0][None])["policy_version"][0])
+    """The id of a row sampled with Reverb's own client."""
+    return int(LAYOUT.unpack(sample.data[0][None])["policy_version"][0])
 
 
 def _ids_in(server, table, draws=600):
