@@ -23,6 +23,7 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxreplay.compat import is_variable, logical_axes, value_of, with_value
 from jaxreplay.config import Config, ConfigError, MeshConfig
 
 AXES = ("data", "fsdp", "tensor")
@@ -160,24 +161,20 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(RULES["batch"]))
 
 
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.VariableState)
-
-
 def param_shardings(mesh: Mesh, tree: Any) -> Any:
     """The same tree with a NamedSharding per leaf: every nnx Param by its logical axes
-    (its `sharding` metadata), every other leaf replicated. Works on params, on optimizer
+    (`compat.logical_axes`), every other leaf replicated. Works on params, on optimizer
     state built from them (Adam moments keep the metadata) and on abstract trees."""
 
     def one(x):
-        if _is_variable(x):
-            axes = x.get_metadata().get("sharding")
-            shape = np.shape(x.value)
+        if is_variable(x):
+            axes = logical_axes(x)
+            shape = np.shape(value_of(x))
             axes = (None,) * len(shape) if axes is None else axes
-            return x.replace(logical_sharding(mesh, axes, shape))
+            return with_value(x, logical_sharding(mesh, axes, shape))
         return replicated(mesh)
 
-    return jax.tree.map(one, tree, is_leaf=_is_variable)
+    return jax.tree.map(one, tree, is_leaf=is_variable)
 
 
 def shard_params(params: Any, mesh: Mesh) -> Any:

@@ -24,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 
 torch = pytest.importorskip("torch", reason="the 'parity' extra (CPU torch) is not installed")
 
+from jaxreplay.compat import value_of
 from jaxreplay.models import forward
 from jaxreplay.models.hf import HFModelError, load_hf_model, read_model_config, save_hf_model
 from jaxreplay.models.tokenizer import load_tokenizer
@@ -92,7 +93,7 @@ def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
 
 
 def flat(params) -> dict:
-    return {p: np.asarray(v.value) for p, v in nnx.to_flat_state(params)}
+    return {p: np.asarray(value_of(v)) for p, v in nnx.to_flat_state(params)}
 
 
 def assert_bit_equal(a, b) -> None:
@@ -212,6 +213,7 @@ def test_loads_straight_into_a_device_mesh(tmp_path):
         import jax, numpy as np
         from flax import nnx
         from jax.sharding import Mesh
+        from jaxreplay.compat import value_of
         from jaxreplay.models import abstract_params
         from jaxreplay.models.hf import load_hf_model, read_model_config
         from jaxreplay.sharding import param_shardings
@@ -224,11 +226,11 @@ def test_loads_straight_into_a_device_mesh(tmp_path):
         want = dict(nnx.to_flat_state(shardings))
         split = 0
         for p, v in nnx.to_flat_state(sharded):
-            assert v.value.sharding == want[p].value, (p, v.value.sharding, want[p].value)
-            np.testing.assert_array_equal(np.asarray(v.value), np.asarray(dict(nnx.to_flat_state(plain))[p].value))
-            for shard in v.value.addressable_shards:
-                np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(v.value)[shard.index])
-            split += len({{str(s.index) for s in v.value.addressable_shards}}) > 1
+            assert value_of(v).sharding == value_of(want[p]), (p, value_of(v).sharding, value_of(want[p]))
+            np.testing.assert_array_equal(np.asarray(value_of(v)), np.asarray(value_of(dict(nnx.to_flat_state(plain))[p])))
+            for shard in value_of(v).addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(value_of(v))[shard.index])
+            split += len({{str(s.index) for s in value_of(v).addressable_shards}}) > 1
         assert split > 0
         print("ok", split)
     """)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxreplay.compat import value_of
 from jaxreplay.config import ModelConfig
 from jaxreplay.models import (
     KVCache, Transformer, apply, count_params, forward, init_cache, init_params, positions_from_mask, split,
@@ -130,13 +131,13 @@ def test_variant_param_deltas_and_names():
     model = Transformer(FULL, rngs=nnx.Rngs(0))
     _, p = split(model)
     attn = p["layers"][0]["attn"]
-    assert attn["q_proj"]["kernel"].value.shape == (d, FULL.n_heads * hd)
-    assert attn["k_proj"]["bias"].value.shape == (FULL.n_kv_heads * hd,)
+    assert value_of(attn["q_proj"]["kernel"]).shape == (d, FULL.n_heads * hd)
+    assert value_of(attn["k_proj"]["bias"]).shape == (FULL.n_kv_heads * hd,)
     assert "bias" not in attn["o_proj"]
-    assert attn["q_norm"]["scale"].value.shape == (hd,)
-    assert p["layers"][1]["mlp"]["down_proj"]["kernel"].value.shape == (FULL.d_ff, d)
-    assert p["lm_head"]["kernel"].value.shape == (d, v)
-    assert p["embed"]["embedding"].value.shape == (v, d)
+    assert value_of(attn["q_norm"]["scale"]).shape == (hd,)
+    assert value_of(p["layers"][1]["mlp"]["down_proj"]["kernel"]).shape == (FULL.d_ff, d)
+    assert value_of(p["lm_head"]["kernel"]).shape == (d, v)
+    assert value_of(p["embed"]["embedding"]).shape == (v, d)
     assert {"input_norm", "post_attn_norm"} <= set(p["layers"][0])
     assert "final_norm" in p
 

@@ -9,6 +9,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec
 
+from jaxreplay.compat import abstract_mesh, is_variable, logical_axes, value_of
 from jaxreplay import sharding
 from jaxreplay.config import ConfigError, MeshConfig, ModelConfig, load_config
 from jaxreplay.models import abstract_params
@@ -63,15 +64,15 @@ def test_default_mesh_fits_one_device():
 
 def test_every_parameter_has_logical_axes_with_a_rule():
     for cfg in (ModelConfig(), ModelConfig(tie_embeddings=False, attention_bias=True, qk_norm=True)):
-        leaves = jax.tree.leaves(abstract_params(cfg), is_leaf=lambda x: hasattr(x, "get_metadata"))
+        leaves = jax.tree.leaves(abstract_params(cfg), is_leaf=is_variable)
         for leaf in leaves:
-            axes = leaf.get_metadata().get("sharding")
-            assert axes is not None and len(axes) == len(leaf.value.shape)
+            axes = logical_axes(leaf)
+            assert axes is not None and len(axes) == len(value_of(leaf).shape)
             assert all(a in sharding.RULES for a in axes)
 
 
 def test_logical_spec_skips_mesh_axes_that_do_not_divide_or_are_taken():
-    mesh = jax.sharding.AbstractMesh((("data", 2), ("fsdp", 2), ("tensor", 4)))
+    mesh = abstract_mesh({"data": 2, "fsdp": 2, "tensor": 4})
     assert sharding.logical_spec(mesh, ("embed", "mlp"), (128, 384)) == PartitionSpec("fsdp", "tensor")
     # 2 kv heads x 1 (head_dim folded in): tensor=4 does not divide 2, so kv heads stay whole.
     assert sharding.logical_spec(mesh, ("batch", "length", "kv_heads", "head_dim"), (8, 16, 2, 32)) == \

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxreplay.compat import is_variable, value_of, with_value
 from jaxreplay.config import DType, ModelConfig
 from jaxreplay.models.transformer import Transformer, dtype_of, split
 
@@ -220,7 +221,7 @@ def _sharding_map(shardings: Any) -> dict[tuple, jax.sharding.Sharding]:
     state = shardings if isinstance(shardings, nnx.State) else nnx.State(shardings)
     flat = {}
     for p, leaf in nnx.to_flat_state(state):
-        flat[tuple(p)] = leaf.value if isinstance(leaf, nnx.VariableState) else leaf
+        flat[tuple(p)] = value_of(leaf) if is_variable(leaf) else leaf
     return flat
 
 
@@ -261,7 +262,7 @@ def load_hf_model(path: str | Path, *, param_dtype: DType = "float32", compute_d
         with safe_open(str(file), framework="numpy") as f:
             for p in paths:
                 name, transposed = names[p]
-                shape = tuple(targets[p].value.shape)
+                shape = tuple(value_of(targets[p]).shape)
                 want = shape[::-1] if transposed else shape
                 got = tuple(f.get_slice(name).get_shape())
                 if got != want:
@@ -273,8 +274,8 @@ def load_hf_model(path: str | Path, *, param_dtype: DType = "float32", compute_d
             # The file is mapped per tensor: pages read stay resident only while it is open.
             with safe_open(str(file), framework="numpy") as f:
                 name, transposed = names[p]
-                array = _place(f.get_slice(name), transposed, tuple(targets[p].value.shape), dtype, placement.get(p))
-            loaded[p] = targets[p].replace(array)
+                array = _place(f.get_slice(name), transposed, tuple(value_of(targets[p]).shape), dtype, placement.get(p))
+            loaded[p] = with_value(targets[p], array)
     return cfg, graphdef, nnx.from_flat_state(loaded)
 
 
@@ -314,7 +315,7 @@ def save_hf_model(path: str | Path, cfg: ModelConfig, params: nnx.State, *, toke
     if (family.attention_bias, family.qk_norm) != (cfg.attention_bias, cfg.qk_norm):
         raise HFModelError(f"cannot save as {model_type}: it has attention_bias={family.attention_bias}, "
                            f"qk_norm={family.qk_norm}; the model has {cfg.attention_bias}, {cfg.qk_norm}")
-    flat = {tuple(p): var.value for p, var in nnx.to_flat_state(params)}
+    flat = {tuple(p): value_of(var) for p, var in nnx.to_flat_state(params)}
     out_dtype = np.dtype(dtype_of(dtype)) if dtype is not None else None
     path.mkdir(parents=True, exist_ok=True)
 

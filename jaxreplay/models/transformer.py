@@ -28,7 +28,7 @@ is [B, max_len] (True for every slot holding a real token, the new ones included
 Left padding is just `key_mask == False` on the leading slots; RoPE uses the
 explicit `positions`, so a left-padded row gets the same logits as an unpadded one.
 
-Every parameter carries its logical axes as `sharding` metadata ("vocab", "embed",
+Every parameter carries its logical axes as metadata (`jaxreplay.compat.param`) ("vocab", "embed",
 "heads", "kv_heads", "mlp", "norm"; `KV_CACHE_AXES` for the cache). The model knows
 only these names: `jaxreplay.sharding` maps them to mesh axes.
 """
@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxreplay.compat import module_list, param
 from jaxreplay.config import ModelConfig
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -90,14 +91,14 @@ class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, *, axes: tuple[str, str], bias: bool, param_dtype, compute_dtype,
                  rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
-        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), param_dtype), sharding=axes)
-        self.bias = nnx.Param(jnp.zeros((d_out,), param_dtype), sharding=axes[1:]) if bias else None
+        self.kernel = param(init(rngs.params(), (d_in, d_out), param_dtype), axes)
+        self.bias = param(jnp.zeros((d_out,), param_dtype), axes[1:]) if bias else None
         self.compute_dtype = compute_dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x.astype(self.compute_dtype) @ self.kernel.value.astype(self.compute_dtype)
+        y = x.astype(self.compute_dtype) @ self.kernel[...].astype(self.compute_dtype)
         if self.bias is not None:
-            y = y + self.bias.value.astype(self.compute_dtype)
+            y = y + self.bias[...].astype(self.compute_dtype)
         return y
 
 
@@ -105,13 +106,13 @@ class RMSNorm(nnx.Module):
     """x / rms(x) * scale over the last axis, computed in float32."""
 
     def __init__(self, dim: int, *, eps: float, param_dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), sharding=("norm",))
+        self.scale = param(jnp.ones((dim,), param_dtype), ("norm",))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:
@@ -258,14 +259,14 @@ class Embed(nnx.Module):
 
     def __init__(self, vocab: int, dim: int, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
         init = nnx.initializers.normal(stddev=0.02)
-        self.embedding = nnx.Param(init(rngs.params(), (vocab, dim), param_dtype), sharding=("vocab", "embed"))
+        self.embedding = param(init(rngs.params(), (vocab, dim), param_dtype), ("vocab", "embed"))
         self.compute_dtype = compute_dtype
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding.value, tokens, axis=0).astype(self.compute_dtype)
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.compute_dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        table = self.embedding.value.astype(self.compute_dtype)
+        table = self.embedding[...].astype(self.compute_dtype)
         return jnp.einsum("btd,vd->btv", x, table, preferred_element_type=jnp.float32)
 
 
@@ -280,7 +281,7 @@ class Transformer(nnx.Module):
         pd, cd = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.d_model, param_dtype=pd, compute_dtype=cd, rngs=rngs)
-        self.layers = [Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)]
+        self.layers = module_list([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd)
         self.lm_head = None if cfg.tie_embeddings else Linear(
             cfg.d_model, cfg.vocab_size, axes=("embed", "vocab"), bias=False, param_dtype=pd, compute_dtype=cd,
@@ -318,7 +319,7 @@ class Transformer(nnx.Module):
         """[B, T, D] -> float32 logits [B, T, V]."""
         if self.lm_head is None:
             return self.embed.attend(h)
-        kernel = self.lm_head.kernel.value.astype(h.dtype)
+        kernel = self.lm_head.kernel[...].astype(h.dtype)
         return jnp.einsum("btd,dv->btv", h, kernel, preferred_element_type=jnp.float32)
 
 

@@ -1,0 +1,73 @@
+"""The one module that knows the two dependency tiers apart.
+
+The default tier runs current releases (jax >= 0.8, flax >= 0.12, orbax-checkpoint
+>= 0.12, numpy 2); the Reverb lane runs what dm-reverb 0.14.0 pins (jax 0.4.34,
+flax 0.10.4, orbax-checkpoint 0.11.5, numpy 1.26). Where their APIs differ, the rest
+of the code base calls these functions and never tests a version itself.
+
+The differences absorbed here:
+- Flax 0.12 names a variable's sharding annotation `out_sharding` and, by default,
+  shards a variable eagerly when it is created, which needs a mesh in context. Our
+  parameters carry *logical* axis names that `jaxreplay.sharding` maps to a mesh
+  later, so they are created with eager sharding off. Flax 0.10 calls the same
+  annotation `sharding` and never shards eagerly.
+- jax >= 0.5 builds an `AbstractMesh` from sizes and names; jax 0.4 from (name, size)
+  pairs.
+- Flax 0.12 merged `nnx.VariableState` into `nnx.Variable`, and reads a variable's
+  array with `get_value()` (`.value` is deprecated); Flax 0.10 has only `.value`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+from flax import nnx
+
+# Flax >= 0.12: eager variable sharding (FLIP 4844) and `out_sharding` metadata.
+_FLAX_OUT_SHARDING = hasattr(nnx, "use_eager_sharding")
+_AXES_KEY = "out_sharding" if _FLAX_OUT_SHARDING else "sharding"
+
+# The type of a variable's leaf in an `nnx.State` (params, optimizer state).
+VariableLeaf = nnx.Variable if _FLAX_OUT_SHARDING else nnx.VariableState
+
+
+def param(value: Any, axes: Sequence[Optional[str]]) -> nnx.Param:
+    """An `nnx.Param` annotated with its logical axes and placed nowhere yet."""
+    if _FLAX_OUT_SHARDING:
+        return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+    return nnx.Param(value, sharding=tuple(axes))
+
+
+def is_variable(x: Any) -> bool:
+    """Whether `x` is a variable leaf of an `nnx.State` (it carries metadata)."""
+    return isinstance(x, VariableLeaf)
+
+
+def logical_axes(variable: Any) -> Optional[tuple[Optional[str], ...]]:
+    """The logical axis names a variable was annotated with, or None."""
+    axes = variable.get_metadata().get(_AXES_KEY)
+    return None if axes is None else tuple(axes)
+
+
+def value_of(variable: Any) -> Any:
+    """The array (or abstract array) a variable holds."""
+    return variable.get_value() if _FLAX_OUT_SHARDING else variable.value
+
+
+def with_value(variable: Any, value: Any) -> Any:
+    """A copy of `variable` holding `value`, with the same metadata."""
+    return variable.replace(value)
+
+
+def module_list(modules: list) -> Any:
+    """A list of submodules as a model attribute (Flax 0.12 wants it marked as data)."""
+    return nnx.List(modules) if _FLAX_OUT_SHARDING else modules
+
+
+def abstract_mesh(sizes: dict[str, int]) -> jax.sharding.AbstractMesh:
+    """A device-less mesh of these axis sizes, for shapes and specs without devices."""
+    try:
+        return jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes))
+    except TypeError:  # jax 0.4: one tuple of (name, size) pairs
+        return jax.sharding.AbstractMesh(tuple(sizes.items()))
