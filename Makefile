@@ -1,26 +1,55 @@
-# The two commands of the quickstart. Each creates .venv (Python 3.11) when missing.
-PYTHON ?= python3.11
-VENV   := .venv
-# .ci/run's Python 3.12 lane sets EXTRAS=test: no Reverb/TensorFlow wheels there (in-process
-# replay), and no torch (parity tests against transformers' torch models skip).
-EXTRAS ?= test,reverb,parity
-STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+# The two commands of the quickstart: `make demo` and `make test`. Each creates its lane's venv
+# when missing, installs jaxreplay into it with that lane's constraints, and runs.
+#
+# LANE picks the dependency tier (README, "Dependency tiers"):
+#   default    Python >= 3.12, current jax/flax/orbax, in-process replay   .venv
+#   py313      the same constraints on Python 3.13                          .venv-py313
+#   gpu-image  jax 0.11.2 and the flax/optax/orbax that run with it (3.12)  .venv-gpu-image
+#   reverb     Python 3.11, dm-reverb 0.14.0 + TensorFlow 2.15 + jax 0.4.34  .venv-reverb
+LANE ?= default
+
+ifeq ($(LANE),default)
+  PYTHON ?= $(shell for p in python3.12 python3.13 python3; do $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $$p && break; done)
+  VENV ?= .venv
+  EXTRAS ?= test
+  CONSTRAINTS := constraints/default.txt
+else ifeq ($(LANE),py313)
+  PYTHON ?= python3.13
+  VENV ?= .venv-py313
+  EXTRAS ?= test
+  CONSTRAINTS := constraints/default.txt
+else ifeq ($(LANE),gpu-image)
+  PYTHON ?= python3.12
+  VENV ?= .venv-gpu-image
+  EXTRAS ?= test
+  CONSTRAINTS := constraints/gpu-image.txt
+else ifeq ($(LANE),reverb)
+  PYTHON ?= python3.11
+  VENV ?= .venv-reverb
+  EXTRAS ?= test,reverb,parity
+  CONSTRAINTS := constraints/reverb-py311.txt
+else
+  $(error LANE=$(LANE): use default, py313, gpu-image or reverb)
+endif
+
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(CONSTRAINTS) | cksum | cut -d' ' -f1)
 
 .PHONY: demo test clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	@test -n "$(PYTHON)" || { echo "make: no Python >= 3.12 found for LANE=$(LANE); set PYTHON=/path/to/python3.12" >&2; exit 2; }
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
 ## make demo: the embedded default demo on CPU (ARGS='train.steps=40 ...' to override)
 demo: $(STAMP)
 	$(VENV)/bin/jaxreplay train configs/demo.yaml $(ARGS)
 
-## make test: the whole suite, slow end-to-end runs included (PYTEST_ARGS='-m "not slow"' to skip them)
+## make test: the lane's whole suite, slow end-to-end runs included (PYTEST_ARGS='-m "not slow"' to skip them)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf .venv .venv-* runs .pytest_cache
