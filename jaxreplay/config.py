@@ -54,6 +54,9 @@ class ModelConfig:
     # A local Hugging Face model directory: its config.json replaces every architecture key
     # above (all but max_seq_len and the dtypes) and its safetensors the initial weights.
     hf_path: Optional[str] = None
+    # The architecture alone, for `jaxreplay compile` when hf_path is not given: a directory
+    # holding a config.json, or the name of one shipped in jaxreplay/models/architectures.
+    hf_config: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,8 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k
     max_new_tokens: int = 5
+    kv_cache_dtype: Optional[DType] = None  # None: model.compute_dtype
+    prefill_chunk_size: int = 0  # prompt tokens prefilled per model call (0: the whole prompt at once)
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,10 @@ class TrainConfig:
     loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
     tis_cap: float = 2.0  # truncated importance sampling: ratio capped here
     asymre_delta_v: float = -0.1  # AsymRE: advantage r - (V + dV)
+    micro_batch_size: int = 0  # rows per forward/backward pass, gradients summed over the batch (0: all)
+    remat: Literal["none", "full", "dots"] = "none"  # models.transformer.REMAT_POLICIES, per decoder block
+    logits_chunk_size: int = 0  # positions unembedded at a time by the learner (0: all at once)
+    adam_mu_dtype: Optional[DType] = None  # Adam's first moment (None: the params' dtype)
 
 
 @dataclass(frozen=True)
@@ -186,6 +195,7 @@ class MeshConfig:
     tensor: int = 1
     actor_devices: int = 0
     actor_tensor: int = 1
+    topology: Optional[str] = None  # the TPU slice the config is sized for (jaxreplay.topology), e.g. v5e-8
 
 
 @dataclass(frozen=True)
@@ -255,6 +265,11 @@ def to_dict(config: Config) -> dict[str, Any]:
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Reads YAML (or the defaults when `path` is None), applies `a.b=value` overrides, validates."""
+    return config_from_raw(load_raw(path, overrides))
+
+
+def load_raw(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> dict[str, Any]:
+    """The YAML mapping of `path` with the overrides applied, not yet typed or validated."""
     raw: dict[str, Any] = {}
     if path is not None:
         try:
@@ -271,6 +286,11 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
             raise ConfigError(f"{path}: top level must be a mapping of sections")
     for item in overrides:
         _apply_override(raw, item)
+    return raw
+
+
+def config_from_raw(raw: dict[str, Any]) -> Config:
+    """The typed, validated Config of a `load_raw` mapping."""
     config = _build(Config, raw, prefix="")
     validate(config)
     return config
@@ -384,6 +404,12 @@ def validate(c: Config) -> None:
     _require(m.norm_eps > 0, "model.norm_eps", "must be positive")
     _require(m.hf_path is None or (Path(m.hf_path) / "config.json").is_file(), "model.hf_path",
              f"{m.hf_path} is not a Hugging Face model directory (no config.json)")
+    if m.hf_config is not None:
+        from jaxreplay.models.architectures import SHIPPED, architecture_dir  # the models own their configs
+
+        _require(architecture_dir(m.hf_config) is not None, "model.hf_config",
+                 f"{m.hf_config!r} is neither a directory with a config.json nor a shipped architecture "
+                 f"({', '.join(SHIPPED)})")
     _require(c.task.max_digits >= c.task.min_digits, "task.max_digits",
              f"must be >= task.min_digits ({c.task.min_digits})")
     _require(c.task.max_digits <= 9, "task.max_digits", "at most 9 digits are supported")
@@ -404,6 +430,12 @@ def validate(c: Config) -> None:
     _require(t.eps_high >= 0, "train.eps_high", f"must be >= 0, got {t.eps_high}")
     _require(t.kl_coef >= 0, "train.kl_coef", "must be >= 0")
     _require(t.tis_cap > 0, "train.tis_cap", f"must be positive, got {t.tis_cap}")
+    _require(t.micro_batch_size >= 0, "train.micro_batch_size", f"must be >= 0 (0 = off), got {t.micro_batch_size}")
+    _require(t.micro_batch_size == 0 or t.batch_size % t.micro_batch_size == 0, "train.micro_batch_size",
+             f"{t.micro_batch_size} does not divide train.batch_size={t.batch_size}")
+    _require(t.logits_chunk_size >= 0, "train.logits_chunk_size", f"must be >= 0 (0 = off), got {t.logits_chunk_size}")
+    _require(s.prefill_chunk_size >= 0, "sampling.prefill_chunk_size",
+             f"must be >= 0 (0 = off), got {s.prefill_chunk_size}")
     _require(t.loss != "asymre" or t.advantage != "group_normalized", "train.advantage",
              "AsymRE needs r - V: use group_centered or leave_one_out, not group_normalized")
     _require(t.group_size >= 2, "train.group_size", "needs at least 2 completions per prompt for group advantages")
@@ -415,8 +447,8 @@ def validate(c: Config) -> None:
     _require(r.calibrate_steps >= 0, "replay.calibrate_steps", f"must be >= 0 (0 = off), got {r.calibrate_steps}")
     _require(r.cost_rho > 0, "replay.cost_rho", f"must be positive, got {r.cost_rho}")
     _require(c.run.dir != "", "run.dir", "must not be empty")
-    _require(m.max_seq_len >= _prompt_len(c) + s.max_new_tokens, "model.max_seq_len",
-             f"{m.max_seq_len} is too short for prompts of {_prompt_len(c)} tokens plus "
+    _require(m.max_seq_len >= prompt_len(c) + s.max_new_tokens, "model.max_seq_len",
+             f"{m.max_seq_len} is too short for prompts of {prompt_len(c)} tokens plus "
              f"sampling.max_new_tokens={s.max_new_tokens}")
     _validate_task(c)
     _validate_replay(c)
@@ -438,7 +470,8 @@ def _validate_task(c: Config) -> None:
              f"{c.model.vocab_size} is smaller than the task tokenizer's vocabulary ({vocab})")
 
 
-def _prompt_len(c: Config) -> int:
+def prompt_len(c: Config) -> int:
+    """Tokens in every prompt row (left-padded) of the config's task."""
     if c.task.name != "arithmetic":
         return c.task.max_prompt_len
     from jaxreplay.tasks.arithmetic import prompt_length  # the task owns its prompt format
@@ -495,6 +528,11 @@ def _validate_mesh(c: Config) -> None:
     _require(len(rest) <= 1, rest[-1] if rest else "mesh", f"only one mesh size may be -1, got {', '.join(rest)}")
     _require(m.actor_devices >= 0, "mesh.actor_devices", f"must be >= 0 (0 = colocated), got {m.actor_devices}")
     _require(m.actor_tensor > 0, "mesh.actor_tensor", f"must be positive, got {m.actor_tensor}")
+    if m.topology is not None:
+        from jaxreplay.topology import TOPOLOGIES  # the topology table owns the names
+
+        _require(m.topology in TOPOLOGIES, "mesh.topology",
+                 f"{m.topology!r} is not a known TPU slice (e.g. {', '.join(list(TOPOLOGIES)[:6])}, ...)")
     if m.actor_devices:
         _require(m.actor_devices % m.actor_tensor == 0, "mesh.actor_tensor",
                  f"{m.actor_tensor} does not divide mesh.actor_devices={m.actor_devices}")

@@ -143,7 +143,8 @@ def run_eval(config: Config, *, checkpoint: Optional[str] = None, hf: Optional[s
 
     def sampler(temperature: float, top_p: float):
         return make_sampler(graphdef, cfg, max_new_tokens=s.max_new_tokens, temperature=temperature, top_p=top_p,
-                            eos_id=task.tokenizer.eos_id, pad_id=task.tokenizer.pad_id)
+                            eos_id=task.tokenizer.eos_id, pad_id=task.tokenizer.pad_id,
+                            kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size)
 
     results = {
         "task": config.task.name,

@@ -3,6 +3,12 @@
 The whole update is visible here: score the replayed sequences under the current
 params, compare with the behaviour log-probs frozen at generation time, clip,
 optionally penalise KL to a reference, then one optax step.
+
+Memory, for real models (README, "Fitting a model in memory"): the batch can be
+split into micro-batches whose gradients are summed (`train.micro_batch_size`);
+each decoder block can be rematerialised (`train.remat`); the logits are computed a
+chunk of positions at a time (`train.logits_chunk_size`), never as one [B, T, V]
+float32 array; Adam's first moment can be stored in bfloat16 (`train.adam_mu_dtype`).
 """
 
 from __future__ import annotations
@@ -16,9 +22,9 @@ from jax.sharding import Mesh
 
 from jaxreplay import sharding
 from jaxreplay.config import Config, TrainConfig
-from jaxreplay.models import abstract_params, forward
-from jaxreplay.rl import kl_penalty, make_aggregate, make_loss, masked_mean
-from jaxreplay.sampling import policy_logprobs, token_entropy
+from jaxreplay.models import abstract_params, dtype_of, score_hidden
+from jaxreplay.rl import kl_penalty, make_loss, make_weights, token_mean_weights, weighted
+from jaxreplay.scoring import sequence_scores
 
 Batch = dict[str, jax.Array]
 TrainStep = Callable[[Any, Any, Batch, Any], tuple[Any, Any, dict[str, jax.Array]]]
@@ -35,9 +41,10 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """
     lr = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps) if config.warmup_steps else \
         config.learning_rate
+    mu_dtype = dtype_of(config.adam_mu_dtype) if config.adam_mu_dtype else None
     return optax.chain(
         optax.clip_by_global_norm(config.grad_clip),
-        optax.adamw(lr, b1=config.adam_b1, b2=config.adam_b2, weight_decay=config.weight_decay),
+        optax.adamw(lr, b1=config.adam_b1, b2=config.adam_b2, weight_decay=config.weight_decay, mu_dtype=mu_dtype),
     )
 
 
@@ -50,33 +57,15 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
     `ref_params` is only read when `train.kl_coef > 0` (pass None otherwise).
     With a `mesh`, params, opt_state and ref_params carry `sharding.param_shardings`
     (place them with `sharding.shard_params`), the batch is split over its rows, and
-    the metrics come back replicated.
+    the metrics come back replicated. With `train.micro_batch_size`, the loss, the
+    gradient and every metric are those of the whole batch, up to float rounding.
     """
-    train, sampling = config.train, config.sampling
-    temperature = sampling.temperature
-    loss_impl = make_loss(
-        train.loss, aggregate=make_aggregate(train.loss_aggregation, sampling.max_new_tokens),
-        eps_low=train.eps_low, eps_high=train.eps_high, tis_cap=train.tis_cap, asymre_delta_v=train.asymre_delta_v)
-
-    def score(logits, tokens):
-        return policy_logprobs(logits, tokens, temperature=temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-
-    def loss_fn(params, batch: Batch, ref_params):
-        logits = forward(graphdef, params, batch["tokens"], batch["attention_mask"])
-        logprobs = score(logits, batch["tokens"])
-        mask = batch["completion_mask"]
-        loss, metrics = loss_impl(logprobs, batch["logprobs"], batch["advantage"], mask)
-        metrics["pg_loss"] = loss
-        if train.kl_coef > 0:
-            ref_logits = forward(graphdef, jax.lax.stop_gradient(ref_params), batch["tokens"], batch["attention_mask"])
-            kl = kl_penalty(logprobs, score(ref_logits, batch["tokens"]), mask)
-            loss = loss + train.kl_coef * kl
-            metrics["kl_ref"] = kl
-        metrics["entropy"] = masked_mean(token_entropy(logits, temperature), mask)
-        return loss, metrics
+    train = config.train
+    abstract = abstract_params(config.model)
+    loss_and_grad = make_loss_and_grad(graphdef, config, mesh)
 
     def step(params, opt_state, batch: Batch, ref_params):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, ref_params)
+        loss, metrics, grads = loss_and_grad(params, batch, ref_params)
         grad_norm = optax.global_norm(grads)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -91,7 +80,6 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
 
     if mesh is None:
         return jax.jit(step, donate_argnums=(0, 1))
-    abstract = abstract_params(config.model)
     params_sh = sharding.param_shardings(mesh, abstract)
     opt_sh = sharding.param_shardings(mesh, jax.eval_shape(optimizer.init, abstract))
     ref_sh = params_sh if train.kl_coef > 0 else None
@@ -100,6 +88,89 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
         in_shardings=(params_sh, opt_sh, sharding.batch_sharding(mesh), ref_sh),
         out_shardings=(params_sh, opt_sh, sharding.replicated(mesh)),
     )
+
+
+def make_loss_and_grad(graphdef, config: Config, mesh: Optional[Mesh] = None):
+    """`(params, batch, ref_params) -> (loss, metrics, grads)` of one training batch, not jitted:
+    the train step's first half. With `train.micro_batch_size` the batch goes through the
+    model that many rows at a time and the results are summed; the loss aggregation's
+    weights come from the whole batch's mask, so the sums are exactly the whole batch's
+    loss, metrics and gradient, up to float rounding."""
+    train = config.train
+    params_sh = None if mesh is None else sharding.param_shardings(mesh, abstract_params(config.model))
+    grads_fn = jax.value_and_grad(_make_loss_fn(graphdef, config), has_aux=True)
+    weigh = make_weights(train.loss_aggregation, config.sampling.max_new_tokens)
+
+    def loss_and_grad(params, batch: Batch, ref_params):
+        mask = batch["completion_mask"]
+        batch = {**batch, "loss_weights": weigh(mask), "token_weights": token_mean_weights(mask)}
+        rows = mask.shape[0]
+        micro = train.micro_batch_size or rows
+        if rows % micro:
+            raise ValueError(f"train.micro_batch_size={micro} does not divide a batch of {rows} rows")
+        if micro == rows:
+            (loss, metrics), grads = grads_fn(params, batch, ref_params)
+            return loss, metrics, grads
+        return _accumulate(grads_fn, params, batch, ref_params, rows // micro, mesh, params_sh)
+
+    return loss_and_grad
+
+
+def _make_loss_fn(graphdef, config: Config):
+    """`loss_fn(params, batch, ref_params) -> (loss, metrics)` of one (micro-)batch that carries
+    its rows' `loss_weights` and `token_weights`: the loss and every metric are weighted sums,
+    so those of a batch are the sums over its micro-batches."""
+    train, sampling = config.train, config.sampling
+    scores = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                  chunk=train.logits_chunk_size)
+
+    def score(params, batch: Batch, with_entropy: bool):
+        h, unembed = score_hidden(graphdef, params, batch["tokens"], batch["attention_mask"], remat=train.remat)
+        return sequence_scores(h, batch["tokens"], unembed, with_entropy=with_entropy, **scores)
+
+    def loss_fn(params, batch: Batch, ref_params):
+        mask = batch["completion_mask"]
+        mean = weighted(batch["token_weights"])
+        loss_impl = make_loss(train.loss, aggregate=weighted(batch["loss_weights"]), mean=mean,
+                              eps_low=train.eps_low, eps_high=train.eps_high, tis_cap=train.tis_cap,
+                              asymre_delta_v=train.asymre_delta_v)
+        logprobs, entropy = score(params, batch, with_entropy=True)
+        loss, metrics = loss_impl(logprobs, batch["logprobs"], batch["advantage"], mask)
+        metrics["pg_loss"] = loss
+        if train.kl_coef > 0:
+            ref_logprobs, _ = score(jax.lax.stop_gradient(ref_params), batch, with_entropy=False)
+            kl = kl_penalty(logprobs, ref_logprobs, mask, mean=mean)
+            loss = loss + train.kl_coef * kl
+            metrics["kl_ref"] = kl
+        metrics["entropy"] = mean(entropy, mask)
+        return loss, metrics
+
+    return loss_fn
+
+
+def _accumulate(grads_fn, params, batch: Batch, ref_params, count: int, mesh: Optional[Mesh], params_sh):
+    """(loss, metrics, grads) of the whole batch as sums over `count` micro-batches, one
+    forward and backward pass at a time in a `lax.scan`. Micro-batch k holds rows k,
+    k + count, k + 2 count, ...: each device's rows of the batch split into its rows of
+    every micro-batch, so splitting moves no data between devices."""
+
+    def split(x):
+        x = x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1)
+        return x if mesh is None else jax.lax.with_sharding_constraint(x, sharding.microbatch_sharding(mesh))
+
+    def like_params(total):  # the running gradient sum stays sharded like the params
+        return total if mesh is None else (total[0], jax.lax.with_sharding_constraint(total[1], params_sh))
+
+    micro = jax.tree.map(split, batch)
+    first = jax.tree.map(lambda x: x[0], micro)
+    shapes = jax.eval_shape(grads_fn, params, first, ref_params)
+    zeros = like_params(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+
+    def body(total, one):
+        return like_params(jax.tree.map(jnp.add, total, grads_fn(params, one, ref_params))), None
+
+    ((loss, metrics), grads), _ = jax.lax.scan(body, zeros, micro)
+    return loss, metrics, grads
 
 
 def to_device_batch(batch: dict[str, Any]) -> Batch:

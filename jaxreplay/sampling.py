@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jaxreplay import sharding
 from jaxreplay.config import Config, ModelConfig
 from jaxreplay.models.transformer import (
-    KV_CACHE_AXES, KVCache, Rotation, abstract_params, init_cache, positions_from_mask, rotation)
+    KV_CACHE_AXES, KVCache, Rotation, abstract_params, dtype_of, init_cache, positions_from_mask, rotation)
 
 
 class Rollout(NamedTuple):
@@ -65,11 +65,32 @@ def argmax(x: jax.Array) -> jax.Array:
     return index
 
 
+def picked_logprobs(logits: jax.Array, targets: jax.Array, *, temperature: float, top_k: int = 0,
+                    top_p: float = 1.0) -> jax.Array:
+    """[...]: log-prob of `targets` [...] under the sampling distribution of `logits` [..., V]
+    (same positions, no shift). A token the filter excludes gets `LOGPROB_FLOOR`."""
+    if top_k == 0 and top_p >= 1.0:
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+        return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    picked = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), targets[..., None], axis=-1)[..., 0]
+    return jnp.maximum(picked, LOGPROB_FLOOR)
+
+
+def entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """[...]: entropy of softmax(logits / temperature) over the last axis."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def _shifted(per_position: jax.Array) -> jax.Array:
+    """Entry t of a [B, T - 1] score of position t - 1 moves to t; entry 0 = 0."""
+    return jnp.pad(per_position, ((0, 0), (1, 0)))
+
+
 def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0) -> jax.Array:
     """[B, T]: entry t = log softmax(logits[t-1] / temperature)[tokens[t]]; entry 0 = 0."""
-    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
-    picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-    return jnp.pad(picked, ((0, 0), (1, 0)))
+    return _shifted(picked_logprobs(logits[:, :-1], tokens[:, 1:], temperature=temperature))
 
 
 def policy_logprobs(logits: jax.Array, tokens: jax.Array, *, temperature: float, top_k: int = 0,
@@ -77,10 +98,8 @@ def policy_logprobs(logits: jax.Array, tokens: jax.Array, *, temperature: float,
     """Log-probs under the sampling distribution, as the sampler reports them, so the learner's
     ratio is exactly 1 on a fresh rollout. A token the current filter excludes gets a finite
     floor (ratio ~0) instead of -inf, which keeps gradients finite."""
-    if top_k == 0 and top_p >= 1.0:
-        return token_logprobs(logits, tokens, temperature)
-    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    return jnp.maximum(token_logprobs(filtered, tokens, 1.0), LOGPROB_FLOOR)
+    return _shifted(picked_logprobs(logits[:, :-1], tokens[:, 1:], temperature=temperature, top_k=top_k,
+                                    top_p=top_p))
 
 
 LOGPROB_FLOOR = -1e4
@@ -88,9 +107,7 @@ LOGPROB_FLOOR = -1e4
 
 def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
     """[B, T]: entry t = entropy of softmax(logits[t-1] / temperature); entry 0 = 0."""
-    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
-    ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-    return jnp.pad(ent, ((0, 0), (1, 0)))
+    return _shifted(entropy(logits[:, :-1], temperature))
 
 
 # ----------------------------------------------------------------------------------
@@ -122,6 +139,8 @@ def make_sampler(
     eos_id: int,
     pad_id: int,
     mesh: Optional[Mesh] = None,
+    kv_cache_dtype: Optional[str] = None,
+    prefill_chunk_size: int = 0,
 ) -> Callable[[nnx.State, jax.Array, jax.Array, jax.Array], Rollout]:
     """A jitted `sample(params, prompt_tokens [B, P] int32, prompt_mask [B, P] bool, rng) -> Rollout`.
 
@@ -130,6 +149,10 @@ def make_sampler(
     argmax and reports temperature-1 log-probs. Compiles once per (B, P) and dtypes.
     With a `mesh`, params must carry `sharding.param_shardings` (or be uncommitted),
     prompts and rollouts are split over the batch, and so is the KV cache.
+    The cache is stored in `kv_cache_dtype` (None: the model's compute dtype; its size:
+    `kv_cache_bytes`). `prefill_chunk_size` > 0 prefills the prompt that many tokens per
+    model call, so the prefill's activations and attention scores scale with the chunk,
+    not with the prompt: what lets prompts near the context limit fit.
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
@@ -139,6 +162,8 @@ def make_sampler(
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 disables), got {top_k}")
+    if prefill_chunk_size < 0:
+        raise ValueError(f"prefill_chunk_size must be >= 0 (0 disables), got {prefill_chunk_size}")
     n_new = max_new_tokens
 
     def choose(logits, rng):
@@ -205,11 +230,12 @@ def make_sampler(
         # Prefill the prompt into slots 0..P-1. Left padding puts every row's last real
         # token in slot P-1, so only that slot's logits are needed.
         mask = jnp.zeros((batch, length), bool).at[:, :p].set(prompt_mask)
-        h, cache = model.hidden(prompt_tokens, positions_from_mask(prompt_mask), mask,
-                                constrain(init_cache(model_cfg, batch, p + ends[0])), 0)
+        cache = constrain(init_cache(model_cfg, batch, p + ends[0], kv_cache_dtype))
+        h, cache = _prefill(model, prompt_tokens, positions_from_mask(prompt_mask), mask, cache, prefill_chunk_size,
+                            constrain)
         state = _Decode(
             i=jnp.zeros((), jnp.int32),
-            logits=model.unembed(h[:, -1:])[:, 0],
+            logits=model.unembed(h)[:, 0],
             cache=cache,
             tokens=jnp.full((batch, length), pad_id, jnp.int32).at[:, :p].set(prompt_tokens.astype(jnp.int32)),
             mask=mask,
@@ -238,6 +264,44 @@ def make_sampler(
     )
 
 
+def _prefill(model, tokens, positions, mask, cache: KVCache, chunk: int, constrain) -> tuple[jax.Array, KVCache]:
+    """(hidden state of the last prompt slot [B, 1, D], the cache holding the prompt's slots).
+
+    With `chunk` > 0 the prompt goes through the model `chunk` tokens at a time, each
+    chunk attending to the cache written so far: a first chunk of P mod `chunk` tokens,
+    then a `fori_loop` over equal ones (one copy of the model in the program)."""
+    p = tokens.shape[1]
+    if chunk <= 0 or chunk >= p:
+        h, cache = model.hidden(tokens, positions, mask, cache, 0)
+        return h[:, -1:], cache
+    first = p % chunk
+    h = None
+    if first:
+        h, cache = model.hidden(tokens[:, :first], positions[:, :first], mask, cache, 0)
+        h = h[:, -1:]
+    take = lambda x, start: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
+
+    def one(k, carry):
+        _, cache = carry
+        start = first + k * chunk
+        h, cache = model.hidden(take(tokens, start), take(positions, start), mask, cache, start)
+        return h[:, -1:].astype(carry[0].dtype), constrain(cache)
+
+    dtype = dtype_of(model.cfg.compute_dtype)
+    h0 = jnp.zeros((tokens.shape[0], 1, model.cfg.d_model), dtype) if h is None else h
+    return jax.lax.fori_loop(0, p // chunk, one, (h0, cache))
+
+
+def kv_cache_bytes(model_cfg: ModelConfig, batch: int, prompt_len: int, max_new_tokens: int,
+                   kv_cache_dtype: Optional[str] = None) -> int:
+    """Bytes of the KV cache at its largest (the last decode phase: every prompt and
+    completion slot) for `batch` rows, over all devices; a mesh splits it over the
+    batch and kv-head axes (`sharding.cache_sharding`)."""
+    itemsize = jnp.dtype(dtype_of(kv_cache_dtype or model_cfg.compute_dtype)).itemsize
+    slots = prompt_len + max_new_tokens
+    return 2 * model_cfg.n_layers * batch * model_cfg.n_kv_heads * slots * model_cfg.head_dim * itemsize
+
+
 _DECODE_PHASES = 4  # at most: each is one more loop to compile
 _MIN_PHASE_STEPS = 32
 
@@ -251,7 +315,8 @@ def _phase_ends(n_new: int) -> list[int]:
 def make_run_samplers(graphdef, config: Config, *, eos_id: int, pad_id: int, mesh: Optional[Mesh] = None):
     """The two samplers every training loop needs: rollouts at the configured temperature /
     top-k / top-p, and greedy decoding for evaluation."""
-    common = dict(max_new_tokens=config.sampling.max_new_tokens, eos_id=eos_id, pad_id=pad_id, mesh=mesh)
     s = config.sampling
+    common = dict(max_new_tokens=s.max_new_tokens, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
+                  kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size)
     rollout = make_sampler(graphdef, config.model, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, **common)
     return rollout, make_sampler(graphdef, config.model, greedy=True, **common)

@@ -91,6 +91,16 @@ def make_role_meshes(mesh_cfg: MeshConfig, devices: Optional[Sequence[jax.Device
     return actor, learner
 
 
+def topology_mesh(mesh_cfg: MeshConfig, devices: Sequence[Any]) -> Mesh:
+    """The mesh a run on exactly `devices` (a whole slice, e.g. a deviceless TPU topology
+    from `jaxreplay.topology`) would build: device order from `mesh_utils`, topology-aware."""
+    devices = list(devices)
+    shape = mesh_shape(mesh_cfg, len(devices))
+    if math.prod(shape) != len(devices):
+        return Mesh(np.asarray(devices[:math.prod(shape)], dtype=object).reshape(shape), AXES)
+    return Mesh(mesh_utils.create_device_mesh(shape, devices), AXES)
+
+
 def _mesh(shape: tuple[int, ...], devices: list[jax.Device]) -> Mesh:
     if len(devices) == len(jax.devices()):
         grid = mesh_utils.create_device_mesh(shape, devices)  # topology-aware on TPU
@@ -161,6 +171,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(RULES["batch"]))
 
 
+def microbatch_sharding(mesh: Mesh) -> NamedSharding:
+    """A batch reshaped to [micro-batches, rows, ...]: each micro-batch's rows split like a batch's."""
+    return NamedSharding(mesh, PartitionSpec(None, RULES["batch"]))
+
+
 def param_shardings(mesh: Mesh, tree: Any) -> Any:
     """The same tree with a NamedSharding per leaf: every nnx Param by its logical axes
     (`compat.logical_axes`), every other leaf replicated. Works on params, on optimizer
@@ -199,6 +214,8 @@ def mesh_for(config: Config, role: str = "learner") -> Mesh:
     else:
         mesh = make_mesh(m)
     sizes = {"train.batch_size": config.train.batch_size} if role == "learner" else {}
+    if role == "learner" and config.train.micro_batch_size:
+        sizes["train.micro_batch_size"] = config.train.micro_batch_size
     if role == "actor" or not m.actor_devices:
         sizes["train.prompts_per_step * train.group_size"] = config.rollouts_per_step
     check_batch_sizes(mesh, sizes)

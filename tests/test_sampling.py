@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -198,3 +199,62 @@ def test_token_logprobs_and_entropy_alignment():
             np.testing.assert_allclose(ent[b, t], -(np.exp(logp) * logp).sum(), rtol=1e-5, atol=1e-6)
     # Filtering with everything off is exactly temperature scaling.
     np.testing.assert_allclose(filter_logits(logits, temperature=0.5), logits / 0.5, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------
+# Memory: the KV cache's dtype and size, chunked prefill
+
+
+@pytest.mark.parametrize("chunk, settings", [(1, {}), (2, {}), (4, {}), (5, {}), (6, {}),
+                                             (4, dict(greedy=False, temperature=0.7))])
+def test_a_chunked_prefill_samples_what_a_whole_one_does(chunk, settings):
+    """P = 6: chunks of 1, that divide it, that leave a first chunk of P mod chunk, and the whole prompt."""
+    settings = settings or dict(greedy=True)
+    whole, chunked = rollout(**settings), rollout(prefill_chunk_size=chunk, **settings)
+    np.testing.assert_array_equal(chunked.tokens, whole.tokens)
+    np.testing.assert_array_equal(chunked.completion_mask, whole.completion_mask)
+    np.testing.assert_allclose(chunked.logprobs, whole.logprobs, atol=1e-5)
+
+
+def test_a_chunked_prefill_of_a_long_prompt_needs_less_memory():
+    """A 256-token prompt: whole, its [B, kv, P x groups, P] attention scores dominate the
+    prefill; in chunks of 32 the compiled program's temporaries shrink."""
+    cfg = dataclasses.replace(CFG, max_seq_len=264)
+    graphdef, params = init_params(cfg, 0)
+    tokens, mask = jnp.full((8, 256), 3, jnp.int32), jnp.ones((8, 256), bool)
+
+    def temp_bytes(chunk):
+        sampler = make_sampler(graphdef, cfg, max_new_tokens=4, eos_id=EOS, pad_id=PAD, prefill_chunk_size=chunk)
+        return sampler.lower(params, tokens, mask, jax.random.key(0)).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(32) < temp_bytes(0) / 2
+
+
+def test_the_kv_cache_is_stored_in_the_configured_dtype():
+    """A float32 model with a bfloat16 cache: the cache buffers are bf16 (none are by default),
+    and the log-probs it reports stay within bfloat16 rounding of a float32 forward pass."""
+    from jaxreplay.config import load_config
+    from jaxreplay.sampling import make_run_samplers
+
+    def cache_text(kv_dtype):
+        config = load_config(None, [f"sampling.kv_cache_dtype={kv_dtype}"] if kv_dtype else [])
+        graphdef, params = init_params(config.model, 0)
+        tokens, mask = prompts(2, [5, 3, 7, 1], 7)
+        sample, _ = make_run_samplers(graphdef, config, eos_id=EOS, pad_id=PAD)
+        return sample.lower(params, tokens, mask, jax.random.key(0)).as_text()
+
+    m = load_config(None).model
+    cache = re.compile(rf"tensor<4x{m.n_kv_heads}x\d+x{m.head_dim}xbf16>")  # [B, kv_heads, slots, head_dim]
+    assert cache.search(cache_text("bfloat16")) and "bf16" not in cache_text(None)
+    r = rollout(greedy=True, kv_cache_dtype="bfloat16")
+    check_structure(r)
+    ref = np.asarray(token_logprobs(FORWARD(PARAMS, r.tokens, r.attention_mask), r.tokens, 1.0))
+    np.testing.assert_allclose(r.logprobs, np.where(r.completion_mask, ref, 0.0), atol=3e-2)
+
+
+def test_kv_cache_bytes_counts_every_slot_of_every_layer():
+    from jaxreplay.sampling import kv_cache_bytes
+
+    per_row_slot = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim  # keys and values
+    assert kv_cache_bytes(CFG, 8, 6, N_NEW) == 8 * (6 + N_NEW) * per_row_slot * 4  # float32 compute
+    assert kv_cache_bytes(CFG, 8, 6, N_NEW, "bfloat16") == 8 * (6 + N_NEW) * per_row_slot * 2

@@ -94,6 +94,28 @@ def test_train_step_matches_single_device(setup, reference, shape):
     assert diff < 0.1 * config.train.learning_rate
 
 
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 4, 2)], ids=lambda s: "x".join(map(str, s)))
+def test_a_micro_batched_rematerialised_chunked_step_matches_the_plain_single_device_one(setup, reference, shape):
+    """Micro-batches of 8 rows (2 per data-parallel shard), remat and chunked logits, sharded:
+    the plain single-device step's numbers."""
+    config, graphdef, params, _, batch, _ = setup
+    ref_params, ref_metrics, _ = reference
+    config = load_config(None, OVERRIDES + ["train.micro_batch_size=8", "train.remat=dots",
+                                            "train.logits_chunk_size=5"])
+    mesh = sharding.make_mesh(MeshConfig(*shape))
+    new_params, metrics = train_two_steps(config, graphdef, params, batch, mesh)
+    for got, want in zip(metrics, ref_metrics):
+        for key in ("loss", "grad_norm", "kl_ref", "entropy", "pg_clipfrac"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    assert max_abs_diff(new_params, ref_params) < 0.1 * config.train.learning_rate
+
+
+def test_a_micro_batch_not_divisible_by_data_parallelism_is_a_config_error():
+    config = load_config(None, OVERRIDES + ["mesh.data=8", "train.micro_batch_size=4"])
+    with pytest.raises(ConfigError, match="train.micro_batch_size"):
+        sharding.mesh_for(config)
+
+
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
 def test_greedy_generations_match_single_device(setup, reference, shape):
     config, graphdef, params, prompts, _, kwargs = setup

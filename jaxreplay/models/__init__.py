@@ -3,7 +3,9 @@
 from jaxreplay.models.transformer import (
     KV_CACHE_AXES,
     KVCache,
+    REMAT_POLICIES,
     Transformer,
+    abstract_model,
     abstract_params,
     apply,
     count_params,
@@ -12,13 +14,16 @@ from jaxreplay.models.transformer import (
     init_cache,
     init_params,
     positions_from_mask,
+    score_hidden,
     split,
 )
 
 __all__ = [
     "KV_CACHE_AXES",
     "KVCache",
+    "REMAT_POLICIES",
     "Transformer",
+    "abstract_model",
     "abstract_params",
     "apply",
     "count_params",
@@ -27,5 +32,6 @@ __all__ = [
     "init_cache",
     "init_params",
     "positions_from_mask",
+    "score_hidden",
     "split",
 ]

@@ -67,17 +67,19 @@ class KVCache(NamedTuple):
     One array per layer (not one stacked array) so a decode step updates each in place
     and attention reads it straight after; slots are the second-minor axis, so the
     score and value contractions need no transpose. Keys are stored after RoPE (and
-    q/k norm), in `compute_dtype`. Which slots are valid is not stored here: it is the
-    caller's `key_mask` (see the module doc).
+    q/k norm), in the cache's dtype (`compute_dtype` unless the sampler says otherwise);
+    attention reads them back in `compute_dtype`. Which slots are valid is not stored
+    here: it is the caller's `key_mask` (see the module doc).
     """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-    """An all-zero cache for `batch` rows of up to `max_len` slots."""
-    zeros = lambda: jnp.zeros((batch, cfg.n_kv_heads, max_len, cfg.head_dim), dtype_of(cfg.compute_dtype))
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Optional[str] = None) -> KVCache:
+    """An all-zero cache for `batch` rows of up to `max_len` slots, in `dtype` (None: compute_dtype)."""
+    dtype = dtype_of(dtype or cfg.compute_dtype)
+    zeros = lambda: jnp.zeros((batch, cfg.n_kv_heads, max_len, cfg.head_dim), dtype)
     return KVCache(k=tuple(zeros() for _ in range(cfg.n_layers)), v=tuple(zeros() for _ in range(cfg.n_layers)))
 
 
@@ -315,12 +317,45 @@ class Transformer(nnx.Module):
                 vs.append(kv[1])
         return self.final_norm(x), None if cache is None else KVCache(tuple(ks), tuple(vs))
 
+    def score_hidden(self, tokens, positions, key_mask, remat: str = "none"):
+        """`hidden` of whole sequences (no cache), each block rematerialised by `REMAT_POLICIES[remat]`."""
+        policy = REMAT_POLICIES[remat]
+        if policy is None:
+            return self.hidden(tokens, positions, key_mask)[0]
+        x = self.embed(tokens)
+        rot = rotation(positions, self.cfg)
+        for layer in self.layers:
+            x = _rematerialised(layer, policy, x, rot, key_mask)
+        return self.final_norm(x)
+
     def unembed(self, h: jax.Array) -> jax.Array:
         """[B, T, D] -> float32 logits [B, T, V]."""
         if self.lm_head is None:
             return self.embed.attend(h)
         kernel = self.lm_head.kernel[...].astype(h.dtype)
         return jnp.einsum("btd,dv->btv", h, kernel, preferred_element_type=jnp.float32)
+
+
+# What each decoder block keeps for the backward pass (`Transformer.score_hidden`):
+# "none" keeps every activation; "full" keeps only the block's input and recomputes
+# the rest; "dots" also keeps its matmul outputs without batch dimensions (the q/k/v/o
+# and MLP projections), recomputing norms, RoPE, softmax and the attention products.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _rematerialised(layer: Block, policy, x, rot: Rotation, key_mask):
+    """`layer(x)` under `jax.checkpoint(policy)`: its params enter as arguments, so their
+    gradients flow, and the backward pass recomputes what `policy` does not save."""
+    graphdef, state = nnx.split(layer)
+
+    def run(state, x, rot, key_mask):
+        return nnx.merge(graphdef, state)(x, rot, key_mask)[0]
+
+    return jax.checkpoint(run, policy=policy)(state, x, rot, key_mask)
 
 
 # ----------------------------------------------------------------------------------
@@ -341,9 +376,14 @@ def init_params(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
     return split(Transformer(cfg, rngs=nnx.Rngs(params=seed)))
 
 
+def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params) with the params' structure, shapes, dtypes and logical axes, nothing allocated."""
+    return split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))
+
+
 def abstract_params(cfg: ModelConfig) -> nnx.State:
     """The params' structure, shapes, dtypes and logical axes, without allocating them."""
-    return split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))[1]
+    return abstract_model(cfg)[1]
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
@@ -365,6 +405,14 @@ def forward(graphdef, params, tokens: jax.Array, attention_mask: jax.Array) -> j
     attention_mask = attention_mask.astype(bool)
     logits, _ = apply(graphdef, params, tokens, positions_from_mask(attention_mask), attention_mask)
     return logits
+
+
+def score_hidden(graphdef, params, tokens: jax.Array, attention_mask: jax.Array, *, remat: str = "none"):
+    """(final hidden states [B, T, D], the model's `unembed`) of whole sequences, as `forward`
+    without the [B, T, V] product: the caller unembeds as many positions at a time as it likes."""
+    attention_mask = attention_mask.astype(bool)
+    model = nnx.merge(graphdef, params)
+    return model.score_hidden(tokens, positions_from_mask(attention_mask), attention_mask, remat), model.unembed
 
 
 def count_params(params) -> int:
