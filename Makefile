@@ -6,6 +6,7 @@
 #   py313      the same constraints on Python 3.13                          .venv-py313
 #   gpu-image  jax 0.11.2 and the flax/optax/orbax that run with it (3.12)  .venv-gpu-image
 #   reverb     Python 3.11, dm-reverb 0.14.0 + TensorFlow 2.15 + jax 0.4.34  .venv-reverb
+#   tpu        the default tier plus libtpu (the tpu extra): TPU compiles on a CPU host  .venv-tpu
 LANE ?= default
 
 ifeq ($(LANE),default)
@@ -23,13 +24,18 @@ else ifeq ($(LANE),gpu-image)
   VENV ?= .venv-gpu-image
   EXTRAS ?= test
   CONSTRAINTS := constraints/gpu-image.txt
+else ifeq ($(LANE),tpu)
+  PYTHON ?= $(shell for p in python3.12 python3.13 python3; do $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $$p && break; done)
+  VENV ?= .venv-tpu
+  EXTRAS ?= test,tpu
+  CONSTRAINTS := constraints/default.txt
 else ifeq ($(LANE),reverb)
   PYTHON ?= python3.11
   VENV ?= .venv-reverb
   EXTRAS ?= test,reverb,parity
   CONSTRAINTS := constraints/reverb-py311.txt
 else
-  $(error LANE=$(LANE): use default, py313, gpu-image or reverb)
+  $(error LANE=$(LANE): use default, py313, gpu-image, tpu or reverb)
 endif
 
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(CONSTRAINTS) | cksum | cut -d' ' -f1)

@@ -42,6 +42,13 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="the directory to write")
     ex.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the saved weights")
+    co = sub.add_parser("compile", help="compile the train step and samplers at full shapes, without weights, "
+                                        "for a TPU slice or the local devices: memory per device against HBM")
+    co.add_argument("config")
+    co.add_argument("overrides", nargs="*")
+    co.add_argument("--topology", help="a TPU slice, e.g. v5e-8 or v4-8 (needs the tpu extra), or 'local' for this "
+                                       "machine's devices (default: the config's mesh.topology, else local)")
+    co.add_argument("--json", help="also write the figures here as JSON")
     research.add_parsers(sub)
     return parser
 
@@ -75,8 +82,19 @@ def _native_logs_to(path: Path):
         os.close(terminal)
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Overrides may also follow options (`compile CONFIG --topology v5e-8 train.remat=full`)."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow (under Reverb) is chatty on import
     tune_cpu_compiler()  # before the first JAX computation
     from jaxreplay.config import ConfigError, load_config
@@ -85,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in research.COMMANDS:
             return research.run(args)
+        if args.command == "compile":
+            return _compile(args)
         split = [f"task.eval_split={args.split}"] if getattr(args, "split", None) else []
         config = load_config(args.config, [*args.overrides, *split])
         if args.command == "eval":
@@ -135,6 +155,28 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"jaxreplay: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2 if _bad_input(e) else 1
+
+
+def _compile(args: argparse.Namespace) -> int:
+    """`jaxreplay compile`: the report on stdout; exit 1 with one line when a program does not fit."""
+    import json
+
+    from jaxreplay.aot import DoesNotFit, check_fits, compile_config, load_for_compile
+
+    config = load_for_compile(args.config, args.overrides)
+    topology = args.topology or config.mesh.topology
+    report = compile_config(config, None if topology in (None, "local") else topology,
+                            log=lambda line: print(line, file=sys.stderr))
+    print("\n".join(report.lines()))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"config": args.config, **report.as_dict()}, indent=2) + "\n")
+    try:
+        check_fits(report)
+    except DoesNotFit as e:
+        print(f"jaxreplay: does not fit: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _bad_input(error: Exception) -> bool:

@@ -15,6 +15,8 @@ The differences absorbed here:
   pairs.
 - Flax 0.12 merged `nnx.VariableState` into `nnx.Variable`, and reads a variable's
   array with `get_value()` (`.value` is deprecated); Flax 0.10 has only `.value`.
+- A compiled executable's `cost_analysis()` is one dict on jax >= 0.5, a list of one
+  dict per program on jax 0.4.
 """
 
 from __future__ import annotations
@@ -71,3 +73,12 @@ def abstract_mesh(sizes: dict[str, int]) -> jax.sharding.AbstractMesh:
         return jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes))
     except TypeError:  # jax 0.4: one tuple of (name, size) pairs
         return jax.sharding.AbstractMesh(tuple(sizes.items()))
+
+
+def flops_of(compiled: Any) -> Optional[float]:
+    """The FLOPs XLA's cost analysis counts for a compiled executable, or None where it has none."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    flops = (cost or {}).get("flops")
+    return None if flops is None else float(flops)
