@@ -76,8 +76,11 @@ def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path):
     The narrow limiter window admits only a few of each actor step's 16 rollouts at a
     time, so the checkpoint at step 2 holds 9 generated rollouts still waiting.
     """
+    # AsymRE's advantage r - (V + dV) is never zero, so every step moves the params even when a
+    # 4-row FIFO batch holds one group with equal rewards (GRPO's advantage is 0 there).
     deterministic = ["replay.selector=fifo", "train.batch_size=4", "replay.samples_per_insert=1",
-                     "replay.error_buffer=3", "replay.max_size=16", "replay.min_size_to_sample=16", *LEARNING]
+                     "replay.error_buffer=3", "replay.max_size=16", "replay.min_size_to_sample=16", *LEARNING,
+                     "train.loss=asymre", "train.advantage=group_centered"]
     straight_config, straight = run(tmp_path, *deterministic, "train.steps=8", name="straight")
     run(tmp_path, *deterministic, "train.steps=2", name="resumed")
     resumed_config, resumed = run(tmp_path, *deterministic, "train.steps=8", name="resumed")
