@@ -17,6 +17,7 @@ from jaxreplay.xla_cpu import tune_cpu_compiler
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxreplay", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    parser.add_argument("--version", action=_VersionAction, help="print the versions this install runs on and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train, or resume the run in run.dir")
     train.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
@@ -44,6 +45,28 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the saved weights")
     research.add_parsers(sub)
     return parser
+
+
+class _VersionAction(argparse.Action):
+    """`jaxreplay --version`: the dependency tier, resolved lazily (it imports nothing heavy first)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from jaxreplay.compat import describe_tier
+
+        print(f"jaxreplay {_own_version()}: {describe_tier()}")
+        parser.exit()
+
+
+def _own_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("jaxreplay")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 def _ks(text: str) -> tuple[int, ...]:
@@ -109,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
 
             print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
             return 0
+        from jaxreplay.compat import describe_tier
+
+        print(f"jaxreplay {_own_version()} on {describe_tier()}", flush=True)
         with _native_logs_to(Path(config.run.dir) / "native.log"):
             if config.distributed.enabled:
                 from jaxreplay.multihost import train

@@ -71,3 +71,18 @@ def abstract_mesh(sizes: dict[str, int]) -> jax.sharding.AbstractMesh:
         return jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes))
     except TypeError:  # jax 0.4: one tuple of (name, size) pairs
         return jax.sharding.AbstractMesh(tuple(sizes.items()))
+
+
+def describe_tier() -> str:
+    """The versions this process runs on, in one line: what a bug report or a run log needs."""
+    import importlib.metadata
+    import platform
+
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "absent"
+
+    names = ["jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "dm-reverb"]
+    return ", ".join([f"python {platform.python_version()}"] + [f"{n} {version(n)}" for n in names])
