@@ -18,6 +18,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     theory.add_argument("--rho", type=float, required=True, help="batch-variance weight of the cost model")
     theory.add_argument("--alpha", type=float, required=True, help="staleness exponent: sigma(x) = (x/tau)^alpha")
     theory.add_argument("--rollouts-per-step", type=int, default=64, help="R: rollouts generated per actor step")
+    theory.add_argument("--batch-size", type=int, help="a config's train.batch_size B: also print the window that "
+                        "realises x* at that B")
+    theory.add_argument("--group-size", type=int, default=1, help="train.group_size: printed batch sizes keep groups "
+                        "whole (multiples of it)")
+    theory.add_argument("--data-parallelism", type=int, default=1, help="the mesh's data parallelism: printed batch "
+                        "sizes are multiples of it")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,13 +43,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"report: {args.out}/report.md")
         return 0
     if args.command == "theory":
+        import math
+
+        from jaxreplay.config import ConfigError
         from jaxreplay.theory import describe, numeric_optimum, optimum
 
-        if args.rollouts_per_step <= 0:
-            raise ValueError(f"--rollouts-per-step must be positive, got {args.rollouts_per_step}")
-        opt = optimum(args.mu, args.rho, args.alpha)
+        for flag in ("rollouts_per_step", "batch_size", "group_size", "data_parallelism"):
+            value = getattr(args, flag)
+            if value is not None and value <= 0:
+                raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+        try:
+            opt = optimum(args.mu, args.rho, args.alpha)
+        except ValueError as e:
+            raise ConfigError(f"--{e}") from None
         check = numeric_optimum(args.mu, args.rho, args.alpha)
-        print(describe(opt, args.rollouts_per_step))
+        unit = math.lcm(args.group_size, args.data_parallelism)
+        print(describe(opt, args.rollouts_per_step, args.batch_size, unit))
         print(f"numeric minimiser of the cost: x = {check.x:.2f}, y = {check.y:.3f}")
         return 0
     raise AssertionError(f"not a research command: {args.command}")
