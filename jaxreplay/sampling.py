@@ -22,6 +22,7 @@ from jaxreplay import sharding
 from jaxreplay.config import Config, ModelConfig
 from jaxreplay.models.transformer import (
     KV_CACHE_AXES, KVCache, Rotation, abstract_params, init_cache, positions_from_mask, rotation)
+from jaxreplay.rl.losses import LOGPROB_FLOOR
 
 
 class Rollout(NamedTuple):
@@ -82,8 +83,6 @@ def policy_logprobs(logits: jax.Array, tokens: jax.Array, *, temperature: float,
     filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
     return jnp.maximum(token_logprobs(filtered, tokens, 1.0), LOGPROB_FLOOR)
 
-
-LOGPROB_FLOOR = -1e4
 
 
 def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
