@@ -8,6 +8,7 @@ import argparse
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     sweep = sub.add_parser("sweep", help="run (or resume) a grid of settings x seeds, one after another")
     sweep.add_argument("sweep", help="sweep file, e.g. configs/sweep_demo.yaml")
+    sweep.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. train.steps=50")
     sweep.add_argument("--print", action="store_true", help="print one command per run instead of running")
     report = sub.add_parser("report", help="plots and a Markdown table comparing runs")
     report.add_argument("run_dirs", nargs="+", help="run directories (seeds of one setting share a parent folder)")
@@ -30,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "sweep":
         from jaxreplay.sweep import commands, load_sweep, run_sweep
 
-        sweep = load_sweep(args.sweep)
+        sweep = load_sweep(args.sweep, args.overrides)
         if args.print:
             print("\n".join(commands(sweep)))
             return 0

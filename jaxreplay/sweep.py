@@ -15,7 +15,8 @@ list of dotted overrides) and the seeds:
 Each run is a `jaxreplay train` subprocess (its own Reverb server, native logs and
 memory), logging to RUN_DIR/train.log. A run whose summary.json reports all its steps
 is skipped; any other run is started, and `jaxreplay train` resumes it from its latest
-checkpoint. `--print` prints one command per run instead, for a cluster scheduler.
+checkpoint. `--print` prints one command per run instead, for a cluster scheduler. Dotted
+overrides after the sweep file apply to every run (`jaxreplay sweep FILE train.steps=50`).
 Every run's config is loaded and validated before the first one starts.
 """
 
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import yaml
 
@@ -69,9 +70,13 @@ class Sweep:
     timeout_s: float
 
 
-def load_sweep(path: str | Path) -> Sweep:
-    """Parses and validates the sweep file and every run's config; `ConfigError` names the problem."""
+def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
+    """Parses and validates the sweep file and every run's config; `ConfigError` names the problem.
+
+    `overrides` (the command line's) apply to every run after the file's own overrides and
+    the setting's; the seed and run dir stay the sweep's."""
     path = Path(path)
+    extra = _override_list(list(overrides), "sweep (command line)")
     try:
         raw = yaml.safe_load(path.read_text())
     except OSError as e:
@@ -107,7 +112,7 @@ def load_sweep(path: str | Path) -> Sweep:
             raise ConfigError(f"sweep.settings: {name!r} is not a usable directory name")
         own = _override_list(overrides or [], f"sweep.settings.{name}")
         for seed in seeds:
-            args = (*common, *own, f"run.seed={seed}", f"run.dir={Path(str(raw['out'])) / name / f'seed{seed}'}",
+            args = (*common, *own, *extra, f"run.seed={seed}", f"run.dir={Path(str(raw['out'])) / name / f'seed{seed}'}",
                     "run.progress_bar=false")
             try:
                 config = load_config(base, args)
