@@ -22,12 +22,3 @@ def test_quick_benchmark_writes_every_figure(tmp_path):
     assert [r["items"] for r in results["scaling"]["rows"]] == [100, 1000]
     assert "sampler/generate" in run.table(results)
 
-
-def test_device_benchmark_dry_run_on_cpu(tmp_path):
-    from benchmarks import device
-
-    results = device.main(["--quick", "--out", str(tmp_path)])
-    assert json.loads((tmp_path / "device.json").read_text())["params"] == results["params"] > 0
-    assert [r["batch"] for r in results["decode"]] == list(device.QUICK["batches"])
-    assert results["decode"][0]["generate_tok_s"] > 0  # the transformers reference ran too
-    assert results["train"]["tokens_s"] > 0
