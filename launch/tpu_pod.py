@@ -30,6 +30,7 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -227,17 +228,24 @@ def _has_requirements() -> bool:
 
 
 def ensure_requirements(args: argparse.Namespace, argv: list[str]) -> None:
-    """Re-runs this script under a Python with jaxreplay's requirements when this one lacks them."""
+    """Re-runs this script under `--python`, or under the checkout's .venv when this Python lacks
+    jaxreplay's requirements; the re-run checks it has them."""
     if os.environ.get(REEXEC):
         if not _has_requirements():
-            raise LaunchError(f"{sys.executable} lacks jaxreplay's requirements (pyyaml, numpy)")
+            raise LaunchError(f"{args.python or sys.executable} lacks jaxreplay's requirements (pyyaml, numpy)")
         return
-    python = args.python or (None if _has_requirements() else str(ROOT / ".venv" / "bin" / "python"))
-    if python is None:
+    if args.python:
+        python = shutil.which(args.python) or args.python
+        if not os.access(python, os.X_OK):
+            raise LaunchError(f"--python {args.python}: no such executable")
+    elif _has_requirements():
         return
-    if not os.access(python, os.X_OK):
-        raise LaunchError(f"checking the config needs jaxreplay's requirements (pyyaml, numpy), which {sys.executable}"
-                          f" lacks, and {python} is not there: run `make demo` once (it makes .venv) or pass --python")
+    else:
+        python = str(ROOT / ".venv" / "bin" / "python")
+        if not os.access(python, os.X_OK):
+            raise LaunchError(f"checking the config needs jaxreplay's requirements (pyyaml, numpy), which "
+                              f"{sys.executable} lacks, and there is no {python}: run `make demo` once (it makes "
+                              ".venv) or pass --python")
     sys.stdout.flush()
     os.execve(python, [python, str(Path(__file__).resolve()), *argv], {**os.environ, REEXEC: "1"})
 

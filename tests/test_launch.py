@@ -217,6 +217,14 @@ def test_dry_run_needs_no_pyyaml_in_the_python_that_runs_it(bin_dir):
         _refused(default, "pyyaml", "make demo", "--python")
 
 
+def test_a_python_that_cannot_check_the_config_is_refused_in_one_line(bin_dir, tmp_path):
+    _refused(_dry_run(bin_dir, *UP, "--python", str(tmp_path / "python3")), "--python", "no such executable")
+    bare = tmp_path / "bare-python"  # runs, but without site-packages: no pyyaml
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    bare.chmod(0o755)
+    _refused(_dry_run(bin_dir, *UP, "--python", str(bare)), str(bare), "lacks jaxreplay's requirements")
+
+
 def test_launcher_and_readme_name_only_configs_that_exist():
     doc = ast.get_docstring(ast.parse(LAUNCHER.read_text()))
     readme = (ROOT / "README.md").read_text()
