@@ -15,7 +15,7 @@ SCRIPT = ROOT / "benchmarks" / "device.sh"
 
 
 def _device_sh(out: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu", "PYTHONDONTWRITEBYTECODE": "1"}
     return subprocess.run(["bash", str(SCRIPT), str(out), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
 
