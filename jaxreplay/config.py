@@ -253,8 +253,11 @@ def to_dict(config: Config) -> dict[str, Any]:
     return plain(dataclasses.asdict(config))
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Reads YAML (or the defaults when `path` is None), applies `a.b=value` overrides, validates."""
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (), *, local: bool = True) -> Config:
+    """Reads YAML (or the defaults when `path` is None), applies `a.b=value` overrides, validates.
+
+    `local=False` checks a config that will run on other machines (the TPU launcher's
+    workers): what this machine has installed or on disk is not checked (see `validate`)."""
     raw: dict[str, Any] = {}
     if path is not None:
         try:
@@ -272,7 +275,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     for item in overrides:
         _apply_override(raw, item)
     config = _build(Config, raw, prefix="")
-    validate(config)
+    validate(config, local=local)
     return config
 
 
@@ -358,7 +361,8 @@ def _require(ok: bool, key: str, why: str) -> None:
         raise ConfigError(f"{key}: {why}")
 
 
-def validate(c: Config) -> None:
+def validate(c: Config, local: bool = True) -> None:
+    """Every rule below; with `local`, also that this machine can run `c` (`_validate_machine`)."""
     m, t, s, r, w = c.model, c.train, c.sampling, c.replay, c.warmstart
     for key, value in [
         ("model.vocab_size", m.vocab_size), ("model.d_model", m.d_model), ("model.n_layers", m.n_layers),
@@ -382,8 +386,6 @@ def validate(c: Config) -> None:
              f"must exceed model.rope_low_freq_factor ({m.rope_low_freq_factor}), which must be positive")
     _require(m.rope_original_max_len > 0, "model.rope_original_max_len", "must be positive")
     _require(m.norm_eps > 0, "model.norm_eps", "must be positive")
-    _require(m.hf_path is None or (Path(m.hf_path) / "config.json").is_file(), "model.hf_path",
-             f"{m.hf_path} is not a Hugging Face model directory (no config.json)")
     _require(c.task.max_digits >= c.task.min_digits, "task.max_digits",
              f"must be >= task.min_digits ({c.task.min_digits})")
     _require(c.task.max_digits <= 9, "task.max_digits", "at most 9 digits are supported")
@@ -422,6 +424,17 @@ def validate(c: Config) -> None:
     _validate_replay(c)
     _validate_mesh(c)
     _validate_distributed(c)
+    if local:
+        _validate_machine(c)
+
+
+def _validate_machine(c: Config) -> None:
+    """What this machine must have to run `c`: Reverb installed, the model directory on disk."""
+    _require(c.replay.backend != "reverb" or importlib.util.find_spec("reverb") is not None, "replay.backend",
+             "reverb is not installed (pip install 'jaxreplay[reverb]', Python 3.10/3.11), or use inprocess")
+    hf_path = c.model.hf_path
+    _require(hf_path is None or (Path(hf_path) / "config.json").is_file(), "model.hf_path",
+             f"{hf_path} is not a Hugging Face model directory (no config.json)")
 
 
 def _validate_task(c: Config) -> None:
@@ -456,8 +469,6 @@ def _validate_replay(c: Config) -> None:
     """
     r, t = c.replay, c.train
     b = t.batch_size
-    _require(r.backend != "reverb" or importlib.util.find_spec("reverb") is not None, "replay.backend",
-             "reverb is not installed (pip install 'jaxreplay[reverb]', Python 3.10/3.11), or use inprocess")
     _require(r.backend != "inprocess" or not c.distributed.enabled, "replay.backend",
              "inprocess serves one process only; multi-host runs need reverb")
     if r.mode == "on_policy":

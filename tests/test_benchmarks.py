@@ -1,12 +1,11 @@
 """The benchmark entry point runs end to end (tiny sizes), so it cannot rot."""
 
 import json
-import sys
 
 import pytest
 
 from benchmarks import run
-from benchmarks.torch_reference import has_torch, torch_python
+from benchmarks.torch_reference import torch_python
 
 # Both benchmarks compare against transformers' torch models on the same weights; the
 # reference may run under another interpreter (the Reverb lane's venv has CPU torch).
@@ -27,14 +26,3 @@ def test_quick_benchmark_writes_every_figure(tmp_path):
     assert results["demo"]["steps"] == 3 and 0 < results["demo"]["replay_share_of_loop"] < 1  # 4, 1 for warm-up
     assert [r["items"] for r in results["scaling"]["rows"]] == [100, 1000]
     assert "sampler/generate" in run.table(results)
-
-
-@pytest.mark.skipif(not has_torch(sys.executable), reason="the device benchmark runs torch in its own process")
-def test_device_benchmark_dry_run_on_cpu(tmp_path):
-    from benchmarks import device
-
-    results = device.main(["--quick", "--out", str(tmp_path)])
-    assert json.loads((tmp_path / "device.json").read_text())["params"] == results["params"] > 0
-    assert [r["batch"] for r in results["decode"]] == list(device.QUICK["batches"])
-    assert results["decode"][0]["generate_tok_s"] > 0  # the transformers reference ran too
-    assert results["train"]["tokens_s"] > 0

@@ -101,6 +101,22 @@ def test_missing_file_is_a_config_error(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+def test_a_config_for_other_machines_is_not_checked_against_this_one(tmp_path):
+    """`local=False` (the TPU launcher's check for its workers): what this machine lacks is no error,
+    every rule of the config itself still is."""
+    import importlib.util
+
+    elsewhere = [f"model.hf_path={tmp_path / 'on-the-workers'}", "replay.backend=reverb"]
+    with pytest.raises(ConfigError, match="model.hf_path|replay.backend"):
+        load_config(None, elsewhere)  # no such directory here (and, on the default tier, no Reverb)
+    assert load_config(None, elsewhere, local=False).model.hf_path == str(tmp_path / "on-the-workers")
+    with pytest.raises(ConfigError, match="train.batch_size"):
+        load_config(None, [*elsewhere, "train.batch_size=0"], local=False)
+    if importlib.util.find_spec("reverb") is None:
+        with pytest.raises(ConfigError, match="reverb is not installed"):
+            load_config(None, ["replay.backend=reverb"])
+
+
 _FIELDS = [
     (section.name, f.name)
     for section in dataclasses.fields(Config)
