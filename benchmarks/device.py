@@ -33,7 +33,8 @@ import jax
 import numpy as np
 
 from benchmarks.learner import random_batch
-from benchmarks.sampler import best_time, compiled_sampler, generate_fn, prompts
+from benchmarks.sampler import compiled_sampler, prompts
+from benchmarks.torch_reference import best_time, generate_fn
 from jaxreplay.config import Config, ModelConfig
 from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
 from jaxreplay.models import count_params, init_params

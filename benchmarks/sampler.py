@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
-from benchmarks.torch_reference import best_time, generate_fn, reference, write_qwen2  # noqa: F401 (device.py)
+from benchmarks.torch_reference import best_time, reference
 from benchmarks.torch_reference import torch_python as find_torch_python
 from jaxreplay.models.hf import load_hf_model
 from jaxreplay.sampling import make_sampler
