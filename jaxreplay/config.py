@@ -422,6 +422,10 @@ def validate(c: Config) -> None:
     _validate_replay(c)
     _validate_mesh(c)
     _validate_distributed(c)
+    if c.distributed.enabled:  # the replay package owns what sharding a table across processes means
+        from jaxreplay.replay.multiprocess import check_multiprocess
+
+        check_multiprocess(c, c.distributed.num_processes or None)
 
 
 def _validate_task(c: Config) -> None:
@@ -458,8 +462,6 @@ def _validate_replay(c: Config) -> None:
     b = t.batch_size
     _require(r.backend != "reverb" or importlib.util.find_spec("reverb") is not None, "replay.backend",
              "reverb is not installed (pip install 'jaxreplay[reverb]', Python 3.10/3.11), or use inprocess")
-    _require(r.backend != "inprocess" or not c.distributed.enabled, "replay.backend",
-             "inprocess serves one process only; multi-host runs need reverb")
     if r.mode == "on_policy":
         return  # the queue is sized from the batch: see replay.tables
     spi = r.samples_per_insert
