@@ -196,8 +196,6 @@ def check_layout(config: Config, mesh, num_processes: int) -> None:
     sharding.check_batch_sizes(mesh, {"eval batch (eval.EVAL_BATCH)": EVAL_BATCH})
     t, r = config.train, config.replay
     check_multiprocess(config, num_processes)
-    if r.positive_fraction > 0:
-        raise ConfigError("replay.positive_fraction: positive-bias sampling is not supported multi-host yet; set it to 0")
     if r.calibrate_steps > 0:
         raise ConfigError("replay.calibrate_steps: calibration is not supported multi-host yet; set "
                           "replay.samples_per_insert and calibrate_steps=0")

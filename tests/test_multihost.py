@@ -270,5 +270,7 @@ def test_one_process_keeps_every_selector_on_the_in_process_backend(without_reve
 
 @needs_reverb
 def test_auto_is_the_central_reverb_table_where_reverb_is_installed():
-    """It keeps the settings sharding would change (positive bias stays rejected multi-host for now)."""
+    """It keeps the settings sharding would change; positive bias is not supported multi-host yet."""
     assert load_config("configs/demo.yaml", [*MULTI, "replay.selector=prioritized"]).replay.selector == "prioritized"
+    with pytest.raises(ConfigError, match="^replay.positive_fraction: .*not supported multi-host yet"):
+        load_config("configs/demo.yaml", [*MULTI, "replay.positive_fraction=0.25"])

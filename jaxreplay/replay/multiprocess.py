@@ -110,6 +110,8 @@ def check_multiprocess(config: Config, num_processes: Optional[int] = None) -> N
     """What `open_replay` needs of `config` on the backend `replay.backend` resolves to here."""
     if resolve_backend(config.replay.backend) == "inprocess":
         check_sharded(config, num_processes)
+    _require(config.replay.positive_fraction == 0, "replay.positive_fraction",
+             "positive-bias sampling is not supported multi-host yet; set it to 0")
 
 
 def open_replay(config: Config, item_spec: ItemSpec, coordinator: Coordinator) -> "ShardedReplay | CentralReplay":
