@@ -15,14 +15,15 @@ What sharding means for each table setting (`check_sharded` rejects the rest):
   uniform selector                global: each draw uniform over the buffer, B / P per shard
   min_size_to_sample, ratio,      global: the limiter sees the summed counters
     error_buffer
-  fifo / lifo with                global: the B / m oldest (freshest) rows, each m times;
-    max_times_sampled m | B / P     lockstep shards delete alike (ties within one insert move
-                                    are broken per shard, as arrival order breaks them in Reverb)
-  mode on_policy                  global: the same, lifo with m = 1
-  fifo / lifo, m = 0 or m not     rejected: each shard would repeat or delete its own rows
-    dividing B / P
+  mode on_policy                  global: each rollout trained on once, freshest first (a
+                                    lifo queue whose shards stay in lockstep)
+  fifo / lifo                     rejected: each shard's oldest (freshest) row, P distinct
+                                    rows per batch where one table repeats one
   prioritized                     rejected: draws in proportion within a shard, not the buffer
-  uniform with max_times_sampled  rejected: random deletions unbalance the shards
+  max_times_sampled               rejected: with uniform, random deletions unbalance the shards;
+                                    with fifo / lifo the shards delete alike (the B / m oldest
+                                    rows, as one table), but the multi-host loop does not yet
+                                    assemble batches row by row, so deleting samples can stall it
   positive_fraction               rejected: the freshest dN / P positives of each process are
                                     not the freshest dN overall
 A shard is checkpointed on its own (`ShardedReplay.checkpoint`); multi-host runs do not
@@ -79,11 +80,12 @@ def check_sharded(config: Config, num_processes: Optional[int] = None) -> None:
     the module docstring); `num_processes` None checks what holds for any number."""
     r, b, p = config.replay, config.train.batch_size, num_processes
     if p:
-        _require(b % p == 0, "train.batch_size", f"{b} does not split into {p} equal samples, one per process, {SHARDED_WHY}")
+        _require(b % p == 0, "train.batch_size", f"{b} does not split into {p} equal samples {SHARDED_WHY}")
     if r.mode == "on_policy":
         return  # a lifo queue, each row sampled once: the same on every shard (module docstring)
     if p:
-        _require(r.max_size % p == 0, "replay.max_size", f"{r.max_size} does not split into {p} equal shards {SHARDED_WHY}")
+        _require(r.max_size % p == 0, "replay.max_size", f"{r.max_size} does not split into {p} equal shards "
+                 f"{SHARDED_WHY}")
     _require(r.positive_fraction == 0, "replay.positive_fraction",
              f"positive-bias sampling {SHARDED_WHY} would keep the freshest correct rollouts of each process, "
              "not of the whole buffer; set it to 0 or use replay.backend=reverb")
@@ -91,19 +93,16 @@ def check_sharded(config: Config, num_processes: Optional[int] = None) -> None:
              f"prioritized {SHARDED_WHY} would draw in proportion to priority within each process's shard, "
              "not over the whole buffer; use uniform or replay.backend=reverb")
     if r.selector == "uniform":
-        _require(r.max_times_sampled == 0, "replay.max_times_sampled",
-                 f"{r.max_times_sampled} {SHARDED_WHY}: random deletions would leave the shards unequal, and "
-                 "B/P rows from each no longer a uniform sample; use 0 or replay.backend=reverb")
-        return
-    m = r.max_times_sampled
-    _require(m > 0, "replay.selector",
-             f"{r.selector} without replay.max_times_sampled {SHARDED_WHY} would repeat each shard's "
-             f"{'oldest' if r.selector == 'fifo' else 'freshest'} row, P distinct rows per batch instead of one; "
-             "set replay.max_times_sampled or use replay.backend=reverb")
-    if p:
-        _require((b // p) % m == 0, "replay.max_times_sampled",
-                 f"{m} does not divide the {b // p} rows each of {p} processes samples {SHARDED_WHY}: the shards "
-                 "would delete other rows than one table would")
+        why = "random deletions would leave the shards unequal, and B/P rows from each no longer a uniform sample"
+    else:
+        why = ("the shards would delete alike, but multi-host runs do not assemble batches row by row yet, which "
+               "a table whose samples delete rows needs never to stall")
+    _require(r.max_times_sampled == 0, "replay.max_times_sampled",
+             f"{r.max_times_sampled} {SHARDED_WHY}: {why}; use 0 or replay.backend=reverb")
+    _require(r.selector == "uniform", "replay.selector",
+             f"{r.selector} {SHARDED_WHY} would take each shard's {'oldest' if r.selector == 'fifo' else 'freshest'} "
+             "row again and again, P distinct rows per batch where one table repeats one; use uniform or "
+             "replay.backend=reverb")
 
 
 def check_multiprocess(config: Config, num_processes: Optional[int] = None) -> None:
