@@ -1,9 +1,10 @@
 """One process of tests/test_multihost.py's sharded-replay checks, run as
-`python tests/sharded_replay_worker.py PROCESS_ID NUM_PROCESSES COORDINATOR OUT_DIR [key=value ...]`.
+`python tests/sharded_replay_worker.py PROCESS_ID NUM_PROCESSES COORDINATOR OUT_DIR [--open] [key=value ...]`.
 
 It drives a `ShardedReplay` through the multi-host scheduler's moves (`multihost._choose`)
 for `train.steps` learner steps, inserting made-up rows tagged with this process's id,
 then checkpoints its shard and restores it; it writes what it saw to OUT_DIR/process-<id>.json.
+With --open it only opens the view `replay.backend` asks for (`open_replay`) and writes its kind.
 """
 
 import dataclasses
@@ -16,7 +17,7 @@ import numpy as np
 from jaxreplay import distributed
 from jaxreplay.config import DistributedConfig, load_config
 from jaxreplay.multihost import _choose
-from jaxreplay.replay.multiprocess import ShardedReplay
+from jaxreplay.replay.multiprocess import ShardedReplay, open_replay
 
 SPEC = {"origin": ((), np.int32), "serial": ((), np.int32), "reward": ((), np.float32)}
 
@@ -25,7 +26,12 @@ def main(pid: int, nproc: int, address: str, out: Path, overrides: list[str]) ->
     distributed.initialize(DistributedConfig(enabled=True, coordinator_address=address, num_processes=nproc,
                                              process_id=pid, timeout_s=60))
     coord = distributed.Coordinator(60)
-    config = load_config(None, overrides)
+    config = load_config(None, [o for o in overrides if o != "--open"])
+    if "--open" in overrides:
+        replay = open_replay(config, SPEC, coord)
+        replay.stop()
+        (out / f"process-{pid}.json").write_text(json.dumps({"view": type(replay).__name__}))
+        return
     b, per_act = config.train.batch_size, config.rollouts_per_step // nproc
     replay = ShardedReplay(config, SPEC, coord, checkpoint_root=out / "replay")
     turns, samples, serial, pending, steps, turn = [], [], 0, 0, 0, 0

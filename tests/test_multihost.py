@@ -165,22 +165,26 @@ SHARD_CFG = ["train.steps=6", "train.batch_size=8", "train.prompts_per_step=2", 
              "replay.max_size=16", "replay.min_size_to_sample=4", "replay.samples_per_insert=2"]
 
 
-def _run_sharded_workers(out: Path, overrides: list[str]) -> list[dict]:
+def _start_workers(out: Path, per_process: list[list[str]]) -> list[subprocess.CompletedProcess]:
     """tests/sharded_replay_worker.py on 2 processes joined by a real coordination service."""
     address = f"127.0.0.1:{_free_port()}"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "sharded_replay_worker.py"), str(i), "2", address,
-                               str(out), *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+                               str(out), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i, args in enumerate(per_process)]
     try:
-        for i, p in enumerate(procs):
-            output, _ = p.communicate(timeout=120)
-            assert p.returncode == 0, f"process {i} failed:\n{output[-3000:]}"
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, out) for p, out in zip(procs, outputs)]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def _run_sharded_workers(out: Path, overrides: list[str]) -> list[dict]:
+    for i, result in enumerate(_start_workers(out, [overrides, overrides])):
+        assert result.returncode == 0, f"process {i} failed:\n{result.stdout[-3000:]}"
     return [json.loads((out / f"process-{i}.json").read_text()) for i in range(2)]
 
 
@@ -273,3 +277,13 @@ def test_auto_is_the_central_reverb_table_where_reverb_is_installed():
     assert load_config("configs/demo.yaml", [*MULTI, "replay.selector=prioritized"]).replay.selector == "prioritized"
     with pytest.raises(ConfigError, match="^replay.positive_fraction: .*not supported multi-host yet"):
         load_config("configs/demo.yaml", [*MULTI, "replay.positive_fraction=0.25"])
+
+
+@needs_reverb
+def test_processes_that_resolve_the_backend_differently_stop_with_a_config_error(tmp_path):
+    """As `auto` would where only some hosts have Reverb: both name the key instead of waiting on each other."""
+    results = _start_workers(tmp_path, [["--open", "replay.backend=inprocess"], ["--open", "replay.backend=reverb"]])
+    for result in results:
+        assert result.returncode != 0
+        assert "ConfigError: replay.backend: " in result.stdout, result.stdout[-2000:]
+        assert "different backends: inprocess on process 0, reverb on process 1" in result.stdout

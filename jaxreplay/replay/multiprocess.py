@@ -115,7 +115,12 @@ def check_multiprocess(config: Config, num_processes: Optional[int] = None) -> N
 
 def open_replay(config: Config, item_spec: ItemSpec, coordinator: Coordinator) -> "ShardedReplay | CentralReplay":
     """The view `replay.backend` asks for; every process of the job calls this together."""
-    if resolve_backend(config.replay.backend) == "inprocess":
+    backend = resolve_backend(config.replay.backend)
+    chosen = coordinator.gather("replay/backend", backend)  # `auto` differs where only some hosts have Reverb
+    _require(len(set(chosen)) == 1, "replay.backend", "the processes use different backends: "
+             f"{', '.join(f'{b} on process {i}' for i, b in enumerate(chosen))} (auto picks reverb only where it "
+             "is installed); set one explicitly on all")
+    if backend == "inprocess":
         return ShardedReplay(config, item_spec, coordinator)
     return CentralReplay(config, item_spec, coordinator)
 
