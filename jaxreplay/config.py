@@ -424,6 +424,10 @@ def validate(c: Config, local: bool = True) -> None:
     _validate_replay(c)
     _validate_mesh(c)
     _validate_distributed(c)
+    if c.distributed.enabled:  # the replay package owns what sharding a table across processes means
+        from jaxreplay.replay.multiprocess import check_multiprocess
+
+        check_multiprocess(c, c.distributed.num_processes or None)
     if local:
         _validate_machine(c)
 
@@ -469,8 +473,6 @@ def _validate_replay(c: Config) -> None:
     """
     r, t = c.replay, c.train
     b = t.batch_size
-    _require(r.backend != "inprocess" or not c.distributed.enabled, "replay.backend",
-             "inprocess serves one process only; multi-host runs need reverb")
     if r.mode == "on_policy":
         return  # the queue is sized from the batch: see replay.tables
     spi = r.samples_per_insert

@@ -73,9 +73,15 @@ def case_resume_from_a_corrupt_checkpoint(tmp_path):
         "checkpoint step 5"
 
 
+def case_multi_host_setting_that_sharding_would_change(tmp_path):
+    return ["train", str(DEMO), "distributed.enabled=true", "replay.backend=inprocess", "replay.selector=prioritized",
+            f"run.dir={tmp_path}"], "replay.selector"
+
+
 CASES = [case_malformed_yaml, case_wrong_type, case_mesh_larger_than_the_machine, case_prompt_longer_than_the_context,
          case_dataset_prompt_longer_than_max_prompt_len, case_empty_dataset, case_eval_of_a_missing_checkpoint,
-         case_eval_of_a_corrupt_checkpoint, case_resume_from_a_corrupt_checkpoint]
+         case_eval_of_a_corrupt_checkpoint, case_resume_from_a_corrupt_checkpoint,
+         case_multi_host_setting_that_sharding_would_change]
 
 
 def jaxreplay(*args):

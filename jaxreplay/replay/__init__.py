@@ -5,9 +5,11 @@
         RolloutWriter(server, item_spec, timeout_s=t).insert(rollouts)
         batch, info = RolloutReader(server, item_spec, timeout_s=t).sample(B)
 
-`replay.backend` picks the table server: "reverb" (a DeepMind Reverb server; needed
-for multi-host runs), "inprocess" (inprocess.py: the same semantics in this process,
-no TensorFlow), or "auto" (Reverb where it is installed). Importing this package
+`replay.backend` picks the table server: "reverb" (a DeepMind Reverb server),
+"inprocess" (inprocess.py: the same semantics in this process, no TensorFlow), or
+"auto" (Reverb where it is installed). Multi-host runs see either through one global
+limiter view (multiprocess.py): in-process tables sharded over the processes, or one
+Reverb server on process 0. Importing this package
 imports neither Reverb nor TensorFlow; the Reverb backend imports them on first use,
 hiding accelerators from TensorFlow first so it never takes GPU memory that JAX needs.
 Every blocking call ends in `ReplayTimeoutError` after its timeout.

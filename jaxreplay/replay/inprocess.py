@@ -9,7 +9,8 @@ Python 3.12). It serves the same `TableDef`s with the same rules: the selector
 backends admit and block the same calls (tests/test_replay_differential.py checks).
 Like Reverb, the limiter admits one item at a time. Unlike Reverb, rows that a timed-out
 insert had not yet landed are dropped rather than left queued, and the server is
-reachable only from this process (threads included): multi-host runs need Reverb.
+reachable only from this process (threads included): multi-host runs keep one such
+table per process, as shards of one (multiprocess.py).
 
 Checkpoints are plain directories: per table an `.npz` of the items (fields, keys,
 priorities, times sampled; loaded without pickle) and a `tables.json` of settings and
