@@ -5,7 +5,8 @@ kernel that has imported both before anything of jaxreplay's, as Colab's has. Th
 install cell brings jaxreplay from a copy of this checkout; then it runs top to bottom (CPU, tiny
 model). A last cell checks, inside the kernel, that numpy, jax and jaxlib are still the versions the
 kernel had imported, on disk and in memory: installing anything else over them can kill the kernel.
-The notebook runs in the venv's own interpreter, the same from any lane, so only the default-tier
+The other two tests show each guard failing: a cell that installs an older numpy fails that check, and
+the install cell stops rather than upgrade a package the kernel imported. The notebook runs in the venv's own interpreter, the same from any lane, so only the default-tier
 lane (Python >= 3.12) runs it.
 """
 
@@ -61,7 +62,7 @@ def _pins() -> dict[str, str]:
     for line in CONSTRAINTS.read_text().splitlines():
         if "==" in line and not line.startswith("#"):
             name, version = line.split("==")
-            pins[name.strip().lower()] = version.strip()
+            pins[_name(name)] = version.strip()
     return pins
 
 
@@ -84,7 +85,9 @@ def _pip(python, *args, timeout=600):
 @pytest.fixture(scope="module")
 def runtime(tmp_path_factory):
     """A fresh 3.12 venv holding what a Colab runtime holds before our notebook runs: current numpy
-    and jax, and a Jupyter kernel."""
+    and jax, and a Jupyter kernel. Beside it, `rest.txt`: constraints/default.txt without the packages
+    the venv already has, so what the notebook adds is the default tier's versions while the notebook's
+    own pins alone hold what the kernel imported."""
     if sys.version_info < (3, 12):
         pytest.skip("CI runs this once, in the default-tier lane: the runtime is its own 3.12 venv from any lane")
     python312 = _python312()
@@ -94,7 +97,36 @@ def runtime(tmp_path_factory):
     subprocess.run([python312, "-m", "venv", str(venv)], check=True, timeout=300)
     _pip(venv / "bin" / "python", "--no-compile", "--constraint", str(CONSTRAINTS), "numpy", "jax", "ipykernel",
          "nbclient")
+    freeze = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze"], capture_output=True, text=True,
+                            check=True, timeout=120).stdout
+    present = {_name(line.split("==")[0]) for line in freeze.splitlines() if "==" in line}
+    (venv.parent / "rest.txt").write_text("".join(f"{name}=={version}\n" for name, version in _pins().items()
+                                                  if name not in present))
     return venv
+
+
+def _name(distribution: str) -> str:
+    return distribution.strip().lower().replace("_", "-")
+
+
+def _installed(venv, name: str) -> str:
+    probe = f"import importlib.metadata as m; print(m.version({name!r}))"
+    return subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, check=True,
+                          timeout=60).stdout.strip()
+
+
+def _notebook_from_checkout(tmp_path):
+    """The notebook's cells with SOURCE set to a copy of this checkout (without build outputs or venvs),
+    and the install cell."""
+    checkout = tmp_path / "jaxreplay"
+    shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "runs", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"))
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    install = next(c for c in cells if c["cell_type"] == "code")
+    lines = "".join(install["source"]).split("\n")
+    assert lines.count('SOURCE = ""') == 1, "the install cell names its source in one line: SOURCE = \"\""
+    install["source"] = "\n".join(f"SOURCE = {str(checkout)!r}" if line == 'SOURCE = ""' else line for line in lines)
+    return cells, install
 
 
 def _execute(venv, cells, workdir, env_extra=(), timeout=480):
@@ -114,6 +146,12 @@ def _execute(venv, cells, workdir, env_extra=(), timeout=480):
     return done, cells
 
 
+def _errors(cells) -> str:
+    """The executed cells' errors, one line each."""
+    return "\n".join(f"cell {cell['id']}: {o['ename']}: {o['evalue']}" for cell in cells
+                     for o in cell.get("outputs", []) if o["output_type"] == "error")
+
+
 def _text(cell) -> str:
     """A cell's printed text (nbformat stores it as a string or a list of lines)."""
     return "".join("".join(o.get("text", "")) for o in cell.get("outputs", []))
@@ -125,19 +163,11 @@ def _kernel(venv):
 
 @pytest.mark.slow
 def test_colab_notebook_runs_on_a_colab_like_runtime_and_keeps_its_numpy_and_jax(runtime, tmp_path):
-    checkout = tmp_path / "jaxreplay"  # the checkout as the user has it, without build outputs or venvs
-    shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(
-        ".git", ".venv*", "runs", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"))
-    cells = json.loads(NOTEBOOK.read_text())["cells"]
-    install = next(c for c in cells if c["cell_type"] == "code")
-    lines = "".join(install["source"]).split("\n")
-    assert lines.count('SOURCE = ""') == 1, "the install cell names its source in one line: SOURCE = \"\""
-    install["source"] = "\n".join(f"SOURCE = {str(checkout)!r}" if line == 'SOURCE = ""' else line for line in lines)
-
+    cells, install = _notebook_from_checkout(tmp_path)
     done, executed = _execute(runtime, [_kernel(runtime), *cells, VERSIONS_KEPT], tmp_path, {
         "JAXREPLAY_NOTEBOOK_TINY": "1", "JAXREPLAY_NOTEBOOK_RUNS": str(tmp_path / "runs"),
-        "PIP_CONSTRAINT": str(CONSTRAINTS)})  # what the notebook installs: the default tier's versions
-    assert done.returncode == 0, done.stderr[-6000:]
+        "PIP_CONSTRAINT": str(runtime.parent / "rest.txt")})
+    assert done.returncode == 0, _errors(executed) or done.stderr[-6000:]
 
     before = json.loads(_text(executed[0]).split("KERNEL_BEFORE ")[1])
     pins = _pins()
@@ -169,3 +199,22 @@ def test_the_version_check_fails_when_a_cell_installs_an_older_numpy(runtime, tm
                                           f"'{_pins()['numpy']}'")
     finally:  # the module's venv is shared: put its numpy back
         _pip(runtime / "bin" / "python", "--constraint", str(CONSTRAINTS), "numpy")
+
+
+@pytest.mark.slow
+def test_the_install_cell_fails_rather_than_upgrade_a_package_the_kernel_imported(runtime, tmp_path):
+    """The kernel has imported a tqdm older than jaxreplay's floor: pip would upgrade it under the live
+    kernel, so the install cell stops with pip's conflict and leaves it as it was."""
+    python = runtime / "bin" / "python"
+    _pip(python, "tqdm==4.65.0")  # jaxreplay needs tqdm>=4.66
+    try:
+        _, install = _notebook_from_checkout(tmp_path)
+        done, executed = _execute(runtime, [_kernel(runtime) + "import tqdm\n", install], tmp_path, {
+            "PIP_CONSTRAINT": str(runtime.parent / "rest.txt")}, timeout=300)
+        assert done.returncode != 0
+        (error,) = [o for o in executed[-1]["outputs"] if o["output_type"] == "error"]
+        assert error["ename"] == "RuntimeError" and error["evalue"].startswith("pip install --constraint")
+        assert "ResolutionImpossible" in error["evalue"] and "tqdm" in error["evalue"]
+        assert _installed(runtime, "tqdm") == "4.65.0"
+    finally:  # the module's venv is shared: put tqdm back
+        _pip(python, "--constraint", str(CONSTRAINTS), "tqdm")
