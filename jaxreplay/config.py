@@ -61,8 +61,11 @@ class TaskConfig:
     """The prompt source and its reward.
 
     "arithmetic": the embedded `a+b=` task with an exact-match reward (the digit keys).
-    "gsm8k", "math": TFDS datasets read from `data_dir` (never downloaded).
-    "jsonl", "parquet": local files, `path` with `{split}` standing for the split name.
+    "gsm8k", "math": local files at `path` (e.g. the Hub repository's Parquet shards), or
+    without `path` TFDS datasets read from `data_dir` (never downloaded; needs TensorFlow).
+    "jsonl", "parquet": local files of any dataset at `path`.
+    `path`: a pattern with `{split}` for the split name (glob wildcards allowed) or a
+    directory in a Hub dataset's layout; the file extension gives the format.
     Dataset keys left null take the source's defaults (tasks.datasets.SOURCES).
     """
 
@@ -73,9 +76,9 @@ class TaskConfig:
     reverse_answer: bool = True  # least significant digit first: the order carries flow
     eval_size: int = 256
     data_seed: int = 1234
-    path: Optional[str] = None  # jsonl/parquet: e.g. data/{split}.jsonl
-    data_dir: Optional[str] = None  # gsm8k/math: the TFDS data_dir (null: TFDS's default)
-    tfds_name: Optional[str] = None  # gsm8k/math: the TFDS dataset name
+    path: Optional[str] = None  # e.g. data/{split}-*.parquet, data/{split}.jsonl or a Hub repository's directory
+    data_dir: Optional[str] = None  # gsm8k/math without path: the TFDS data_dir (null: TFDS's default)
+    tfds_name: Optional[str] = None  # gsm8k/math without path: the TFDS dataset name
     train_split: str = "train"
     eval_split: str = "test"
     prompt_field: Optional[str] = None
