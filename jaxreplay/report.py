@@ -152,7 +152,7 @@ def _how_to_read(settings: Sequence[Setting], base: Setting, target: float, mu: 
     runs = [r for s in settings for r in s.runs]
     timed = sum(r.timed for r in runs)
     mus = [m for r in runs if (m := r.last("cost/mu")) is not None]
-    measured = (f"measured µ = {fmt(mu)}: the median over {len(mus)} runs of each run's last logged cost/mu "
+    measured = (f"measured µ = {fmt(mu)}: the median of the last cost/mu of the {len(mus)} runs that logged it "
                 f"(range {fmt(min(mus))} to {fmt(max(mus))})" if mu is not None else
                 "no run logged cost/mu, so only the given µ are modelled")
     return [
@@ -165,7 +165,7 @@ def _how_to_read(settings: Sequence[Setting], base: Setting, target: float, mu: 
         "spent until then are divided by the baseline's median over its seeds that reach it. Only seeds that "
         "reach it enter the median; `(k/n)` says how many of n did.",
         "- **Compute:** trained rollouts + µ × generated rollouts, in units of training one rollout (the paper's "
-        f"cost per update B + µR). {measured.capitalize()}. Given with --mu: "
+        f"cost per update B + µR). {measured[0].upper() + measured[1:]}. Given with --mu: "
         f"{', '.join(fmt(m) for m in given) or 'none'}.",
         f"- **Wall-clock:** seconds generating, training and on replay, evaluation left out. Compilation is left "
         f"out: {timed} of {len(runs)} runs logged the accounting's timed seconds (first generate and train call "

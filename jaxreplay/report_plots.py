@@ -22,17 +22,19 @@ _ACCURACY_AXES = (
     ("flops", "estimated FLOPs", "estimated compute (FLOPs: 2N per generated, 6N per trained token)"),
     ("wallclock", "wall-clock seconds", "seconds generating, training and on replay (compilation and eval left out)"),
 )
-_PER_STEP = (  # (file, metrics key, title, y label)
-    ("entropy", "entropy", "Policy entropy", "entropy (nats/token)"),
-    ("drift_approx_kl", "approx_kl", "Drift: approx_kl (k3 estimate of KL(behaviour || current))", "approx_kl"),
-    ("drift_clipfrac", "pg_clipfrac", "Drift: share of tokens clipped by PPO (pg_clipfrac)", "pg_clipfrac"),
+_PER_STEP = (  # (file, metrics key, title, y label, y scale)
+    ("entropy", "entropy", "Policy entropy", "entropy (nats/token)", "linear"),
+    # KL spans orders of magnitude: about 1e-9 on fresh batches, 1 and more on stale ones
+    ("drift_approx_kl", "approx_kl", "Drift: approx_kl (k3 estimate of KL(behaviour || current))",
+     "approx_kl (log scale)", "log"),
+    ("drift_clipfrac", "pg_clipfrac", "Drift: share of tokens clipped by PPO (pg_clipfrac)", "pg_clipfrac", "linear"),
 )
 
 
 def _figure():
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 4.8))
+    fig = Figure(figsize=(9.5, 4.8))
     return fig, fig.subplots()
 
 
@@ -60,8 +62,8 @@ def _finish(ax, title: str, xlabel: str, ylabel: str) -> None:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="small")
+    if ax.get_legend_handles_labels()[0]:  # outside the axes: ten settings' curves leave no free corner
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 
 
 def accuracy(settings: Sequence[Setting], axis: str, title: str, xlabel: str, target: Optional[float],
@@ -100,13 +102,17 @@ def staleness(settings: Sequence[Setting]):
     fig, ax = per_step(settings, "staleness/mean",
                        "Mean staleness of sampled batches; dashed: horizon N/R, in learner steps",
                        "staleness (learner steps)")
+    stacked: dict[float, int] = {}  # settings sharing a horizon: their labels stack above its line
     for s, color in zip(settings, _colors(len(settings))):
         if (h := s.horizon()) is not None:
             n_over_r, span = h
             ax.axhline(span, color=color, linestyle="--", linewidth=1)
+            above = stacked[span] = stacked.get(span, -1) + 1
             ax.annotate(f"{s.name}: N/R = {fmt(n_over_r)} actor steps = {fmt(span)} learner steps",
-                        (0.01, span), xycoords=("axes fraction", "data"), color=color, fontsize="x-small",
-                        va="bottom")
+                        (0.01, span), xycoords=("axes fraction", "data"), xytext=(0, 1 + 9 * above),
+                        textcoords="offset points", color=color, fontsize="x-small", va="bottom")
+    if stacked:  # room for the labels above the highest line
+        ax.set_ylim(top=max(ax.get_ylim()[1], max(stacked) * (1.1 + 0.07 * max(stacked.values()))))
     return fig
 
 
@@ -157,8 +163,10 @@ def figures(settings: Sequence[Setting], target: Optional[float],
         yield stem, accuracy(settings, "compute", f"modelled compute at {label}",
                              f"trained rollouts + µ × generated rollouts (units of training one rollout), {label}",
                              target, mu)
-    for stem, key, title, ylabel in _PER_STEP:
-        yield stem, per_step(settings, key, title, ylabel)[0]
+    for stem, key, title, ylabel, scale in _PER_STEP:
+        fig, ax = per_step(settings, key, title, ylabel)
+        ax.set_yscale(scale)
+        yield stem, fig
     yield "staleness", staleness(settings)
     yield "staleness_hist", staleness_hist(settings)
     yield "replay_ratio", replay_ratio(settings)

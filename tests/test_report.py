@@ -57,7 +57,7 @@ def _run_dir(root, setting, seed, acc, mu, entropy0):
         generated = gen_per_step * step
         rec = {"step": step, "rollouts/generated": generated, "rollouts/trained": 4 * step,
                "tokens/generated": 10 * generated, "compute/flops": 100.0 * step,
-               "cost/mu": mu if step == 30 else 9.0, "entropy": entropy0 - 0.01 * step, "approx_kl": 0.001 * step,
+               **({} if mu is None else {"cost/mu": mu if step == 30 else 9.0}), "entropy": entropy0 - 0.01 * step, "approx_kl": 0.001 * step,
                "pg_clipfrac": 0.002 * step, "replay/ratio": spi * step / (step + 1), "staleness/mean": 1.0 + seed,
                "staleness/hist": [3, 1, 0, 0, 0, 0, 0, 0, 0, 0], "time/generate_timed_s": 0.5 * (step - 1),
                "time/train_timed_s": 0.25 * (step - 1), "time/replay_s": 0.0,
@@ -244,6 +244,20 @@ def test_runs_that_predate_the_rollout_counters_use_inserts_and_steps_times_batc
     records = [{"step": 0, "eval/accuracy": 0.1}, {"step": 5, "replay/inserts": 8, "eval/accuracy": 0.2}]
     run = RunData(dir=None, config={"train": {"batch_size": 4}}, records=records)
     assert run.x("compute", [0, 5], mu=2.0).tolist() == [0, 5 * 4 + 2.0 * 8]
+
+
+def test_runs_that_never_measured_mu_are_modelled_at_the_given_mu_only(tmp_path):
+    dirs = [_run_dir(tmp_path, "on_policy", 0, [0.2, 0.4, 0.6, 0.5], None, 1.0),
+            _run_dir(tmp_path, "spi2", 0, [0.2, 0.6, 0.7, 0.7], None, 1.0)]
+    report(dirs, tmp_path / "none")
+    assert "No µ: no run logged cost/mu and none was given" in (tmp_path / "none" / "report.md").read_text()
+    assert not list((tmp_path / "none").glob("accuracy_vs_compute*"))
+    report(dirs, tmp_path / "given", mus=(5.28,))
+    row = _tables((tmp_path / "given" / "report.md").read_text())["Per setting"]["spi2"]
+    assert _numbers(_column(row, "compute to on_policy peak at µ = 5.28")) == \
+        pytest.approx([(40 + 5.28 * 20) / (80 + 5.28 * 80), 1, 1], rel=5e-3)
+    assert sorted(p.name for p in (tmp_path / "given").glob("accuracy_vs_compute*")) == \
+        ["accuracy_vs_compute_mu5_28.png"]
 
 
 def test_a_folder_without_metrics_is_refused(tmp_path):
