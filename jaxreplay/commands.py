@@ -14,6 +14,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     report.add_argument("run_dirs", nargs="+", help="run directories (seeds of one setting share a parent folder)")
     report.add_argument("--out", required=True, help="directory for report.md and the PNGs")
     report.add_argument("--baseline", help="setting to compare against (default: the on-policy one)")
+    report.add_argument("--mu", help="generation / training cost per rollout to model compute at, besides the "
+                        "measured one, e.g. 5.28,6.84 (the paper's Qwen2.5-7B and Qwen3-0.6B)")
     theory = sub.add_parser("theory", help="optimal staleness horizon and replay ratio of the cost model")
     theory.add_argument("--mu", type=float, required=True, help="generation / training cost per rollout")
     theory.add_argument("--rho", type=float, required=True, help="batch-variance weight of the cost model")
@@ -39,8 +41,9 @@ def run(args: argparse.Namespace) -> int:
         return 0 if all(r in ("done", "skipped") for r in results.values()) else 1
     if args.command == "report":
         from jaxreplay.report import report
+        from jaxreplay.report_stats import parse_mus
 
-        print(report(args.run_dirs, args.out, baseline=args.baseline), end="")
+        print(report(args.run_dirs, args.out, baseline=args.baseline, mus=parse_mus(args.mu)), end="")
         print(f"report: {args.out}/report.md")
         return 0
     if args.command == "theory":
