@@ -138,12 +138,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bad_input(error: Exception) -> bool:
-    """Errors that name something wrong in what the user gave (a checkpoint, a dataset):
-    exit code 2, like a config error."""
+    """Errors that name something wrong in what the user gave (a checkpoint, a dataset, a
+    Hugging Face model directory): exit code 2, like a config error."""
     from jaxreplay.checkpoint import CheckpointError
+    from jaxreplay.models.hf import HFModelError
     from jaxreplay.tasks.datasets import DatasetError
 
-    return isinstance(error, (CheckpointError, DatasetError))
+    return isinstance(error, (CheckpointError, DatasetError, HFModelError))
 
 
 if __name__ == "__main__":

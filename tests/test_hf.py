@@ -189,6 +189,34 @@ def test_export_without_a_base_infers_the_architecture(tmp_path):
     assert read_model_config(tmp_path / "out") == dataclasses.replace(cfg, hf_path=str(tmp_path / "out"))
 
 
+def test_reexport_and_mixed_directories_load_as_transformers_loads_them(tmp_path):
+    """Exports of different weights into one directory, one file then sharded and back: after
+    each, transformers and the loader read the same (latest) weights; and in a directory that
+    holds both layouts, both read model.safetensors."""
+    make_hf_model("llama", tmp_path / "src")
+    cfg, _, params = load_hf_model(tmp_path / "src")
+    other = jax.tree.map(lambda x: x * 1.5, params)
+    tokens = np.random.default_rng(3).integers(0, VOCAB, (2, 12)).astype(np.int32)
+
+    def agree(path: Path, want) -> None:
+        _, graphdef, loaded = load_hf_model(path)
+        assert_bit_equal(loaded, want)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                                local_files_only=True).eval()
+        ours = np.asarray(forward(graphdef, loaded, jnp.asarray(tokens), jnp.ones(tokens.shape, bool)))
+        assert np.abs(hf_logits(ref, tokens) - ours).max() < 1e-4
+
+    out = tmp_path / "out"
+    for weights, shard in [(params, 40_000), (other, 1 << 30), (params, 40_000)]:
+        save_hf_model(out, cfg, weights, base=tmp_path / "src", max_shard_bytes=shard)
+        agree(out, weights)
+
+    mixed = save_hf_model(tmp_path / "mixed", cfg, other, base=tmp_path / "src")
+    for f in out.glob("model*"):  # the sharded export of `params` beside a single file of `other`
+        f.rename(mixed / f.name)
+    agree(mixed, other)
+
+
 # ----------------------------------------------------------------------------------
 # Sharded checkpoints and sharded placement
 
@@ -373,6 +401,9 @@ def test_training_starts_from_the_hf_weights(tmp_path):
     assert 0 < moved < 1e-2  # two small Adam steps away from the HF weights, not from a fresh init
 
     run = tmp_path / "run"
+    before = {f.name: f.read_bytes() for f in (tmp_path / "hf").iterdir()}
+    assert main(["export", str(run / "config.yaml"), "--checkpoint", str(run), "--out", str(tmp_path / "hf")]) == 2
+    assert {f.name: f.read_bytes() for f in (tmp_path / "hf").iterdir()} == before  # refused before writing
     assert main(["export", str(run / "config.yaml"), "--checkpoint", str(run), "--out", str(tmp_path / "out")]) == 0
     assert load_tokenizer(tmp_path / "out").eos_ids == tok.eos_ids
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
