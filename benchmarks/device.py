@@ -74,7 +74,7 @@ def main(argv=None) -> dict:
         hf = hf_model(tmp)
     n_params = count_params(params)
     results["params"] = n_params
-    sample = make_sampler(graphdef, cfg, max_new_tokens=s["new_tokens"], temperature=1.0, eos_id=-1, pad_id=0)
+    sample = make_sampler(graphdef, cfg, max_new_tokens=s["new_tokens"], temperature=1.0, stop_ids=(), pad_id=0)
     rng = np.random.default_rng(0)
     for batch in s["batches"]:
         tokens, mask = prompts(batch, s["prompt"], s["vocab"], rng)

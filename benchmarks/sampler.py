@@ -100,8 +100,8 @@ def run(quick: bool = False) -> list[dict]:
         write_qwen2(Path(tmp), s)
         cfg, graphdef, params = load_hf_model(tmp, max_seq_len=s["prompt"] + s["new_tokens"])
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-    # eos_id -1 is never sampled: every row emits exactly new_tokens tokens, as generate does.
-    sample = make_sampler(graphdef, cfg, max_new_tokens=s["new_tokens"], temperature=1.0, eos_id=-1, pad_id=0)
+    # No stop ids: every row emits exactly new_tokens tokens, as generate does.
+    sample = make_sampler(graphdef, cfg, max_new_tokens=s["new_tokens"], temperature=1.0, stop_ids=(), pad_id=0)
     default_threads = torch.get_num_threads()
     thread_counts = sorted({1, default_threads})
     rng = np.random.default_rng(0)

@@ -18,7 +18,8 @@ import numpy as np
 from flax import nnx
 
 from jaxreplay.config import Config
-from jaxreplay.tasks import Task, score
+from jaxreplay.sampling import completion_ids, make_sampler
+from jaxreplay.tasks import Task, Tokenizer, score
 
 EVAL_BATCH = 128  # rows per sampling call, fixed so evaluation compiles once
 
@@ -36,7 +37,7 @@ def evaluate(params, task: Task, greedy_sample_fn) -> float:
         padded = list(chunk) + [chunk[-1]] * (EVAL_BATCH - len(chunk))
         prompts, prompt_mask = task.encode_prompts(padded)
         rollout = jax.device_get(greedy_sample_fn(params, prompts, prompt_mask, key))
-        rewards, _ = score(task, chunk, rollout.tokens[:len(chunk), task.prompt_len:])
+        rewards, _ = score(task, chunk, completion_ids(rollout)[:len(chunk)])
         correct += float(rewards.sum())
     return correct / len(problems)
 
@@ -67,7 +68,7 @@ def count_correct(params, task: Task, sample_fn, n: int, key: jax.Array,
         prompts, prompt_mask = np.repeat(prompts, n, axis=0), np.repeat(prompt_mask, n, axis=0)
         rollout = jax.device_get(sample_fn(params, prompts, prompt_mask, jax.random.fold_in(key, call)))
         rows = len(chunk) * n
-        rewards, e = score(task, chunk, rollout.tokens[:rows, task.prompt_len:], n)
+        rewards, e = score(task, chunk, completion_ids(rollout)[:rows], n)
         correct[start:start + len(chunk)] = (rewards.reshape(len(chunk), n) == 1.0).sum(axis=1)
         errors += e
     return correct, errors
@@ -126,11 +127,21 @@ def load_policy(config: Config, *, checkpoint: Optional[str] = None, hf: Optiona
     return cfg, graphdef, params, tokenizer, {"checkpoint": str(directory), "step": step}
 
 
+def eval_sampler_factory(graphdef, cfg, max_new_tokens: int, tokenizer: Tokenizer) -> Callable[..., Any]:
+    """`make_sampler_fn(temperature=, top_p=)` for `pass_at_k_eval`: samplers that stop on every
+    one of the tokenizer's stop ids, as the training rollouts do."""
+
+    def make_sampler_fn(temperature: float, top_p: float):
+        return make_sampler(graphdef, cfg, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                            stop_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
+
+    return make_sampler_fn
+
+
 def run_eval(config: Config, *, checkpoint: Optional[str] = None, hf: Optional[str] = None,
              step: Optional[int] = None, ks: Sequence[int] = (1,), out: Optional[str] = None,
              batch: int = EVAL_BATCH) -> dict[str, Any]:
     """`jaxreplay eval`: loads the policy, samples the task's eval split, writes the results as JSON."""
-    from jaxreplay.sampling import make_sampler
     from jaxreplay.tasks import make_task
 
     start = time.perf_counter()
@@ -141,10 +152,7 @@ def run_eval(config: Config, *, checkpoint: Optional[str] = None, hf: Optional[s
         raise ValueError(f"prompts of {task.prompt_len} tokens plus sampling.max_new_tokens={s.max_new_tokens} "
                          f"exceed model.max_seq_len={cfg.max_seq_len}")
 
-    def sampler(temperature: float, top_p: float):
-        return make_sampler(graphdef, cfg, max_new_tokens=s.max_new_tokens, temperature=temperature, top_p=top_p,
-                            eos_id=task.tokenizer.eos_id, pad_id=task.tokenizer.pad_id)
-
+    sampler = eval_sampler_factory(graphdef, cfg, s.max_new_tokens, task.tokenizer)
     results = {
         "task": config.task.name,
         "split": config.task.eval_split if config.task.name != "arithmetic" else "held-out",

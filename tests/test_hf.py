@@ -128,12 +128,14 @@ def test_greedy_generation_matches_transformers(hf_model):
     cfg, graphdef, params = load_hf_model(path)
     tok = load_tokenizer(path, vocab_size=cfg.vocab_size)
     prompts = np.random.default_rng(0).integers(5, VOCAB, (2, 12)).astype(np.int32)
-    sample = make_sampler(graphdef, cfg, max_new_tokens=32, greedy=True, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    sample = make_sampler(graphdef, cfg, max_new_tokens=32, greedy=True, stop_ids=tok.eos_ids,
+                          pad_id=tok.pad_id)
     ours = np.asarray(sample(params, jnp.asarray(prompts), jnp.ones(prompts.shape, bool),
                              jax.random.PRNGKey(0)).tokens[:, prompts.shape[1]:])
     with torch.no_grad():
         out = model.generate(torch.from_numpy(prompts).long(), attention_mask=torch.ones(prompts.shape, dtype=torch.long),
-                             max_new_tokens=32, do_sample=False, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+                             max_new_tokens=32, do_sample=False, eos_token_id=list(tok.eos_ids),
+                             pad_token_id=tok.pad_id)
     ref = out[:, prompts.shape[1]:].numpy()
     ref = np.pad(ref, ((0, 0), (0, 32 - ref.shape[1])), constant_values=tok.pad_id)  # HF stops once all rows end
     np.testing.assert_array_equal(ours, ref)

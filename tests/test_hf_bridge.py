@@ -1,26 +1,33 @@
 """The Hugging Face bridge's files and stop ids, on directories made here (no torch needed):
 which weight files an export leaves and the loader picks, exports that would overwrite their
-own sources, corrupt or escaping weight files, configs transformers rejects, file modes."""
+own sources, corrupt or escaping weight files, configs transformers rejects, file modes, and
+several stop ids from sampler to reward."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
-from tiny_hf import write_model
+from tiny_hf import write_char_tokenizer, write_model
 
+from jaxreplay.actor import Actor
 from jaxreplay.cli import main
-from jaxreplay.compat import value_of
-from jaxreplay.config import ModelConfig
+from jaxreplay.compat import value_of, with_value
+from jaxreplay.config import ModelConfig, load_config
+from jaxreplay.eval import count_correct, eval_sampler_factory
 from jaxreplay.models import init_params
 from jaxreplay.models.hf import HFModelError, load_hf_model, save_hf_model
 from jaxreplay.models.tokenizer import load_tokenizer
+from jaxreplay.sampling import completion_ids, make_run_samplers
+from jaxreplay.tasks import DatasetTask
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64,
@@ -242,3 +249,90 @@ def test_exported_files_get_the_usual_permissions(tmp_path):
             assert set(modes.values()) == {"0o644"}, modes
     finally:
         os.umask(old)
+
+
+# ----------------------------------------------------------------------------------
+# Several stop ids: the sampler, the reward and the learner's mask agree
+
+
+def uniform_model(path: Path, generation_eos) -> Path:
+    """A model whose next token is uniform over its 101 ids (final norm scale 0: all logits 0),
+    so completions meet every stop id, with the char tokenizer (EOS <|im_end|> = 4)."""
+    cfg = ModelConfig(vocab_size=101, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64,
+                      max_seq_len=64, attention_bias=True)
+    _, params = init_params(cfg, 0)
+    flat_params = {tuple(p): v for p, v in nnx.to_flat_state(params)}
+    scale = flat_params[("final_norm", "scale")]
+    flat_params[("final_norm", "scale")] = with_value(scale, jax.numpy.zeros_like(value_of(scale)))
+    save_hf_model(path, cfg, nnx.from_flat_state(flat_params))
+    write_char_tokenizer(path)
+    if generation_eos is not None:
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    return path
+
+
+class RecordingTask(DatasetTask):
+    """A dataset task that keeps the completion ids each reward call saw."""
+
+    seen: list
+
+    def reward(self, problem, completion_ids):
+        self.seen.append([int(i) for i in completion_ids])
+        return super().reward(problem, completion_ids)
+
+
+def recording_task(config, tokenizer) -> RecordingTask:
+    records = {split: [(f"{i}+{i}=", str(2 * i)) for i in range(8)] for split in ("train", "test")}
+    task = RecordingTask(config.task, tokenizer, records=records)
+    task.seen = []
+    return task
+
+
+def test_every_stop_id_ends_a_completion_for_sampler_reward_and_learner(tmp_path):
+    path = uniform_model(tmp_path / "m", [4, 2])
+    tok = load_tokenizer(path)
+    assert tok.eos_ids == (4, 2)
+    config = load_config(None, [
+        f"model.hf_path={path}", "model.max_seq_len=64", "task.name=jsonl", f"task.path={tmp_path}/{{split}}.jsonl",
+        "task.reward=exact_match", "task.max_prompt_len=16", "warmstart.steps=0", "sampling.max_new_tokens=24",
+        "train.prompts_per_step=4", "train.group_size=8", "train.batch_size=16", "replay.max_size=64",
+        "replay.min_size_to_sample=16"])
+    cfg, graphdef, params = load_hf_model(path, max_seq_len=64)
+    config = dataclasses.replace(config, model=cfg)  # as the loop does with model.hf_path
+    task = recording_task(config, tok)
+    sample_fn, _ = make_run_samplers(graphdef, config, stop_ids=tok.eos_ids, pad_id=tok.pad_id)
+    items, _ = Actor(config, task, sample_fn).act(params, 0, 0)
+
+    n_new, ended_on = 24, {4: 0, 2: 0}
+    for row, seen in enumerate(task.seen):
+        mask = items["completion_mask"][row]
+        assert seen == items["tokens"][row][mask].tolist()  # the reward saw exactly what the learner trains on
+        stops = [i for i, t in enumerate(seen) if t in (4, 2)]
+        if len(seen) < n_new:
+            assert stops == [len(seen) - 1]  # ended on its first stop id, which the reward saw too
+            ended_on[seen[-1]] += 1
+        else:
+            assert stops in ([], [n_new - 1])
+        assert (items["tokens"][row][16 + len(seen):] == tok.pad_id).all()
+    assert ended_on[2] > 0 and ended_on[4] > 0, ended_on
+
+    # Evaluation samples with the same stop ids.
+    eval_task = recording_task(config, tok)
+    sampler_fn = eval_sampler_factory(graphdef, cfg, n_new, tok)
+    count_correct(params, eval_task, sampler_fn(temperature=1.0, top_p=1.0), 4, jax.random.PRNGKey(0), batch=32)
+    assert any(len(seen) < n_new and seen[-1] == 2 for seen in eval_task.seen)
+    for seen in eval_task.seen:
+        assert [t for t in seen[:-1] if t in (4, 2)] == []
+
+
+def test_stop_ids_come_from_config_json_without_a_generation_config(tmp_path):
+    """transformers' generate stops on config.json's eos_token_id when there is no generation_config.json."""
+    path = uniform_model(tmp_path / "m", None)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": [2, 3]}))
+    assert load_tokenizer(path).eos_ids == (4, 2, 3)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
+    assert load_tokenizer(path).eos_ids == (4, 1)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["x"]}))
+    with pytest.raises(HFModelError, match=r"generation_config\.json: eos_token_id must be a token id"):
+        load_tokenizer(path)
