@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in research.COMMANDS:
             return research.run(args)
         split = [f"task.eval_split={args.split}"] if getattr(args, "split", None) else []
-        config = load_config(args.config, [*args.overrides, *split])
+        # The model evaluated is also the one whose tokenizer (and chat template) the task uses.
+        hf = [f"model.hf_path={_yaml_string(args.hf)}"] if getattr(args, "hf", None) else []
+        config = load_config(args.config, [*args.overrides, *split, *hf])
         if args.command == "eval":
             import json
 
@@ -135,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"jaxreplay: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2 if _bad_input(e) else 1
+
+
+def _yaml_string(text: str) -> str:
+    """`text` as a YAML scalar that reads back as exactly this string (an override's value is YAML)."""
+    return "'" + text.replace("'", "''") + "'"
 
 
 def _bad_input(error: Exception) -> bool:

@@ -45,12 +45,15 @@ class RunData:
     records: list[dict[str, Any]]
     final_eval: dict[str, Any] = dataclasses.field(default_factory=dict)  # RUN_DIR/eval.json, if any
 
-    def pass_at(self, k: str) -> Optional[float]:
-        """pass@k of the final policy from `jaxreplay eval ... --out RUN_DIR/eval.json`."""
-        if k == "1" and "pass@1" in self.final_eval:
-            return float(self.final_eval["pass@1"])
-        value = self.final_eval.get("pass@k", {}).get(k)
-        return None if value is None else float(value)
+    def final_scores(self) -> dict[str, float]:
+        """The final policy's scores from `jaxreplay eval ... --out RUN_DIR/eval.json`, each named
+        with its temperature: pass@1_t0.1, then pass@{k}_t1.0 for every k evaluated."""
+        from jaxreplay.eval import PASS1_KEY, PASSK_KEY, PASSK_TEMPERATURE  # as in table()
+
+        scores = {PASS1_KEY: self.final_eval[PASS1_KEY]} if PASS1_KEY in self.final_eval else {}
+        for k in sorted(self.final_eval.get(PASSK_KEY, {}), key=int):
+            scores[f"pass@{k}_t{PASSK_TEMPERATURE}"] = self.final_eval[PASSK_KEY][k]
+        return {name: float(value) for name, value in scores.items()}
 
     def series(self, key: Optional[str]) -> tuple[np.ndarray, np.ndarray]:
         """(steps, values) of `key` where present; key None: cumulative loop seconds."""
@@ -170,14 +173,17 @@ def _mean_std(values: Sequence[float]) -> str:
 
 def table(settings: Sequence[Setting], baseline: Setting) -> str:
     """The Markdown comparison table (one row per setting)."""
+    from jaxreplay.eval import PASS1_KEY  # names eval.json's keys; imported here, as it brings in JAX
+
     pass_keys = sorted({k for s in settings for r in s.runs for rec in r.records for k in rec if _PASS_AT.match(k)},
                        key=lambda k: int(_PASS_AT.match(k).group(1)))
     target, base_tokens = baseline_cost(baseline, "tokens/generated")
     _, base_flops = baseline_cost(baseline, "compute/flops")
-    final_ks = sorted({k for s in settings for r in s.runs for k in ["1", *r.final_eval.get("pass@k", {})]
-                       if r.pass_at(k) is not None}, key=int)
+    finals_of = {id(r): r.final_scores() for s in settings for r in s.runs}
+    final_names = sorted({name for scores in finals_of.values() for name in scores},
+                         key=lambda name: (name != PASS1_KEY, int(name[5:].split("_")[0])))
     header = ["setting", "seeds", "peak eval acc", "final eval acc", *[f"peak {k[5:]}" for k in pass_keys],
-              *[f"final pass@{k} (jaxreplay eval)" for k in final_ks],
+              *[f"final {name} (jaxreplay eval)" for name in final_names],
               f"tokens to baseline peak ({target:.3f}), × baseline", "compute to baseline peak, × baseline",
               "replay ratio", "staleness mean", "mu (gen/train s per rollout)"]
     rows = []
@@ -188,8 +194,8 @@ def table(settings: Sequence[Setting], baseline: Setting) -> str:
                  _mean_std(finals)]
         for k in pass_keys:
             cells.append(_mean_std([float(np.max(v)) for r in s.runs if len(v := r.series(k)[1])]))
-        for k in final_ks:
-            cells.append(_mean_std([v for r in s.runs if (v := r.pass_at(k)) is not None]))
+        for name in final_names:
+            cells.append(_mean_std([finals_of[id(r)][name] for r in s.runs if name in finals_of[id(r)]]))
         for key, base in (("tokens/generated", base_tokens), ("compute/flops", base_flops)):
             reached = [c / base for c in cost_to_reach(s, key, target) if c is not None and base > 0]
             if base == 0:

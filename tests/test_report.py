@@ -87,11 +87,16 @@ def test_a_folder_without_metrics_is_refused(tmp_path):
 
 def test_pass_at_k_of_the_final_policy_comes_from_eval_json(sweep_dirs, tmp_path):
     # As `jaxreplay eval ... --k 1,4 --out RUN_DIR/eval.json` writes it, for two of the five runs.
-    (sweep_dirs[0] / "eval.json").write_text(json.dumps({"pass@1": 0.5, "pass@k": {"1": 0.4, "4": 0.7}}))
-    (sweep_dirs[2] / "eval.json").write_text(json.dumps({"pass@1": 0.6, "pass@k": {"1": 0.5, "4": 0.9}}))
+    (sweep_dirs[0] / "eval.json").write_text(json.dumps({"pass@1_t0.1": 0.5, "pass@k_t1.0": {"1": 0.4, "4": 0.7}}))
+    (sweep_dirs[2] / "eval.json").write_text(json.dumps({"pass@1_t0.1": 0.6, "pass@k_t1.0": {"1": 0.5, "4": 0.9}}))
     lines = report(sweep_dirs, tmp_path / "out").splitlines()
     header = lines[0].split(" | ")
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in lines[2:]}
-    col = header.index("final pass@4 (jaxreplay eval)")
+    col = header.index("final pass@4_t1.0 (jaxreplay eval)")
     assert rows["on_policy (baseline)"][col] == "0.7" and rows["spi4"][col] == "0.9" and rows["spi8"][col] == "n/a"
-    assert rows["spi4"][header.index("final pass@1 (jaxreplay eval)")] == "0.6"
+    # The two pass@1 values (temperatures 0.1 and 1.0) are two columns, each named with its temperature.
+    finals = [name for name in header if name.startswith("final pass@")]
+    assert finals == ["final pass@1_t0.1 (jaxreplay eval)", "final pass@1_t1.0 (jaxreplay eval)",
+                      "final pass@4_t1.0 (jaxreplay eval)"]
+    assert rows["spi4"][header.index("final pass@1_t0.1 (jaxreplay eval)")] == "0.6"
+    assert rows["spi4"][header.index("final pass@1_t1.0 (jaxreplay eval)")] == "0.5"
