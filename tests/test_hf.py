@@ -187,7 +187,8 @@ def test_export_without_a_base_infers_the_architecture(tmp_path):
     save_hf_model(tmp_path / "out", cfg, params, tokenizer=load_tokenizer(tmp_path / "src"))
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["model_type"] == "qwen2" and written["architectures"] == ["Qwen2ForCausalLM"]
-    assert written["eos_token_id"] == 4
+    assert written["eos_token_id"] == [4, 2]  # every stop id, with no generation_config.json to hold them
+    assert load_tokenizer(tmp_path / "out").eos_ids == (4, 2)
     assert read_model_config(tmp_path / "out") == dataclasses.replace(cfg, hf_path=str(tmp_path / "out"))
 
 

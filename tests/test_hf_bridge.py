@@ -336,3 +336,12 @@ def test_stop_ids_come_from_config_json_without_a_generation_config(tmp_path):
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["x"]}))
     with pytest.raises(HFModelError, match=r"generation_config\.json: eos_token_id must be a token id"):
         load_tokenizer(path)
+
+
+def test_an_export_without_a_base_keeps_every_stop_id(tmp_path):
+    src = uniform_model(tmp_path / "src", [4, 2])
+    cfg, _, params = load_hf_model(src)
+    out = save_hf_model(tmp_path / "out", cfg, params, tokenizer=load_tokenizer(src))
+    assert not (out / "generation_config.json").exists()
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == [4, 2]
+    assert load_tokenizer(out).eos_ids == (4, 2)

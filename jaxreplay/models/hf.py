@@ -488,7 +488,9 @@ def _hf_config(cfg: ModelConfig, model_type: str, base: str | Path | None, dtype
     else:
         keep = {"max_position_embeddings": cfg.max_seq_len}
         if tokenizer is not None:
-            keep.update(eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id)
+            # Every stop id, where `generate` (and `load_tokenizer`) look without a generation_config.json.
+            eos = tokenizer.eos_id if len(tokenizer.eos_ids) == 1 else list(tokenizer.eos_ids)
+            keep.update(eos_token_id=eos, pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id)
     fields = dict(
         architectures=[FAMILIES[model_type].architecture], vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
