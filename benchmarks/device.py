@@ -114,7 +114,7 @@ def hf_reference(cfg: ModelConfig, params, directory: Path):
 
 
 def decode(results: dict, cfg: ModelConfig, graphdef, params, s: dict, hf, bandwidth, out: Path) -> None:
-    sample = make_sampler(graphdef, cfg, max_new_tokens=s["new_tokens"], temperature=1.0, eos_id=-1, pad_id=0)
+    sample = make_sampler(graphdef, cfg, max_new_tokens=s["new_tokens"], temperature=1.0, stop_ids=(), pad_id=0)
     rng = np.random.default_rng(0)
     for batch in s["batches"]:
         tokens, mask = prompts(batch, s["prompt"], s["vocab"], rng)

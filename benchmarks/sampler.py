@@ -69,8 +69,8 @@ def run(quick: bool = False, torch_python: Optional[str] = None) -> list[dict]:
         with tempfile.TemporaryDirectory() as tmp:
             ref.write_model(tmp, s)
             cfg, graphdef, params = load_hf_model(tmp, max_seq_len=s["prompt"] + s["new_tokens"])
-            # eos_id -1 is never sampled: every row emits exactly new_tokens tokens, as generate does.
-            sample = make_sampler(graphdef, cfg, max_new_tokens=s["new_tokens"], temperature=1.0, eos_id=-1,
+            # No stop ids: every row emits exactly new_tokens tokens, as generate does.
+            sample = make_sampler(graphdef, cfg, max_new_tokens=s["new_tokens"], temperature=1.0, stop_ids=(),
                                   pad_id=0)
             rng = np.random.default_rng(0)
             for batch in s["batches"]:

@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in research.COMMANDS:
             return research.run(args)
         split = [f"task.eval_split={args.split}"] if getattr(args, "split", None) else []
-        config = load_config(args.config, [*args.overrides, *split])
+        # The model evaluated is also the one whose tokenizer (and chat template) the task uses.
+        hf = [f"model.hf_path={_yaml_string(args.hf)}"] if getattr(args, "hf", None) else []
+        config = load_config(args.config, [*args.overrides, *split, *hf])
         if args.command == "eval":
             import json
 
@@ -163,13 +165,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if _bad_input(e) else 1
 
 
+def _yaml_string(text: str) -> str:
+    """`text` as a YAML scalar that reads back as exactly this string (an override's value is YAML)."""
+    return "'" + text.replace("'", "''") + "'"
+
+
 def _bad_input(error: Exception) -> bool:
-    """Errors that name something wrong in what the user gave (a checkpoint, a dataset):
-    exit code 2, like a config error."""
+    """Errors that name something wrong in what the user gave (a checkpoint, a dataset, a
+    Hugging Face model directory): exit code 2, like a config error."""
     from jaxreplay.checkpoint import CheckpointError
+    from jaxreplay.models.hf import HFModelError
     from jaxreplay.tasks.datasets import DatasetError
 
-    return isinstance(error, (CheckpointError, DatasetError))
+    return isinstance(error, (CheckpointError, DatasetError, HFModelError))
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ def train_disaggregated(config: Config, log: Callable[[str], None] = print) -> d
     task = make_task(c.task)
     tok = task.tokenizer
     graphdef, params = init_params(c.model, c.run.seed)
-    sample_fn, greedy_fn = make_run_samplers(graphdef, c, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=actor_mesh)
+    sample_fn, greedy_fn = make_run_samplers(graphdef, c, stop_ids=tok.eos_ids, pad_id=tok.pad_id, mesh=actor_mesh)
 
     start = time.perf_counter()
     params, cached = warm_start(graphdef, params, task, c, run_dir / "warmstart")

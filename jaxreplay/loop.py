@@ -91,7 +91,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
         task = make_task(c.task)
     tok = task.tokenizer
     sharding.check_batch_sizes(mesh, {"eval batch (eval.EVAL_BATCH)": EVAL_BATCH})
-    sample_fn, greedy_fn = make_run_samplers(graphdef, c, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=mesh)
+    sample_fn, greedy_fn = make_run_samplers(graphdef, c, stop_ids=tok.eos_ids, pad_id=tok.pad_id, mesh=mesh)
 
     start = time.perf_counter()
     if c.model.hf_path is None:  # a released model needs no warm start

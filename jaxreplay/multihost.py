@@ -109,7 +109,7 @@ def _train(config: Config, log: Callable[[str], None]) -> dict[str, Any]:
     opt_state = sharding.shard_params(optimizer.init(params), mesh)
     train_step = make_train_step(graphdef, c, optimizer, mesh)
     rows = sharding.batch_sharding(mesh)
-    sample_fn, greedy_fn = make_run_samplers(graphdef, c, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=mesh)
+    sample_fn, greedy_fn = make_run_samplers(graphdef, c, stop_ids=tok.eos_ids, pad_id=tok.pad_id, mesh=mesh)
     actor = Actor(c, task, _on_local_rows(sample_fn, mesh), shard=(pid, nproc))
     greedy_all = _on_all_rows(greedy_fn, mesh)
 

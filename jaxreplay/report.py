@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jaxreplay import report_plots
+from jaxreplay.eval import PASS1_KEY, PASSK_KEY
 from jaxreplay.report_data import (EVAL_FILE, SUMMARY_FILE, RunData, Setting, group_settings, load_runs,
                                    measured_mu, pick_baseline)
 from jaxreplay.report_stats import band, cell, first_reach, fmt
@@ -120,12 +121,12 @@ def compute_table(settings: Sequence[Setting], base: Setting, target: float, mus
 
 def pass_table(settings: Sequence[Setting], base: Setting) -> Optional[str]:
     """pass@1 (temperature 0.1) and pass@k (temperature 1.0) of the final policies, from eval.json."""
-    ks = sorted({int(k) for s in settings for r in s.runs for k in r.final_eval.get("pass@k", {})})
+    ks = sorted({int(k) for s in settings for r in s.runs for k in r.final_eval.get(PASSK_KEY, {})})
     if not any(r.final_eval for s in settings for r in s.runs):
         return None
     header = ["setting", "runs with eval.json", "pass@1 (T 0.1)", *[f"pass@{k} (T 1.0)" for k in ks]]
     rows = [[_name(s, base), str(sum(1 for r in s.runs if r.final_eval)),
-             cell([r.final_eval.get("pass@1") for r in s.runs if r.final_eval.get("pass@1") is not None]),
+             cell([r.final_eval[PASS1_KEY] for r in s.runs if r.final_eval.get(PASS1_KEY) is not None]),
              *[cell([r.pass_at(str(k)) for r in s.runs]) for k in ks]] for s in settings]
     return _markdown(header, rows)
 

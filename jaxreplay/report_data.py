@@ -29,6 +29,7 @@ import numpy as np
 import yaml
 
 from jaxreplay.config import ConfigError
+from jaxreplay.eval import PASSK_KEY
 from jaxreplay.metrics import read_metrics
 
 EVAL_FILE = "eval.json"  # `jaxreplay eval CONFIG --checkpoint RUN_DIR --k 1,8 --out RUN_DIR/eval.json`
@@ -103,7 +104,7 @@ class RunData:
 
     def pass_at(self, k: str) -> Optional[float]:
         """pass@k (temperature 1.0) of the final policy, from RUN_DIR/eval.json."""
-        return _number(self.final_eval.get("pass@k", {}).get(k))
+        return _number(self.final_eval.get(PASSK_KEY, {}).get(k))
 
 
 @dataclasses.dataclass

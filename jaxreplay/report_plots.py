@@ -12,6 +12,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from jaxreplay.accounting import STALENESS_LABELS
+from jaxreplay.eval import PASSK_KEY
 from jaxreplay.report_data import Setting
 from jaxreplay.report_stats import band, fmt, quartiles
 
@@ -136,7 +137,7 @@ def staleness_hist(settings: Sequence[Setting]):
 def pass_at_k(settings: Sequence[Setting]):
     fig, ax = _figure()
     for s, color in zip(settings, _colors(len(settings))):
-        ks = sorted({int(k) for r in s.runs for k in r.final_eval.get("pass@k", {})})
+        ks = sorted({int(k) for r in s.runs for k in r.final_eval.get(PASSK_KEY, {})})
         points = [(k, quartiles(v)) for k in ks if (v := [p for r in s.runs if (p := r.pass_at(str(k))) is not None])]
         if points:
             k, q = np.array([p[0] for p in points]), np.array([p[1] for p in points])
@@ -144,7 +145,7 @@ def pass_at_k(settings: Sequence[Setting]):
             ax.errorbar(k, q[:, 1], yerr=[q[:, 1] - q[:, 0], q[:, 2] - q[:, 1]], color=color, marker="o",
                         capsize=3, label=f"{s.name} ({n} runs with eval.json)")
     ax.set_xscale("log", base=2)
-    ks = sorted({int(k) for s in settings for r in s.runs for k in r.final_eval.get("pass@k", {})})
+    ks = sorted({int(k) for s in settings for r in s.runs for k in r.final_eval.get(PASSK_KEY, {})})
     ax.set_xticks(ks, [str(k) for k in ks])
     ax.minorticks_off()
     _finish(ax, "pass@k of the final policy, temperature 1.0 (median over seeds, IQR bars)", "k",

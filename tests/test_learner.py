@@ -19,7 +19,7 @@ def rollout_batch(config, advantage):
     graphdef, params = init_params(config.model, 0)
     s = config.sampling
     sample = make_sampler(graphdef, config.model, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-                          top_k=s.top_k, top_p=s.top_p, eos_id=task.tokenizer.eos_id, pad_id=task.tokenizer.pad_id)
+                          top_k=s.top_k, top_p=s.top_p, stop_ids=task.tokenizer.eos_ids, pad_id=task.tokenizer.pad_id)
     prompts, mask = task.encode_prompts(task.train_problems(0, 0, 8))
     r = jax.device_get(sample(params, prompts, mask, jax.random.PRNGKey(1)))
     batch = {"tokens": r.tokens, "attention_mask": r.attention_mask, "completion_mask": r.completion_mask,

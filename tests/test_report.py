@@ -76,7 +76,7 @@ def sweep_dirs(tmp_path_factory):
     dirs = [_run_dir(root, *run) for run in RUNS]
     # pass@k of the final policies, as `jaxreplay eval ... --k 1,4,16 --out RUN_DIR/eval.json` writes it.
     for d, (p1, p4, p16) in ((dirs[0], (0.3, 0.5, 0.7)), (dirs[1], (0.3, 0.55, 0.75)), (dirs[3], (0.35, 0.6, 0.8))):
-        (d / "eval.json").write_text(json.dumps({"pass@1": p1 + 0.02, "pass@k": {"1": p1, "4": p4, "16": p16}}))
+        (d / "eval.json").write_text(json.dumps({"pass@1_t0.1": p1 + 0.02, "pass@k_t1.0": {"1": p1, "4": p4, "16": p16}}))
     return dirs
 
 

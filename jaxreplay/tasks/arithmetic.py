@@ -44,6 +44,10 @@ class CharTokenizer:
     def eos_id(self) -> int:
         return self.EOS
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return (self.EOS,)
+
     def encode(self, text: str) -> list[int]:
         return [self._to_id[c] for c in text]
 

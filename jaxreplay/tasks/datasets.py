@@ -250,8 +250,9 @@ class DatasetTask:
     """A dataset split as a `Task`: a seeded, epoch-shuffled training stream and a fixed eval set."""
 
     def __init__(self, config: TaskConfig, tokenizer: PromptTokenizer, *,
-                 records: Optional[dict[str, Sequence[tuple[str, str]]]] = None):
-        """`records` (split -> (prompt, answer) pairs) replaces reading the configured source."""
+                 records: Optional[dict[str, Sequence[tuple[str, str]]]] = None, train: bool = True):
+        """`records` (split -> (prompt, answer) pairs) replaces reading the configured source.
+        `train=False` reads the eval split alone (for evaluation, which never draws a training problem)."""
         self.config = resolved(config)
         self.tokenizer = tokenizer
         self.prompt_len = self.config.max_prompt_len
@@ -260,7 +261,7 @@ class DatasetTask:
         self._epoch: tuple = (None, None)
         c = self.config
         read = (lambda split: records[split]) if records is not None else (lambda split: read_records(c, split))
-        self.train_examples = self._encode(c.train_split, read(c.train_split))
+        self.train_examples = self._encode(c.train_split, read(c.train_split)) if train else []
         self.eval_problems = self._encode(c.eval_split, read(c.eval_split))[:c.eval_size]
 
     def _encode(self, split: str, records: Sequence[tuple[str, str]]) -> list[Example]:
@@ -297,6 +298,8 @@ class DatasetTask:
         """Batch `index` of the stream: each epoch visits every training example once, in a
         seeded order, so the stream is a pure function of (seed, index)."""
         size = len(self.train_examples)
+        if not size:
+            raise RuntimeError("this task was made for evaluation only (train=False): it has no training split")
         out = []
         for j in range(index * n, (index + 1) * n):
             epoch, position = divmod(j, size)
