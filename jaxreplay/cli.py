@@ -83,7 +83,6 @@ def _ks(text: str) -> tuple[int, ...]:
 def _native_logs_to(path: Path):
     """Sends what C++ libraries (Reverb, TensorFlow, XLA) write to file descriptor 2 into
     `path`, keeping Python's own stderr (progress bar, errors) on the terminal."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     sys.stderr.flush()
     terminal = os.dup(2)
     with open(path, "a") as log:
@@ -132,10 +131,16 @@ def main(argv: list[str] | None = None) -> int:
 
             print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
             return 0
-        from jaxreplay.compat import describe_tier
+        from jaxreplay import rundir
 
-        print(f"jaxreplay {_own_version()} on {describe_tier()}", flush=True)
-        with _native_logs_to(Path(config.run.dir) / "native.log"):
+        # One run per directory, refused before any work; a multi-host job's lock is taken by process 0
+        # once it knows its index (multihost.py), so here each process only checks the directory.
+        hold = contextlib.nullcontext(rundir.create(config.run.dir)) if config.distributed.enabled else \
+            rundir.claim(config.run.dir)
+        with hold, _native_logs_to(Path(config.run.dir) / "native.log"):
+            from jaxreplay.compat import describe_tier  # imports JAX: after the checks above
+
+            print(f"jaxreplay {_own_version()} on {describe_tier()}", flush=True)
             if config.distributed.enabled:
                 from jaxreplay.multihost import train
             elif config.mesh.actor_devices > 0:
