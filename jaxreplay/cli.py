@@ -14,8 +14,24 @@ from jaxreplay import commands as research
 from jaxreplay.xla_cpu import tune_cpu_compiler
 
 
+MAX_MESSAGE = 1000  # characters of an error line: messages may quote user input
+
+
+def one_line(text: str) -> str:
+    """`text` as one line of at most MAX_MESSAGE characters: what every error report prints."""
+    line = " ".join(text.split())
+    return line if len(line) <= MAX_MESSAGE else f"{line[:MAX_MESSAGE - 3]}..."
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (exit code 2), like every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"jaxreplay: usage error: {one_line(f'{self.prog}: {message}')} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxreplay", description=__doc__)
+    parser = _Parser(prog="jaxreplay", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     parser.add_argument("--version", action=_VersionAction, help="print the versions this install runs on and exit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -153,18 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         if args.debug:
             traceback.print_exc()
-        print(f"jaxreplay: config error: {e}", file=sys.stderr)
+        print(f"jaxreplay: config error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("jaxreplay: interrupted", file=sys.stderr)
         return 130
     except Preempted as e:  # SIGTERM, after the final checkpoint
-        print(f"jaxreplay: stopped: {e}", file=sys.stderr)
+        print(f"jaxreplay: stopped: {one_line(str(e))}", file=sys.stderr)
         return 128 + signal.SIGTERM
     except Exception as e:  # one line for users; --debug for developers
         if args.debug:
             traceback.print_exc()
-        print(f"jaxreplay: error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"jaxreplay: error: {type(e).__name__}: {one_line(str(e))}", file=sys.stderr)
         return 2 if _bad_input(e) else 1
 
 
