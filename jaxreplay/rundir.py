@@ -42,6 +42,8 @@ def create(path: str | Path) -> Path:
         raise RunDirError(f"run.dir: {show(str(directory))} lies under a file, not a directory") from None
     except OSError as e:
         raise RunDirError(f"run.dir: cannot create {show(str(directory))}: {e.strerror}") from None
+    except ValueError:  # a NUL character, which YAML's "\0" can give
+        raise RunDirError(f"run.dir: {show(str(directory))} is not a usable path") from None
     try:  # permission bits alone do not tell (root ignores them; a read-only mount does not)
         with tempfile.TemporaryFile(dir=directory):
             pass
