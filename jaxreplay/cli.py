@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -116,6 +117,8 @@ def _native_logs_to(path: Path):
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow (under Reverb) is chatty on import
+    if not args.debug:  # Orbax logs through absl what we report ourselves, as one line (CheckpointError)
+        logging.getLogger("absl").setLevel(logging.CRITICAL)
     tune_cpu_compiler()  # before the first JAX computation
     from jaxreplay.config import ConfigError, load_config
     from jaxreplay.guards import Preempted
