@@ -31,7 +31,7 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
-from jaxreplay import sharding
+from jaxreplay import rundir, sharding
 from jaxreplay.accounting import Accounting, param_count
 from jaxreplay.actor import Actor, item_spec
 from jaxreplay.calibrate import calibrated, measure_mu
@@ -71,10 +71,29 @@ def _save_config(run_dir: Path, config: Config) -> None:
 
 
 def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Runs (or resumes) a colocated training run; returns the run summary."""
+    """Runs (or resumes) a colocated training run, holding run.dir's lock; returns the run summary."""
+    with rundir.claim(config.run.dir) as run_dir:
+        done = _steps_done(run_dir, config.checkpoint.keep)
+        if done is not None and done >= config.train.steps:
+            log(f"nothing to run: no step ran, because the checkpoint in {run_dir / 'checkpoints'} is already at "
+                f"step {done} >= train.steps={config.train.steps}; raise train.steps to train further")
+            return {"steps": done, "steps_run": 0}
+        return _train(config, run_dir, log)
+
+
+def _steps_done(run_dir: Path, keep: int) -> Optional[int]:
+    """The step of the latest complete checkpoint in `run_dir`, if any."""
+    if not (run_dir / "checkpoints").is_dir():
+        return None
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep=keep)
+    try:
+        return checkpointer.latest_step()
+    finally:
+        checkpointer.close()
+
+
+def _train(config: Config, run_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
     c = config
-    run_dir = Path(c.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     _save_config(run_dir, c)
 
     mesh = sharding.mesh_for(c)  # colocated: one mesh samples and trains

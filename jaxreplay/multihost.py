@@ -20,6 +20,7 @@ sampling and ratio calibration (rejected at start).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxreplay import distributed, sharding
+from jaxreplay import distributed, rundir, sharding
 from jaxreplay.actor import Actor, item_spec
 from jaxreplay.config import Config, ConfigError
 from jaxreplay.eval import EVAL_BATCH, evaluate
@@ -65,11 +66,14 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     """
     distributed.initialize(config.distributed)
     try:
-        return _train(config, log)
+        # One job, one lock: process 0 holds run.dir's (rundir.py); the others share the directory.
+        with rundir.claim(config.run.dir) if jax.process_index() == 0 else contextlib.nullcontext():
+            return _train(config, log)
     except BaseException as e:
         pid = jax.process_index()
-        Path(config.run.dir).mkdir(parents=True, exist_ok=True)
-        (Path(config.run.dir) / f"process-{pid}.error").write_text(traceback.format_exc())
+        with contextlib.suppress(OSError):  # run.dir itself may be what is wrong
+            Path(config.run.dir).mkdir(parents=True, exist_ok=True)
+            (Path(config.run.dir) / f"process-{pid}.error").write_text(traceback.format_exc())
         kind = "config error" if isinstance(e, ConfigError) else f"error: {type(e).__name__}"
         sys.stdout.flush()
         print(f"jaxreplay: process {pid}: {kind}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr,

@@ -169,3 +169,21 @@ def test_cli_trains_and_keeps_native_logs_off_the_terminal(tmp_path):
     if importlib.util.find_spec("reverb") is not None:  # the in-process backend logs nothing natively
         assert "[reverb/cc" in (tmp_path / "native.log").read_text()
     assert result.stdout.strip().splitlines()[-1].startswith("done: 4 steps")
+
+
+@pytest.mark.slow
+def test_asking_for_no_more_steps_than_done_runs_nothing_and_says_why(tmp_path):
+    """It used to print "done: 4 steps in 6.3s" as if it had trained."""
+    config, _ = run(tmp_path, "train.steps=4")
+    run_dir = Path(config.run.dir)
+    kept = ("config.yaml", "metrics.jsonl", "summary.json")
+    before = {name: (run_dir / name).read_bytes() for name in kept}
+    for steps in (4, 2):
+        result = subprocess.run([sys.executable, "-m", "jaxreplay.cli", "train", str(DEMO), *TINY,
+                                 f"train.steps={steps}", f"run.dir={run_dir}"],
+                                capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip().splitlines() == [
+            f"nothing to run: no step ran, because the checkpoint in {run_dir / 'checkpoints'} is already at "
+            f"step 4 >= train.steps={steps}; raise train.steps to train further"]
+    assert {name: (run_dir / name).read_bytes() for name in kept} == before

@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional, Protocol, Sequence
 
 import numpy as np
 
-from jaxreplay.config import Config, ConfigError
+from jaxreplay.config import Config, ConfigError, owner_check
 from jaxreplay.replay.inprocess import InProcessServer, InProcessTable
 from jaxreplay.replay.reader import RolloutReader
 from jaxreplay.replay.server import ReplayServer
@@ -111,6 +111,13 @@ def check_multiprocess(config: Config, num_processes: Optional[int] = None) -> N
         check_sharded(config, num_processes)
     _require(config.replay.positive_fraction == 0, "replay.positive_fraction",
              "positive-bias sampling is not supported multi-host yet; set it to 0")
+
+
+@owner_check
+def check_distributed_replay(config: Config) -> None:
+    """The replay package owns what sharding a table across processes means."""
+    if config.distributed.enabled:
+        check_multiprocess(config, config.distributed.num_processes or None)
 
 
 def open_replay(config: Config, item_spec: ItemSpec, coordinator: Coordinator) -> "ShardedReplay | CentralReplay":

@@ -2,10 +2,11 @@
 
 from typing import Optional
 
-from jaxreplay.config import TaskConfig
+from jaxreplay.config import Config, ConfigError, TaskConfig, owner_check
+from jaxreplay.tasks import arithmetic
 from jaxreplay.tasks.arithmetic import ArithmeticTask, CharTokenizer, Problem
 from jaxreplay.tasks.base import ByteTokenizer, Task, Tokenizer, score
-from jaxreplay.tasks.datasets import DatasetError, DatasetTask
+from jaxreplay.tasks.datasets import DatasetError, DatasetTask, validate_task_config
 
 
 def make_task(config: TaskConfig, tokenizer: Optional[Tokenizer] = None, *, train: bool = True) -> Task:
@@ -17,5 +18,21 @@ def make_task(config: TaskConfig, tokenizer: Optional[Tokenizer] = None, *, trai
     return DatasetTask(config, tokenizer if tokenizer is not None else ByteTokenizer(), train=train)
 
 
+@owner_check
+def validate_task(c: Config) -> None:
+    """The task keys' part of `config.validate`: the source's own rules, then room in the
+    model's context for its prompts plus the sampled completion."""
+    if c.task.name == "arithmetic":
+        arithmetic.validate_config(c)
+        prompt_len = arithmetic.prompt_length(c.task)
+    else:
+        validate_task_config(c)
+        prompt_len = c.task.max_prompt_len
+    m, new = c.model.max_seq_len, c.sampling.max_new_tokens
+    if m < prompt_len + new:
+        raise ConfigError(f"model.max_seq_len: {m} is too short for prompts of {prompt_len} tokens plus "
+                          f"sampling.max_new_tokens={new}")
+
+
 __all__ = ["ArithmeticTask", "ByteTokenizer", "CharTokenizer", "DatasetError", "DatasetTask", "Problem", "Task",
-           "Tokenizer", "make_task", "score"]
+           "Tokenizer", "make_task", "score", "validate_task"]
