@@ -124,8 +124,8 @@ class RolloutWriter:
                 break
         state = limiter_state(self._client, self._table, self._timeout_s, self._interrupted)
         if state.can_insert(1):
-            why = ("the server did not confirm them, although the rate limiter admits inserts "
-                   "(a slow or busy server; raise replay.timeout_s?)")
+            why = ("waiting for the server to confirm them, although the rate limiter admits inserts "
+                   "(a slow or busy server: raise replay.timeout_s?)")
         else:
             why = "waiting for the rate limiter to admit them (no sampler draining the table?)"
         raise ReplayTimeoutError(f"RolloutWriter.insert of {n} rows timed out after {self._timeout_s:g}s {why}: "
