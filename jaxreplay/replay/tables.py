@@ -20,8 +20,6 @@ import tempfile
 import time
 from typing import Callable, Literal, Mapping, Optional
 
-import numpy as np
-
 from jaxreplay.config import Config
 from jaxreplay.replay.rows import ItemSpec, RowLayout  # one table row per rollout
 
