@@ -28,6 +28,8 @@ import numpy as np
 # Histogram bin edges: [0,1), [1,2), [2,4), ... [256, inf). Staleness spans orders of magnitude.
 STALENESS_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 TIMES_SAMPLED_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+# The metrics that are histograms (bin counts per record), with their bin edges.
+HISTOGRAMS = {"staleness/hist": STALENESS_EDGES, "replay/times_sampled_hist": TIMES_SAMPLED_EDGES}
 
 _ZERO = {
     "rollouts_generated": 0, "rollouts_trained": 0, "rollouts_first_sampled": 0,
