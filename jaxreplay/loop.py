@@ -87,8 +87,16 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
         if done is not None and done >= config.train.steps:
             log(f"nothing to run: no step ran, because the checkpoint in {run_dir / 'checkpoints'} is already at "
                 f"step {done} >= train.steps={config.train.steps}; raise train.steps to train further")
-            return {"steps": done, "steps_run": 0}
+            return {**_last_summary(run_dir), "steps": done, "steps_run": 0}
         return _train(config, run_dir, log)
+
+
+def _last_summary(run_dir: Path) -> dict[str, Any]:
+    """The summary the run wrote when it last stopped (read, never rewritten), or {}."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _steps_done(run_dir: Path, keep: int) -> Optional[int]:
