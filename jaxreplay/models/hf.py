@@ -160,13 +160,20 @@ def model_config_from_hf(hf: Any, *, param_dtype: DType = "float32", compute_dty
     # Qwen2 always has q/k/v biases; in Llama and Qwen3 `attention_bias` also puts one on o_proj.
     unsupported(family.attention_bias or not getattr(hf, "attention_bias", False), "attention_bias=true")
     n_heads = hf.num_attention_heads
+    n_kv_heads = getattr(hf, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // n_heads
+    # Older transformers (5.17) accept these; our decoder cannot run them.
+    if head_dim % 2:
+        raise HFModelError(f"{source}: head_dim={head_dim} must be even for RoPE")
+    if n_heads % n_kv_heads:
+        raise HFModelError(f"{source}: num_key_value_heads={n_kv_heads} must divide num_attention_heads={n_heads}")
     return ModelConfig(
         vocab_size=hf.vocab_size,
         d_model=hf.hidden_size,
         n_layers=hf.num_hidden_layers,
         n_heads=n_heads,
-        n_kv_heads=getattr(hf, "num_key_value_heads", None) or n_heads,
-        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
         d_ff=hf.intermediate_size,
         max_seq_len=max_seq_len if max_seq_len is not None else hf.max_position_embeddings,
         rope_theta=float(rope.get("rope_theta", 10_000.0)),
