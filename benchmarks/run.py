@@ -1,6 +1,6 @@
 """All CPU benchmarks in one process, side by side: prints a table of ratios, writes JSON.
 
-    .venv/bin/python -m benchmarks.run [--quick] [--out results.json]
+    .venv/bin/python -m benchmarks.run [--quick] [--out results.json] [--torch-python PATH]
 
 `--quick` shrinks every benchmark to seconds (tests/test_benchmarks.py runs it so it cannot
 rot); its figures mean nothing. The full run takes a few minutes on 2 CPU cores. Absolute
@@ -11,6 +11,7 @@ every comparison is a ratio of two measurements taken in this run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -26,14 +27,17 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the code runs, measures nothing")
     parser.add_argument("--out", help="write the results here as JSON")
+    parser.add_argument("--torch-python", help="interpreter with torch + transformers for the generate reference "
+                        "(default: this one if it has torch, else .venv-reverb/bin/python)")
     args = parser.parse_args(argv)
     tune_cpu_compiler()  # as the CLI does, before the first JAX computation
 
     start = time.perf_counter()
     results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                            "loadavg_start": os.getloadavg()}, "quick": args.quick}
-    for name, fn in [("sampler", sampler.run), ("learner", learner.run), ("replay", replay.throughput),
-                     ("demo", replay.demo_share), ("scaling", scaling.run)]:
+    for name, fn in [("sampler", functools.partial(sampler.run, torch_python=args.torch_python)),
+                     ("learner", learner.run), ("replay", replay.throughput), ("demo", replay.demo_share),
+                     ("scaling", scaling.run)]:
         t0 = time.perf_counter()
         results[name] = fn(quick=args.quick)
         print(f"[{name}: {time.perf_counter() - t0:.0f}s]", flush=True)
@@ -52,7 +56,7 @@ def table(r: dict) -> str:
     row = lambda name, value, target="": lines.append(f"{name:<44}{value:>14}  {target}")
     for s in r["sampler"]:
         row(f"sampler/generate tok/s, batch {s['batch']}", f"{s['ratio']:.2f}x", ">= 2x" if s["batch"] >= 16 else "")
-        row(f"  ours | generate tok/s (torch {s['torch_threads']} thr)",
+        row(f"  ours | generate tok/s (torch {s['torch']}, py {s['torch_python']}, {s['torch_threads']} thr)",
             f"{s['ours_tok_s']:.0f} | {s['generate_tok_s']:.0f}")
         row("  our compile s", f"{s['compile_s']:.1f}")
     ln = r["learner"]

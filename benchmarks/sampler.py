@@ -5,7 +5,8 @@ and our HF bridge loads that directory. Both sample at temperature 1 (no top-k/t
 float32, from the same left-padded prompts, for exactly `new_tokens` tokens (no EOS on
 either side). Throughput is generated tokens per second of wall time, best of `repeats`
 runs after a warm-up (ours also timed again after the reference); our compile time is
-reported on its own. Run through `benchmarks.run`, XLA gets the CLI's CPU flags
+reported on its own. The reference may run under another interpreter
+(benchmarks/torch_reference.py): the default tier has no CPU torch here. Run through `benchmarks.run`, XLA gets the CLI's CPU flags
 (jaxreplay/xla_cpu.py).
 """
 
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import tempfile
 import time
-from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import numpy as np
 
+from benchmarks.torch_reference import best_time, reference
+from benchmarks.torch_reference import torch_python as find_torch_python
 from jaxreplay.models.hf import load_hf_model
 from jaxreplay.sampling import make_sampler
 
@@ -29,19 +31,6 @@ QUICK = dict(vocab=128, width=32, layers=1, heads=2, kv_heads=1, d_ff=64, prompt
              batches=(1, 4), repeats=1)
 
 
-def write_qwen2(path: Path, s: dict, dtype: str = "float32") -> None:
-    """A random Qwen2 model directory written by transformers itself."""
-    import torch
-    import transformers
-
-    config = transformers.Qwen2Config(
-        vocab_size=s["vocab"], hidden_size=s["width"], intermediate_size=s["d_ff"], num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], max_position_embeddings=4096,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).save_pretrained(str(path))
-
-
 def prompts(batch: int, length: int, vocab: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Random left-padded prompts [batch, length]: half the rows lose their first quarter."""
     tokens = rng.integers(1, vocab, (batch, length)).astype(np.int32)
@@ -49,33 +38,6 @@ def prompts(batch: int, length: int, vocab: int, rng: np.random.Generator) -> tu
     mask[: batch // 2, : length // 4] = False
     tokens[~mask] = 0
     return tokens, mask
-
-
-def generate_fn(hf, tokens: np.ndarray, mask: np.ndarray, new_tokens: int, device: str = "cpu"):
-    """`transformers` sampling of exactly `new_tokens` tokens at temperature 1, as a thunk."""
-    import torch
-
-    ids = torch.from_numpy(tokens.astype(np.int64)).to(device)
-    att = torch.from_numpy(mask.astype(np.int64)).to(device)
-
-    def generate():
-        with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=att, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
-        if device != "cpu":
-            torch.cuda.synchronize()
-        return out
-
-    return generate
-
-
-def best_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def compiled_sampler(sample, params, tokens: np.ndarray, mask: np.ndarray) -> tuple[float, Callable[[], object]]:
@@ -89,46 +51,41 @@ def compiled_sampler(sample, params, tokens: np.ndarray, mask: np.ndarray) -> tu
     return compile_s, decode
 
 
-def run(quick: bool = False) -> list[dict]:
-    """One row per batch size: tokens/s of both sides, their ratio, and our compile seconds."""
-    import torch
-    import transformers
+def run(quick: bool = False, torch_python: Optional[str] = None) -> list[dict]:
+    """One row per batch size: tokens/s of both sides, their ratio, and our compile seconds.
 
+    The reference runs under `torch_python` (default: this interpreter if it has torch, else
+    the Reverb lane's venv); ours is timed before and after it, so neither side is favoured
+    by running first.
+    """
+    python = find_torch_python(torch_python)
+    if python is None:
+        raise RuntimeError("no interpreter with torch and transformers for the generate reference: install the "
+                           "'parity' extra, or pass --torch-python PATH (e.g. .venv-reverb/bin/python)")
     s = QUICK if quick else FULL
+    ref = reference(python)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        write_qwen2(Path(tmp), s)
-        cfg, graphdef, params = load_hf_model(tmp, max_seq_len=s["prompt"] + s["new_tokens"])
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-    # eos_id -1 is never sampled: every row emits exactly new_tokens tokens, as generate does.
-    sample = make_sampler(graphdef, cfg, max_new_tokens=s["new_tokens"], temperature=1.0, eos_id=-1, pad_id=0)
-    default_threads = torch.get_num_threads()
-    thread_counts = sorted({1, default_threads})
-    rng = np.random.default_rng(0)
-    for batch in s["batches"]:
-        tokens, mask = prompts(batch, s["prompt"], s["vocab"], rng)
-        compile_s, ours = compiled_sampler(sample, params, tokens, mask)
-        ours_s = best_time(ours, s["repeats"])
-
-        generate = generate_fn(hf, tokens, mask, s["new_tokens"])
-        if batch == s["batches"][0]:  # warm-up (torch compiles nothing: once is enough)
-            out = generate()
-            assert out.shape == (batch, s["prompt"] + s["new_tokens"]), out.shape
-        # torch's default thread count can lose badly to one thread on a busy machine:
-        # the reference gets the better setting, timed once each, then best of `repeats`.
-        timed = []
-        for t in thread_counts:
-            torch.set_num_threads(t)
-            timed.append((best_time(generate, 1), t))
-        threads = min(timed)[1]
-        torch.set_num_threads(threads)
-        hf_s = min([min(timed)[0]] + [best_time(generate, 1) for _ in range(s["repeats"] - 1)])
-        torch.set_num_threads(default_threads)
-        # Timed again after the reference, so neither side is favoured by running first.
-        ours_s = min(ours_s, best_time(ours, s["repeats"]))
-        n = batch * s["new_tokens"]
-        rows.append({"batch": batch, "ours_tok_s": n / ours_s, "generate_tok_s": n / hf_s,
-                     "ratio": hf_s / ours_s, "compile_s": compile_s, "torch_threads": threads})
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            ref.write_model(tmp, s)
+            cfg, graphdef, params = load_hf_model(tmp, max_seq_len=s["prompt"] + s["new_tokens"])
+            # No stop ids: every row emits exactly new_tokens tokens, as generate does.
+            sample = make_sampler(graphdef, cfg, max_new_tokens=s["new_tokens"], temperature=1.0, stop_ids=(),
+                                  pad_id=0)
+            rng = np.random.default_rng(0)
+            for batch in s["batches"]:
+                tokens, mask = prompts(batch, s["prompt"], s["vocab"], rng)
+                compile_s, ours = compiled_sampler(sample, params, tokens, mask)
+                ours_s = best_time(ours, s["repeats"])
+                theirs = ref.time_generate(tmp, tokens, mask, s["new_tokens"], s["repeats"])
+                ours_s = min(ours_s, best_time(ours, s["repeats"]))
+                n = batch * s["new_tokens"]
+                rows.append({"batch": batch, "ours_tok_s": n / ours_s, "generate_tok_s": n / theirs["seconds"],
+                             "ratio": theirs["seconds"] / ours_s, "compile_s": compile_s,
+                             "torch_threads": theirs["threads"], "torch": theirs["torch"],
+                             "torch_python": theirs["python"]})
+    finally:
+        ref.close()
     return rows
 
 

@@ -2,7 +2,10 @@
 
 Generation and training are timed per rollout, and their ratio mu (the cost of
 generating a rollout relative to training on it) is estimated online; the first
-call of each is left out, since it compiles. Compute is estimated in FLOPs as
+call of each in this process is left out, since it compiles (a resumed run compiles
+again). The timed seconds and the rollout counts are logged too: `jaxreplay report`
+plots wall-clock time without compilation and models cost as trained rollouts plus
+mu x generated rollouts. Compute is estimated in FLOPs as
 2 x params per token of a forward pass (prefill and decode) and 6 x params per
 token trained (forward and backward), attention's quadratic term ignored: at
 these sequence lengths it is a rounding error.
@@ -25,6 +28,8 @@ import numpy as np
 # Histogram bin edges: [0,1), [1,2), [2,4), ... [256, inf). Staleness spans orders of magnitude.
 STALENESS_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 TIMES_SAMPLED_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+# The metrics that are histograms (bin counts per record), with their bin edges.
+HISTOGRAMS = {"staleness/hist": STALENESS_EDGES, "replay/times_sampled_hist": TIMES_SAMPLED_EDGES}
 
 _ZERO = {
     "rollouts_generated": 0, "rollouts_trained": 0, "rollouts_first_sampled": 0,
@@ -51,6 +56,7 @@ class Accounting:
 
     def __init__(self, n_params: int, state: MutableMapping[str, Any]):
         self.n_params = n_params
+        self._compiled = {"generate": False, "train": False}  # per process: a resume compiles again
         for key, value in _ZERO.items():
             state.setdefault(key, value)
         self.state = state
@@ -61,7 +67,7 @@ class Accounting:
         s["rollouts_generated"] += n
         s["flops_generate"] += 2.0 * self.n_params * float(np.sum(items["attention_mask"]))
         s["generate_calls"] += 1
-        if s["generate_calls"] > 1:  # the first call compiles
+        if self._timed("generate"):
             s["generate_s"] += seconds
             s["generate_rollouts_timed"] += n
 
@@ -73,7 +79,7 @@ class Accounting:
         s["rollouts_first_sampled"] += int(np.sum(np.asarray(times_sampled) == 1))
         s["flops_train"] += 6.0 * self.n_params * float(np.sum(batch["attention_mask"]))
         s["train_calls"] += 1
-        if s["train_calls"] > 1:
+        if self._timed("train"):
             s["train_s"] += seconds
             s["train_rollouts_timed"] += n
         return {
@@ -81,6 +87,11 @@ class Accounting:
             "replay/times_sampled_hist": histogram(times_sampled, TIMES_SAMPLED_EDGES),
             **self.metrics(),
         }
+
+    def _timed(self, call: str) -> bool:
+        """False for this process's first `call` (it compiles), True after."""
+        timed, self._compiled[call] = self._compiled[call], True
+        return timed
 
     @property
     def generate_s_per_rollout(self) -> float:
@@ -108,6 +119,10 @@ class Accounting:
             "compute/flops_generate": s["flops_generate"],
             "compute/flops_train": s["flops_train"],
             "compute/flops": s["flops_generate"] + s["flops_train"],
+            "rollouts/generated": s["rollouts_generated"],
+            "rollouts/trained": s["rollouts_trained"],
+            "time/generate_timed_s": s["generate_s"],  # the first call of each process left out
+            "time/train_timed_s": s["train_s"],
         }
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxreplay.config import Config
 from jaxreplay.rl import ADVANTAGES
-from jaxreplay.sampling import Rollout
+from jaxreplay.sampling import Rollout, completion_ids
 from jaxreplay.tasks import Task, score
 
 SampleFn = Callable[..., Rollout]
@@ -59,8 +59,7 @@ class Actor:
         key = jax.random.fold_in(self._base_key, actor_step)
         rollout = jax.device_get(self.sample_fn(params, prompts, prompt_mask, key))
 
-        completions = rollout.tokens[:, self.task.prompt_len:]
-        rewards, reward_errors = score(self.task, problems, completions, group)
+        rewards, reward_errors = score(self.task, problems, completion_ids(rollout), group)
         advantages = ADVANTAGES[c.train.advantage](rewards.reshape(-1, group)).reshape(-1)
         items = {
             "tokens": rollout.tokens.astype(np.int32),

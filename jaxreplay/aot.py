@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jaxreplay import sharding
 from jaxreplay.compat import flops_of
-from jaxreplay.config import Config, ConfigError, config_from_raw, load_raw, prompt_len
+from jaxreplay.config import Config, ConfigError, config_from_raw, load_raw
 from jaxreplay.models import abstract_model, count_params
 from jaxreplay.models.transformer import KV_CACHE_AXES
 
@@ -104,7 +104,7 @@ def load_for_compile(path: str, overrides: list[str]) -> Config:
     raw = load_raw(path, overrides)
     model = raw.get("model")
     if isinstance(model, dict) and not model.get("hf_path") and model.get("hf_config"):
-        from jaxreplay.models.architectures import architecture_dir
+        from jaxreplay.architectures import architecture_dir
 
         found = architecture_dir(str(model["hf_config"]))
         if found is None:
@@ -130,7 +130,9 @@ def compile_config(config: Config, topology: Optional[str] = None, log=print) ->
                                       **({"train.micro_batch_size": c.train.micro_batch_size}
                                          if c.train.micro_batch_size else {})})
     graphdef, abstract = abstract_model(m)
-    p_len = prompt_len(c)
+    from jaxreplay.tasks import prompt_len
+
+    p_len = prompt_len(c.task)
     length = p_len + c.sampling.max_new_tokens
     log(f"compiling for {topology or 'the local devices'} ({len(devices)} x {devices[0].device_kind}), "
         f"mesh {sharding.describe(mesh)}")
@@ -221,7 +223,7 @@ def _sampler_programs(graphdef, c: Config, mesh, params, p_len: int, batches: di
                       log) -> list[Program]:
     from jaxreplay.sampling import make_run_samplers
 
-    rollout, greedy = make_run_samplers(graphdef, c, eos_id=0, pad_id=0, mesh=mesh)
+    rollout, greedy = make_run_samplers(graphdef, c, stop_ids=(), pad_id=0, mesh=mesh)
     rows = sharding.batch_sharding(mesh)
     like = jax.eval_shape(jax.random.PRNGKey, 0)
     key = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=sharding.replicated(mesh))

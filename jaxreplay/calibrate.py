@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxreplay.config import Config, validate
 from jaxreplay.learner import to_device_batch
-from jaxreplay.theory import replay_ratio
+from jaxreplay.theory import realised_horizon, replay_ratio
 
 CALIBRATION_FILE = "calibration.json"
 
@@ -56,6 +56,22 @@ def measure_mu(config: Config, actor, train_step, params, opt_state) -> dict[str
     return {"generate_s_per_rollout": gen_per, "train_s_per_rollout": train_per, "mu": gen_per / train_per}
 
 
+def horizon_mismatch(config: Config, samples_per_insert: float, tolerance: float = 0.1) -> str:
+    """Why the run does not realise the cost model's horizon x = N/R, or "" when it does.
+
+    The model takes one learner update per actor step (B = y*R); at another B the window
+    spans N*y/B updates instead (`theory.realised_horizon`)."""
+    r, b, rollouts = config.replay, config.train.batch_size, config.rollouts_per_step
+    modelled = r.max_size / rollouts
+    realised = realised_horizon(r.max_size, b, samples_per_insert)
+    if abs(realised - modelled) <= tolerance * modelled:
+        return ""
+    return (f"train.batch_size={b} with samples_per_insert {samples_per_insert:g} realises a staleness horizon of "
+            f"{realised:.3g} learner steps, not the modelled x = N/R = {modelled:.3g}: the model assumes "
+            f"train.batch_size = y*R = {samples_per_insert * rollouts:.0f} (or replay.max_size = x*B/y = "
+            f"{modelled * b / samples_per_insert:.0f} at this batch size)")
+
+
 def calibrated(config: Config, run_dir: Path, measure: Callable[[], dict[str, float]],
                log: Callable[[str], None] = print) -> Config:
     """`config` with `samples_per_insert` set from mu (measured now, or read back on resume)."""
@@ -74,6 +90,9 @@ def calibrated(config: Config, run_dir: Path, measure: Callable[[], dict[str, fl
     log(f"calibration: mu {record['mu']:.3g} (generate {record['generate_s_per_rollout'] * 1e3:.3g} ms, "
         f"train {record['train_s_per_rollout'] * 1e3:.3g} ms per rollout) -> samples_per_insert {spi:g} "
         f"for a window of {record['horizon']:.3g} actor steps")
+    mismatch = horizon_mismatch(config, spi)
+    if mismatch:
+        log(f"calibration: {mismatch}")
     resolved = dataclasses.replace(config, replay=dataclasses.replace(r, samples_per_insert=spi))
     validate(resolved)  # a ratio outside the limiter's window is refused here, before any table exists
     return resolved

@@ -34,6 +34,7 @@ class Progress:
     time_generate_s: float = 0.0
     time_train_s: float = 0.0
     time_replay_s: float = 0.0
+    time_total_s: float = 0.0  # wall-clock seconds of the run up to this checkpoint, every invocation counted
     warmstart_accuracy: Optional[float] = None
     eval_accuracy: Optional[float] = None  # the latest evaluation
     accounting: dict = dataclasses.field(default_factory=dict)  # jaxreplay.accounting counters

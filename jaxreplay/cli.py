@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -14,9 +15,26 @@ from jaxreplay import commands as research
 from jaxreplay.xla_cpu import tune_cpu_compiler
 
 
+MAX_MESSAGE = 1000  # characters of an error line: messages may quote user input
+
+
+def one_line(text: str) -> str:
+    """`text` as one line of at most MAX_MESSAGE characters: what every error report prints."""
+    line = " ".join(text.split())
+    return line if len(line) <= MAX_MESSAGE else f"{line[:MAX_MESSAGE - 3]}..."
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (exit code 2), like every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"jaxreplay: usage error: {one_line(f'{self.prog}: {message}')} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxreplay", description=__doc__)
+    parser = _Parser(prog="jaxreplay", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    parser.add_argument("--version", action=_VersionAction, help="print the versions this install runs on and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train, or resume the run in run.dir")
     train.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
@@ -53,6 +71,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _VersionAction(argparse.Action):
+    """`jaxreplay --version`: the dependency tier, resolved lazily (it imports nothing heavy first)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from jaxreplay.compat import describe_tier
+
+        print(f"jaxreplay {_own_version()}: {describe_tier()}")
+        parser.exit()
+
+
+def _own_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("jaxreplay")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def _ks(text: str) -> tuple[int, ...]:
     try:
         ks = tuple(int(k) for k in text.split(","))
@@ -67,7 +107,6 @@ def _ks(text: str) -> tuple[int, ...]:
 def _native_logs_to(path: Path):
     """Sends what C++ libraries (Reverb, TensorFlow, XLA) write to file descriptor 2 into
     `path`, keeping Python's own stderr (progress bar, errors) on the terminal."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     sys.stderr.flush()
     terminal = os.dup(2)
     with open(path, "a") as log:
@@ -96,6 +135,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow (under Reverb) is chatty on import
+    if not args.debug:  # Orbax logs through absl what we report ourselves, as one line (CheckpointError)
+        logging.getLogger("absl").setLevel(logging.CRITICAL)
     tune_cpu_compiler()  # before the first JAX computation
     from jaxreplay.config import ConfigError, load_config
     from jaxreplay.guards import Preempted
@@ -106,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compile":
             return _compile(args)
         split = [f"task.eval_split={args.split}"] if getattr(args, "split", None) else []
-        config = load_config(args.config, [*args.overrides, *split])
+        # The model evaluated is also the one whose tokenizer (and chat template) the task uses.
+        hf = [f"model.hf_path={_yaml_string(args.hf)}"] if getattr(args, "hf", None) else []
+        config = load_config(args.config, [*args.overrides, *split, *hf])
         if args.command == "eval":
             import json
 
@@ -129,7 +172,16 @@ def main(argv: list[str] | None = None) -> int:
 
             print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
             return 0
-        with _native_logs_to(Path(config.run.dir) / "native.log"):
+        from jaxreplay import rundir
+
+        # One run per directory, refused before any work; a multi-host job's lock is taken by process 0
+        # once it knows its index (multihost.py), so here each process only checks the directory.
+        hold = contextlib.nullcontext(rundir.create(config.run.dir)) if config.distributed.enabled else \
+            rundir.claim(config.run.dir)
+        with hold, _native_logs_to(Path(config.run.dir) / "native.log"):
+            from jaxreplay.compat import describe_tier  # imports JAX: after the checks above
+
+            print(f"jaxreplay {_own_version()} on {describe_tier()}", flush=True)
             if config.distributed.enabled:
                 from jaxreplay.multihost import train
             elif config.mesh.actor_devices > 0:
@@ -142,18 +194,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         if args.debug:
             traceback.print_exc()
-        print(f"jaxreplay: config error: {e}", file=sys.stderr)
+        print(f"jaxreplay: config error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("jaxreplay: interrupted", file=sys.stderr)
         return 130
     except Preempted as e:  # SIGTERM, after the final checkpoint
-        print(f"jaxreplay: stopped: {e}", file=sys.stderr)
+        print(f"jaxreplay: stopped: {one_line(str(e))}", file=sys.stderr)
         return 128 + signal.SIGTERM
     except Exception as e:  # one line for users; --debug for developers
         if args.debug:
             traceback.print_exc()
-        print(f"jaxreplay: error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"jaxreplay: error: {type(e).__name__}: {one_line(str(e))}", file=sys.stderr)
         return 2 if _bad_input(e) else 1
 
 
@@ -179,13 +231,19 @@ def _compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _yaml_string(text: str) -> str:
+    """`text` as a YAML scalar that reads back as exactly this string (an override's value is YAML)."""
+    return "'" + text.replace("'", "''") + "'"
+
+
 def _bad_input(error: Exception) -> bool:
-    """Errors that name something wrong in what the user gave (a checkpoint, a dataset):
-    exit code 2, like a config error."""
+    """Errors that name something wrong in what the user gave (a checkpoint, a dataset, a
+    Hugging Face model directory): exit code 2, like a config error."""
     from jaxreplay.checkpoint import CheckpointError
+    from jaxreplay.models.hf import HFModelError
     from jaxreplay.tasks.datasets import DatasetError
 
-    return isinstance(error, (CheckpointError, DatasetError))
+    return isinstance(error, (CheckpointError, DatasetError, HFModelError))
 
 
 if __name__ == "__main__":

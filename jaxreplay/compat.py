@@ -82,3 +82,18 @@ def flops_of(compiled: Any) -> Optional[float]:
         cost = cost[0] if cost else None
     flops = (cost or {}).get("flops")
     return None if flops is None else float(flops)
+
+
+def describe_tier() -> str:
+    """The versions this process runs on, in one line: what a bug report or a run log needs."""
+    import importlib.metadata
+    import platform
+
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "absent"
+
+    names = ["jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "dm-reverb"]
+    return ", ".join([f"python {platform.python_version()}"] + [f"{n} {version(n)}" for n in names])

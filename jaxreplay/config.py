@@ -3,18 +3,23 @@
 Every section is a frozen dataclass. `load_config` is the only way in: it rejects
 unknown keys, wrong types and impossible values (including rate-limiter settings
 that would deadlock) with a `ConfigError` whose one-line message names the key.
+Number fields are checked by type (floats finite, ints within 32 bits) and against
+`RANGES`; modules that own keys (tasks/) register their own checks (`owner_check`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
+import os
 import re
+import stat
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import yaml
 
@@ -55,7 +60,7 @@ class ModelConfig:
     # above (all but max_seq_len and the dtypes) and its safetensors the initial weights.
     hf_path: Optional[str] = None
     # The architecture alone, for `jaxreplay compile` when hf_path is not given: a directory
-    # holding a config.json, or the name of one shipped in jaxreplay/models/architectures.
+    # holding a config.json, or the name of one shipped in jaxreplay/architectures.
     hf_config: Optional[str] = None
 
 
@@ -64,8 +69,11 @@ class TaskConfig:
     """The prompt source and its reward.
 
     "arithmetic": the embedded `a+b=` task with an exact-match reward (the digit keys).
-    "gsm8k", "math": TFDS datasets read from `data_dir` (never downloaded).
-    "jsonl", "parquet": local files, `path` with `{split}` standing for the split name.
+    "gsm8k", "math": local files at `path` (e.g. the Hub repository's Parquet shards), or
+    without `path` TFDS datasets read from `data_dir` (never downloaded; needs TensorFlow).
+    "jsonl", "parquet": local files of any dataset at `path`.
+    `path`: a pattern with `{split}` for the split name (glob wildcards allowed) or a
+    directory in a Hub dataset's layout; the file extension gives the format.
     Dataset keys left null take the source's defaults (tasks.datasets.SOURCES).
     """
 
@@ -76,9 +84,9 @@ class TaskConfig:
     reverse_answer: bool = True  # least significant digit first: the order carries flow
     eval_size: int = 256
     data_seed: int = 1234
-    path: Optional[str] = None  # jsonl/parquet: e.g. data/{split}.jsonl
-    data_dir: Optional[str] = None  # gsm8k/math: the TFDS data_dir (null: TFDS's default)
-    tfds_name: Optional[str] = None  # gsm8k/math: the TFDS dataset name
+    path: Optional[str] = None  # e.g. data/{split}-*.parquet, data/{split}.jsonl or a Hub repository's directory
+    data_dir: Optional[str] = None  # gsm8k/math without path: the TFDS data_dir (null: TFDS's default)
+    tfds_name: Optional[str] = None  # gsm8k/math without path: the TFDS dataset name
     train_split: str = "train"
     eval_split: str = "test"
     prompt_field: Optional[str] = None
@@ -263,25 +271,21 @@ def to_dict(config: Config) -> dict[str, Any]:
     return plain(dataclasses.asdict(config))
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Reads YAML (or the defaults when `path` is None), applies `a.b=value` overrides, validates."""
-    return config_from_raw(load_raw(path, overrides))
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (), *, local: bool = True) -> Config:
+    """Reads YAML (or the defaults when `path` is None), applies `a.b=value` overrides, validates.
+
+    `local=False` checks a config that will run on other machines (the TPU launcher's
+    workers): what this machine has installed or on disk is not checked (see `validate`)."""
+    return config_from_raw(load_raw(path, overrides), local=local)
 
 
 def load_raw(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> dict[str, Any]:
     """The YAML mapping of `path` with the overrides applied, not yet typed or validated."""
-    raw: dict[str, Any] = {}
+    raw: Any = {}
     if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-        try:
-            raw = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"malformed YAML in {path}{where}") from None
+        raw = read_yaml(path, "config file")
+        if raw is None:
+            raw = {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
     for item in overrides:
@@ -289,27 +293,141 @@ def load_raw(path: str | Path | None = None, overrides: typing.Sequence[str] = (
     return raw
 
 
-def config_from_raw(raw: dict[str, Any]) -> Config:
-    """The typed, validated Config of a `load_raw` mapping."""
+def config_from_raw(raw: dict[str, Any], local: bool = True) -> Config:
+    """The typed, validated Config of a `load_raw` mapping (`local`: as `load_config`)."""
+    check_expansion(raw, "config")
     config = _build(Config, raw, prefix="")
-    validate(config)
+    validate(config, local=local)
     return config
+
+
+# What a config may be: configs are a few hundred values, so these bounds only stop
+# abuse (an alias bomb expands a few hundred bytes into gigabytes when walked or printed).
+MAX_FILE_BYTES = 1 << 20
+MAX_VALUES = 10_000  # nodes after alias expansion
+MAX_TEXT = 1 << 20  # characters of all strings after alias expansion
+MAX_ECHO = 80  # characters of a value quoted in an error message
+
+
+def show(value: Any, limit: int = MAX_ECHO) -> str:
+    """`repr(value)`, cut to `limit` characters: what an error message may echo of user input."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long for str(); YAML cannot produce one, but be safe
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+def _name(key: Any) -> str:
+    """A key as written, cut to MAX_ECHO characters."""
+    text = str(key)
+    return text if len(text) <= MAX_ECHO else f"{text[:MAX_ECHO - 3]}..."
+
+
+def read_yaml(path: str | Path, what: str) -> Any:
+    """The YAML document in `path` (a `what`, e.g. "config file"), or a one-line `ConfigError`.
+
+    Only regular files are read: a FIFO or device would block or never end. Duplicate keys
+    are refused (YAML would silently keep the last), and so is a document whose aliases
+    expand past `MAX_VALUES` values or `MAX_TEXT` characters.
+    """
+    where = f"{what} {path}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once; it is refused below
+    except OSError as e:
+        raise ConfigError(f"cannot read {where}: {e.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise ConfigError(f"cannot read {where}: it is {kind}; give a YAML file")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(f"{where} is larger than {MAX_FILE_BYTES} bytes; a config is a few kilobytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+    try:
+        raw = parse_yaml(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None)
+        raise ConfigError(f"malformed YAML in {where}{at}" + (f": {problem[:200]}" if problem else "")) from None
+    except RecursionError:
+        raise ConfigError(f"malformed YAML in {where}: nested too deeply") from None
+    except ValueError:  # an integer past Python's digit limit
+        raise ConfigError(f"malformed YAML in {where}: a number too long to read") from None
+    check_expansion(raw, where)
+    return raw
+
+
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (merge keys `<<` aside)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:  # unhashable: SafeLoader reports it below
+                continue
+            if duplicate:
+                raise _DuplicateKey(
+                    "while constructing a mapping", node.start_mark, f"duplicate key {show(key)}",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str) -> Any:
+    """`yaml.safe_load` refusing duplicate keys."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def check_expansion(data: Any, where: str) -> None:
+    """Refuses `data` if walking it (aliases expanded) would visit too much; stops at the bound."""
+    stack, values, chars = [data], 0, 0
+    while stack:
+        x = stack.pop()
+        values += 1
+        if isinstance(x, str):
+            chars += len(x)
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        if values > MAX_VALUES or chars > MAX_TEXT:
+            raise ConfigError(f"{where}: expands to more than {MAX_VALUES} values or {MAX_TEXT} characters "
+                              "(YAML aliases?); a config is a few hundred values")
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        raise ConfigError(f"override {show(item)} is not of the form section.key=value")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
+        value = parse_yaml(text) if text.strip() else ""
+    except _DuplicateKey as e:
+        raise ConfigError(f"{_name(key)}: {e.problem} in {show(text)}") from None
+    except (yaml.YAMLError, ValueError, RecursionError):  # not YAML: the text itself (ValueError: a huge int)
         value = text
     node = raw
     *parents, leaf = key.split(".")
     for part in parents:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"{key}: {part} is not a section")
+            raise ConfigError(f"{_name(key)}: {_name(part)} is not a section")
         node = child
     node[leaf] = value
 
@@ -319,9 +437,9 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
+    unknown = sorted((k for k in raw if k not in fields), key=str)
     if unknown:
-        raise ConfigError(f"unknown key {prefix}{unknown[0]} (known: {', '.join(sorted(fields))})")
+        raise ConfigError(f"unknown key {prefix}{_name(unknown[0])} (known: {', '.join(sorted(fields))})")
     kwargs = {}
     for name, value in raw.items():
         kwargs[name] = _coerce(hints[name], value, f"{prefix}{name}")
@@ -344,7 +462,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}")
+            raise ConfigError(f"{key}: {show(value)} is not one of {', '.join(map(str, choices))}")
         return value
     if origin is tuple:
         (inner, _) = typing.get_args(tp)
@@ -360,13 +478,16 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
             value = float(value)  # YAML 1.1 reads "1e-3" as a string
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an int beyond float range
+                raise ConfigError(f"{key}: {show(value)} is too large for a float") from None
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
     else:  # pragma: no cover - a field type this parser does not know is a bug here
         raise TypeError(f"unsupported config type {tp} for {key}")
-    raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {show(value)}")
 
 
 # ----------------------------------------------------------------------------------
@@ -378,105 +499,139 @@ def _require(ok: bool, key: str, why: str) -> None:
         raise ConfigError(f"{key}: {why}")
 
 
-def validate(c: Config) -> None:
-    m, t, s, r, w = c.model, c.train, c.sampling, c.replay, c.warmstart
-    for key, value in [
-        ("model.vocab_size", m.vocab_size), ("model.d_model", m.d_model), ("model.n_layers", m.n_layers),
-        ("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.head_dim", m.head_dim),
-        ("model.d_ff", m.d_ff), ("model.max_seq_len", m.max_seq_len), ("train.steps", t.steps),
-        ("train.batch_size", t.batch_size), ("train.prompts_per_step", t.prompts_per_step),
-        ("train.group_size", t.group_size), ("train.eval_every", t.eval_every),
-        ("train.max_nonfinite_steps", t.max_nonfinite_steps),
-        ("sampling.max_new_tokens", s.max_new_tokens), ("checkpoint.every", c.checkpoint.every),
-        ("checkpoint.keep", c.checkpoint.keep), ("replay.max_size", r.max_size),
-        ("replay.min_size_to_sample", r.min_size_to_sample), ("task.eval_size", c.task.eval_size),
-        ("warmstart.batch_size", w.batch_size), ("task.min_digits", c.task.min_digits),
-    ]:
-        _require(value > 0, key, f"must be positive, got {value}")
+@dataclass(frozen=True)
+class Interval:
+    """The values a number may take: `lo <= x <= hi`, with either end open or infinite."""
+
+    lo: float = -math.inf
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, x: float) -> bool:
+        above = x > self.lo if self.lo_open else x >= self.lo
+        below = x < self.hi if self.hi_open else x <= self.hi
+        return above and below
+
+    def __str__(self) -> str:
+        lo, hi = _number(self.lo), _number(self.hi)
+        if self.hi == math.inf:
+            return f"{'>' if self.lo_open else '>='} {lo}"
+        if self.lo == -math.inf:
+            return f"{'<' if self.hi_open else '<='} {hi}"
+        return f"in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+POSITIVE = Interval(0, lo_open=True)
+NON_NEGATIVE = Interval(0)
+# Timeouts reach native calls (Reverb, gRPC, JAX's coordination service) as int32 milliseconds.
+TIMEOUT = Interval(0, (2**31 - 1) // 1000, lo_open=True)
+# Integers reach XLA (32-bit without x64) and Reverb's int32 arguments: every int field fits in 32 bits.
+INT32 = Interval(-(2**31), 2**31 - 1)
+
+# The range of each number field that has one (checked after the generic type rules of
+# `_check_numbers`); cross-field rules are in `validate` and its helpers below.
+RANGES: dict[str, Interval] = {
+    "model.vocab_size": POSITIVE, "model.d_model": POSITIVE, "model.n_layers": POSITIVE,
+    "model.n_heads": POSITIVE, "model.n_kv_heads": POSITIVE, "model.head_dim": POSITIVE, "model.d_ff": POSITIVE,
+    "model.max_seq_len": POSITIVE, "model.rope_theta": POSITIVE, "model.rope_scaling_factor": Interval(1),
+    "model.rope_low_freq_factor": POSITIVE, "model.rope_high_freq_factor": POSITIVE,
+    "model.rope_original_max_len": POSITIVE, "model.norm_eps": POSITIVE,
+    "task.eval_size": POSITIVE, "task.data_seed": NON_NEGATIVE,
+    "warmstart.steps": NON_NEGATIVE, "warmstart.batch_size": POSITIVE, "warmstart.learning_rate": POSITIVE,
+    "warmstart.teacher_carry_error": Interval(0, 1),
+    # Below ~1e-3, logits / temperature overflow float32 and sampling turns to NaN.
+    "sampling.temperature": Interval(1e-3), "sampling.top_p": Interval(0, 1, lo_open=True),
+    "sampling.top_k": NON_NEGATIVE, "sampling.max_new_tokens": POSITIVE, "sampling.prefill_chunk_size": NON_NEGATIVE,
+    # Past ~100, priority ** exponent underflows float64 for the 1e-3 priority floor (replay.writer).
+    "replay.priority_exponent": Interval(0, 100), "replay.max_size": POSITIVE,
+    "replay.max_times_sampled": NON_NEGATIVE, "replay.samples_per_insert": POSITIVE,
+    "replay.min_size_to_sample": POSITIVE, "replay.error_buffer": Interval(1),
+    "replay.positive_fraction": Interval(0, 1, hi_open=True), "replay.calibrate_steps": NON_NEGATIVE,
+    "replay.cost_rho": POSITIVE, "replay.timeout_s": TIMEOUT, "replay.port": Interval(0, 65535),
+    "train.steps": POSITIVE, "train.batch_size": POSITIVE, "train.prompts_per_step": POSITIVE,
+    "train.group_size": Interval(2), "train.learning_rate": POSITIVE, "train.warmup_steps": NON_NEGATIVE,
+    "train.weight_decay": NON_NEGATIVE, "train.adam_b1": Interval(0, 1, hi_open=True),
+    "train.adam_b2": Interval(0, 1, hi_open=True), "train.grad_clip": POSITIVE,
+    "train.max_nonfinite_steps": POSITIVE, "train.eps_low": Interval(0, 1, hi_open=True),
+    "train.eps_high": NON_NEGATIVE, "train.kl_coef": NON_NEGATIVE, "train.eval_every": POSITIVE,
+    "train.weight_sync_every": POSITIVE, "train.tis_cap": POSITIVE, "train.micro_batch_size": NON_NEGATIVE,
+    "train.logits_chunk_size": NON_NEGATIVE,
+    "checkpoint.every": POSITIVE, "checkpoint.keep": POSITIVE,
+    "mesh.actor_devices": NON_NEGATIVE, "mesh.actor_tensor": POSITIVE,  # data/fsdp/tensor: _validate_mesh
+    "distributed.num_processes": NON_NEGATIVE, "distributed.process_id": Interval(-1),
+    "distributed.timeout_s": TIMEOUT,
+    "run.seed": NON_NEGATIVE,
+}
+
+_OWNER_CHECKS: dict[str, Callable[[Config], None]] = {}
+
+
+def owner_check(check: Callable[[Config], None]) -> Callable[[Config], None]:
+    """Registers `check(config)` to run at the end of `validate`. A module that owns keys
+    (tasks/) checks them itself and registers here, so this module imports no owner;
+    jaxreplay/__init__.py imports the owners, so their checks are in place before any load."""
+    _OWNER_CHECKS[f"{check.__module__}.{check.__qualname__}"] = check
+    return check
+
+
+def validate(c: Config, local: bool = True) -> None:
+    """Every rule on `c`: number types and ranges, then cross-field rules, then the owners' checks;
+    with `local`, also that this machine can run `c` (`_validate_machine`)."""
+    _check_numbers(c)
+    m, t = c.model, c.train
     _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
              f"must divide model.n_heads ({m.n_heads}), got {m.n_kv_heads}")
     _require(m.head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {m.head_dim}")
-    _require(m.rope_theta > 0, "model.rope_theta", "must be positive")
-    _require(m.rope_scaling_factor >= 1, "model.rope_scaling_factor", f"must be >= 1, got {m.rope_scaling_factor}")
-    _require(0 < m.rope_low_freq_factor < m.rope_high_freq_factor, "model.rope_high_freq_factor",
-             f"must exceed model.rope_low_freq_factor ({m.rope_low_freq_factor}), which must be positive")
-    _require(m.rope_original_max_len > 0, "model.rope_original_max_len", "must be positive")
-    _require(m.norm_eps > 0, "model.norm_eps", "must be positive")
-    _require(m.hf_path is None or (Path(m.hf_path) / "config.json").is_file(), "model.hf_path",
-             f"{m.hf_path} is not a Hugging Face model directory (no config.json)")
-    if m.hf_config is not None:
-        from jaxreplay.models.architectures import SHIPPED, architecture_dir  # the models own their configs
-
-        _require(architecture_dir(m.hf_config) is not None, "model.hf_config",
-                 f"{m.hf_config!r} is neither a directory with a config.json nor a shipped architecture "
-                 f"({', '.join(SHIPPED)})")
-    _require(c.task.max_digits >= c.task.min_digits, "task.max_digits",
-             f"must be >= task.min_digits ({c.task.min_digits})")
-    _require(c.task.max_digits <= 9, "task.max_digits", "at most 9 digits are supported")
-    for i, op in enumerate(c.task.operations):
-        _require(op in ("+", "-", "*"), f"task.operations[{i}]", f"{op!r} is not one of +, -, *")
-    _require(len(c.task.operations) > 0, "task.operations", "needs at least one operation")
-    _require(w.steps >= 0, "warmstart.steps", f"must be >= 0, got {w.steps}")
-    _require(w.learning_rate > 0, "warmstart.learning_rate", "must be positive")
-    _require(0 <= w.teacher_carry_error <= 1, "warmstart.teacher_carry_error", "must be in [0, 1]")
-    _require(s.temperature > 0, "sampling.temperature", f"must be positive, got {s.temperature}")
-    _require(0 < s.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {s.top_p}")
-    _require(s.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 disables), got {s.top_k}")
-    _require(t.learning_rate > 0, "train.learning_rate", "must be positive")
-    _require(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
-    _require(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-    _require(t.grad_clip > 0, "train.grad_clip", "must be positive")
-    _require(0 <= t.eps_low < 1, "train.eps_low", f"must be in [0, 1), got {t.eps_low}")
-    _require(t.eps_high >= 0, "train.eps_high", f"must be >= 0, got {t.eps_high}")
-    _require(t.kl_coef >= 0, "train.kl_coef", "must be >= 0")
-    _require(t.tis_cap > 0, "train.tis_cap", f"must be positive, got {t.tis_cap}")
-    _require(t.micro_batch_size >= 0, "train.micro_batch_size", f"must be >= 0 (0 = off), got {t.micro_batch_size}")
-    _require(t.micro_batch_size == 0 or t.batch_size % t.micro_batch_size == 0, "train.micro_batch_size",
-             f"{t.micro_batch_size} does not divide train.batch_size={t.batch_size}")
-    _require(t.logits_chunk_size >= 0, "train.logits_chunk_size", f"must be >= 0 (0 = off), got {t.logits_chunk_size}")
-    _require(s.prefill_chunk_size >= 0, "sampling.prefill_chunk_size",
-             f"must be >= 0 (0 = off), got {s.prefill_chunk_size}")
+    _require(m.rope_low_freq_factor < m.rope_high_freq_factor, "model.rope_high_freq_factor",
+             f"must exceed model.rope_low_freq_factor ({m.rope_low_freq_factor})")
     _require(t.loss != "asymre" or t.advantage != "group_normalized", "train.advantage",
              "AsymRE needs r - V: use group_centered or leave_one_out, not group_normalized")
-    _require(t.group_size >= 2, "train.group_size", "needs at least 2 completions per prompt for group advantages")
-    _require(r.timeout_s > 0, "replay.timeout_s", "must be positive")
-    _require(r.max_times_sampled >= 0, "replay.max_times_sampled", "must be >= 0 (0 = unlimited)")
-    _require(0 <= r.port < 65536, "replay.port", "must be a TCP port or 0")
-    _require(r.priority_exponent >= 0, "replay.priority_exponent", "must be >= 0")
-    _require(0 <= r.positive_fraction < 1, "replay.positive_fraction", f"must be in [0, 1), got {r.positive_fraction}")
-    _require(r.calibrate_steps >= 0, "replay.calibrate_steps", f"must be >= 0 (0 = off), got {r.calibrate_steps}")
-    _require(r.cost_rho > 0, "replay.cost_rho", f"must be positive, got {r.cost_rho}")
+    _require(t.micro_batch_size == 0 or t.batch_size % t.micro_batch_size == 0, "train.micro_batch_size",
+             f"{t.micro_batch_size} does not divide train.batch_size={t.batch_size}")
     _require(c.run.dir != "", "run.dir", "must not be empty")
-    _require(m.max_seq_len >= prompt_len(c) + s.max_new_tokens, "model.max_seq_len",
-             f"{m.max_seq_len} is too short for prompts of {prompt_len(c)} tokens plus "
-             f"sampling.max_new_tokens={s.max_new_tokens}")
-    _validate_task(c)
     _validate_replay(c)
     _validate_mesh(c)
     _validate_distributed(c)
+    for check in _OWNER_CHECKS.values():
+        check(c)
+    if local:
+        _validate_machine(c)
 
 
-def _validate_task(c: Config) -> None:
-    if c.task.name != "arithmetic":
-        from jaxreplay.tasks.datasets import validate_task_config  # the task owns its keys
-
-        validate_task_config(c)
-        return
-    _require(c.task.reward is None, "task.reward", "must be null for the arithmetic task (it has its own exact match)")
-    from jaxreplay.tasks.arithmetic import CharTokenizer  # the task owns its vocabulary
-
-    vocab = CharTokenizer().vocab_size
-    _require(c.model.vocab_size >= vocab, "model.vocab_size",
-             f"{c.model.vocab_size} is smaller than the task tokenizer's vocabulary ({vocab})")
+def _validate_machine(c: Config) -> None:
+    """What this machine must have to run `c`: Reverb installed, the model directory on disk."""
+    _require(c.replay.backend != "reverb" or importlib.util.find_spec("reverb") is not None, "replay.backend",
+             "reverb is not installed (pip install 'jaxreplay[reverb]', Python 3.10/3.11), or use inprocess")
+    hf_path = c.model.hf_path
+    _require(hf_path is None or (Path(hf_path) / "config.json").is_file(), "model.hf_path",
+             f"{show(hf_path)} is not a Hugging Face model directory (no config.json)")
 
 
-def prompt_len(c: Config) -> int:
-    """Tokens in every prompt row (left-padded) of the config's task."""
-    if c.task.name != "arithmetic":
-        return c.task.max_prompt_len
-    from jaxreplay.tasks.arithmetic import prompt_length  # the task owns its prompt format
+def _check_numbers(c: Config) -> None:
+    """By field type, every float is finite and every int fits in 32 bits; then `RANGES`."""
+    for section in dataclasses.fields(c):
+        value = getattr(c, section.name)
+        hints = typing.get_type_hints(type(value))
+        for f in dataclasses.fields(value):
+            key, x, tp = f"{section.name}.{f.name}", getattr(value, f.name), hints[f.name]
+            if x is None or isinstance(x, bool):
+                continue
+            if _is(tp, float):
+                _require(math.isfinite(x), key, f"must be a finite number, got {x}")
+            elif _is(tp, int):
+                _require(x in INT32, key, f"{x} does not fit in 32 bits (must be {INT32})")
+            if key in RANGES:
+                _require(x in RANGES[key], key, f"must be {RANGES[key]}, got {show(x)}")
 
-    return prompt_length(c.task)
+
+def _is(tp: Any, kind: type) -> bool:
+    """`tp` is `kind` or Optional[`kind`]."""
+    return tp is kind or kind in typing.get_args(tp) and set(typing.get_args(tp)) <= {kind, type(None)}
 
 
 def _validate_replay(c: Config) -> None:
@@ -489,14 +644,9 @@ def _validate_replay(c: Config) -> None:
     """
     r, t = c.replay, c.train
     b = t.batch_size
-    _require(r.backend != "reverb" or importlib.util.find_spec("reverb") is not None, "replay.backend",
-             "reverb is not installed (pip install 'jaxreplay[reverb]', Python 3.10/3.11), or use inprocess")
-    _require(r.backend != "inprocess" or not c.distributed.enabled, "replay.backend",
-             "inprocess serves one process only; multi-host runs need reverb")
     if r.mode == "on_policy":
         return  # the queue is sized from the batch: see replay.tables
     spi = r.samples_per_insert
-    _require(spi > 0, "replay.samples_per_insert", f"must be positive, got {spi}")
     _require(r.min_size_to_sample <= r.max_size, "replay.min_size_to_sample",
              f"{r.min_size_to_sample} exceeds replay.max_size={r.max_size}: the table can never fill enough to sample")
     _require(b <= r.max_size, "train.batch_size",
@@ -526,29 +676,17 @@ def _validate_mesh(c: Config) -> None:
         _require(value > 0 or value == -1, key, f"must be positive or -1 (the rest), got {value}")
     rest = [k for k, v in sizes.items() if v == -1]
     _require(len(rest) <= 1, rest[-1] if rest else "mesh", f"only one mesh size may be -1, got {', '.join(rest)}")
-    _require(m.actor_devices >= 0, "mesh.actor_devices", f"must be >= 0 (0 = colocated), got {m.actor_devices}")
-    _require(m.actor_tensor > 0, "mesh.actor_tensor", f"must be positive, got {m.actor_tensor}")
-    if m.topology is not None:
-        from jaxreplay.topology import TOPOLOGIES  # the topology table owns the names
-
-        _require(m.topology in TOPOLOGIES, "mesh.topology",
-                 f"{m.topology!r} is not a known TPU slice (e.g. {', '.join(list(TOPOLOGIES)[:6])}, ...)")
     if m.actor_devices:
         _require(m.actor_devices % m.actor_tensor == 0, "mesh.actor_tensor",
                  f"{m.actor_tensor} does not divide mesh.actor_devices={m.actor_devices}")
-    _require(c.train.weight_sync_every > 0, "train.weight_sync_every",
-             f"must be positive, got {c.train.weight_sync_every}")
 
 
 def _validate_distributed(c: Config) -> None:
     d = c.distributed
-    _require(d.num_processes >= 0, "distributed.num_processes", f"must be >= 0 (0 = detected), got {d.num_processes}")
-    _require(d.process_id >= -1, "distributed.process_id", f"must be >= 0, or -1 (detected), got {d.process_id}")
     _require(d.num_processes == 0 or d.process_id < d.num_processes, "distributed.process_id",
              f"{d.process_id} is not below distributed.num_processes={d.num_processes}")
-    _require(d.timeout_s > 0, "distributed.timeout_s", f"must be positive, got {d.timeout_s}")
     for key, address in [("distributed.coordinator_address", d.coordinator_address),
                          ("distributed.replay_address", d.replay_address)]:
         host, sep, port = address.rpartition(":")
         _require(not address or (sep and host and port.isdigit() and 0 < int(port) < 65536), key,
-                 f"{address!r} is not of the form host:port")
+                 f"{show(address)} is not of the form host:port")

@@ -27,7 +27,7 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
-from jaxreplay import sharding
+from jaxreplay import rundir, sharding
 from jaxreplay.actor import Actor, item_spec
 from jaxreplay.config import Config, to_dict
 from jaxreplay.eval import EVAL_BATCH, evaluate
@@ -131,11 +131,14 @@ def _admitted(server: ReplayServer, n: int) -> int:
 def train_disaggregated(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Runs a disaggregated training run (`mesh.actor_devices > 0`); returns the run summary.
 
-    Not yet resumable: it neither writes nor reads checkpoints.
+    Not yet resumable: it neither writes nor reads checkpoints. Holds run.dir's lock throughout.
     """
+    with rundir.claim(config.run.dir) as run_dir:
+        return _train_disaggregated(config, run_dir, log)
+
+
+def _train_disaggregated(config: Config, run_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
     c = config
-    run_dir = Path(c.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(c), sort_keys=False))
     actor_mesh, learner_mesh = sharding.make_role_meshes(c.mesh)
     sharding.check_batch_sizes(actor_mesh, {"train.prompts_per_step * train.group_size": c.rollouts_per_step,
@@ -146,7 +149,7 @@ def train_disaggregated(config: Config, log: Callable[[str], None] = print) -> d
     task = make_task(c.task)
     tok = task.tokenizer
     graphdef, params = init_params(c.model, c.run.seed)
-    sample_fn, greedy_fn = make_run_samplers(graphdef, c, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=actor_mesh)
+    sample_fn, greedy_fn = make_run_samplers(graphdef, c, stop_ids=tok.eos_ids, pad_id=tok.pad_id, mesh=actor_mesh)
 
     start = time.perf_counter()
     params, cached = warm_start(graphdef, params, task, c, run_dir / "warmstart")

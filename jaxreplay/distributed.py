@@ -42,6 +42,7 @@ class Coordinator:
         self._timeout_ms = max(1, int(timeout_s * 1000))
         self.process_id = jax.process_index()
         self.num_processes = jax.process_count()
+        self._gathered: list[str] = []  # this process's keys of the last `gather`
 
     @property
     def is_leader(self) -> bool:
@@ -71,6 +72,26 @@ class Coordinator:
         except Exception as e:
             raise TimeoutError(f"process {self.process_id}: no value for {key!r} published within "
                                f"{self._timeout_ms / 1000:g}s ({e})") from None
+
+    def gather(self, key: str, value: str) -> list[str]:
+        """Every process's `value` for `key`, in process order (each key is used once).
+
+        One write, one barrier, one read of the key's directory. The values live until
+        the next `gather`, whose barrier proves that every process has read them, so a
+        long run leaves no growing pile of keys on the coordinator.
+        """
+        mine = f"jaxreplay/{key}/{self.process_id}"
+        self._client.key_value_set(mine, value)
+        self.barrier(f"gather/{key}")
+        for stale in self._gathered:
+            self._client.key_value_delete(stale)
+        self._gathered = [mine]
+        entries = dict(self._client.key_value_dir_get(f"jaxreplay/{key}/"))
+        values = [entries.get(f"jaxreplay/{key}/{i}") for i in range(self.num_processes)]
+        if None in values:  # the barrier passed, so every process had written its value
+            raise RuntimeError(f"gather {key!r}: no value from processes "
+                               f"{[i for i, v in enumerate(values) if v is None]}")
+        return values
 
     def broadcast(self, key: str, value: str | None) -> str:
         """Process 0's `value` on every process (others pass None)."""

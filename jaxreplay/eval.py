@@ -3,7 +3,8 @@
 `evaluate` is the loop's cheap check. `pass_at_k_eval` is the paper's protocol
 (`jaxreplay eval`): pass@1 from one sample per problem at temperature 0.1, top-p
 0.95, and pass@k from n samples per problem at temperature 1.0 with the unbiased
-estimator 1 - C(n-c, k) / C(n, k) (Chen et al., 2021).
+estimator 1 - C(n-c, k) / C(n, k) (Chen et al., 2021). The two pass@1 values differ
+(temperatures 0.1 and 1.0), so every result key names its temperature.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ import numpy as np
 from flax import nnx
 
 from jaxreplay.config import Config
-from jaxreplay.tasks import Task, score
+from jaxreplay.sampling import completion_ids, make_sampler
+from jaxreplay.tasks import Task, Tokenizer, score
 
 EVAL_BATCH = 128  # rows per sampling call, fixed so evaluation compiles once
 
 PASS1_TEMPERATURE, PASS1_TOP_P = 0.1, 0.95
 PASSK_TEMPERATURE = 1.0
+PASS1_KEY = f"pass@1_t{PASS1_TEMPERATURE}"  # eval.json keys: "pass@1_t0.1", "pass@k_t1.0" (k -> value)
+PASSK_KEY = f"pass@k_t{PASSK_TEMPERATURE}"
 
 
 def evaluate(params, task: Task, greedy_sample_fn) -> float:
@@ -36,7 +40,7 @@ def evaluate(params, task: Task, greedy_sample_fn) -> float:
         padded = list(chunk) + [chunk[-1]] * (EVAL_BATCH - len(chunk))
         prompts, prompt_mask = task.encode_prompts(padded)
         rollout = jax.device_get(greedy_sample_fn(params, prompts, prompt_mask, key))
-        rewards, _ = score(task, chunk, rollout.tokens[:len(chunk), task.prompt_len:])
+        rewards, _ = score(task, chunk, completion_ids(rollout)[:len(chunk)])
         correct += float(rewards.sum())
     return correct / len(problems)
 
@@ -50,10 +54,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def count_correct(params, task: Task, sample_fn, n: int, key: jax.Array,
-                  batch: int = EVAL_BATCH) -> tuple[np.ndarray, int]:
+def count_correct(params, task: Task, sample_fn, n: int, key: jax.Array, batch: int = EVAL_BATCH,
+                  progress: Callable[[int], Any] = lambda samples: None) -> tuple[np.ndarray, int]:
     """(correct samples per eval problem [P], reward errors): n samples each, a problem's n
-    samples always in one sampling call."""
+    samples always in one sampling call; `progress` hears how many samples each call scored."""
     if not 0 < n <= batch:
         raise ValueError(f"{n} samples per problem do not fit a sampling batch of {batch} rows (raise --batch)")
     problems = list(task.eval_problems)
@@ -67,29 +71,31 @@ def count_correct(params, task: Task, sample_fn, n: int, key: jax.Array,
         prompts, prompt_mask = np.repeat(prompts, n, axis=0), np.repeat(prompt_mask, n, axis=0)
         rollout = jax.device_get(sample_fn(params, prompts, prompt_mask, jax.random.fold_in(key, call)))
         rows = len(chunk) * n
-        rewards, e = score(task, chunk, rollout.tokens[:rows, task.prompt_len:], n)
+        rewards, e = score(task, chunk, completion_ids(rollout)[:rows], n)
         correct[start:start + len(chunk)] = (rewards.reshape(len(chunk), n) == 1.0).sum(axis=1)
         errors += e
+        progress(rows)
     return correct, errors
 
 
 def pass_at_k_eval(params, task: Task, make_sampler_fn: Callable[..., Any], ks: Sequence[int], seed: int,
-                   batch: int = EVAL_BATCH) -> dict[str, Any]:
+                   batch: int = EVAL_BATCH, progress: Callable[[int], Any] = lambda samples: None) -> dict[str, Any]:
     """pass@1 (one sample at temperature 0.1, top-p 0.95) and pass@k for every k in `ks`
-    (max(ks) samples at temperature 1.0). `make_sampler_fn(temperature=, top_p=)` builds a sampler."""
+    (max(ks) samples at temperature 1.0), under keys that name the temperature.
+    `make_sampler_fn(temperature=, top_p=)` builds a sampler; `progress` as in `count_correct`."""
     key = jax.random.PRNGKey(seed)
     n = max(ks)
     pass1_correct, pass1_errors = count_correct(
         params, task, make_sampler_fn(temperature=PASS1_TEMPERATURE, top_p=PASS1_TOP_P), 1,
-        jax.random.fold_in(key, 1), batch)
+        jax.random.fold_in(key, 1), batch, progress)
     correct, errors = count_correct(params, task, make_sampler_fn(temperature=PASSK_TEMPERATURE, top_p=1.0), n,
-                                    jax.random.fold_in(key, 2), batch)
+                                    jax.random.fold_in(key, 2), batch, progress)
     return {
         "problems": len(task.eval_problems),
-        "pass@1": float(pass1_correct.mean()),
-        "pass@1_settings": {"temperature": PASS1_TEMPERATURE, "top_p": PASS1_TOP_P, "samples_per_problem": 1},
-        "pass@k": {str(k): float(np.mean([pass_at_k(n, int(c), k) for c in correct])) for k in sorted(set(ks))},
-        "pass@k_settings": {"temperature": PASSK_TEMPERATURE, "top_p": 1.0, "samples_per_problem": n},
+        PASS1_KEY: float(pass1_correct.mean()),
+        f"{PASS1_KEY}_settings": {"temperature": PASS1_TEMPERATURE, "top_p": PASS1_TOP_P, "samples_per_problem": 1},
+        PASSK_KEY: {str(k): float(np.mean([pass_at_k(n, int(c), k) for c in correct])) for k in sorted(set(ks))},
+        f"{PASSK_KEY}_settings": {"temperature": PASSK_TEMPERATURE, "top_p": 1.0, "samples_per_problem": n},
         "correct_per_problem": correct.tolist(),
         "reward/errors": pass1_errors + errors,
     }
@@ -126,31 +132,47 @@ def load_policy(config: Config, *, checkpoint: Optional[str] = None, hf: Optiona
     return cfg, graphdef, params, tokenizer, {"checkpoint": str(directory), "step": step}
 
 
+def eval_sampler_factory(graphdef, cfg, max_new_tokens: int, tokenizer: Tokenizer, *,
+                         kv_cache_dtype: Optional[str] = None, prefill_chunk_size: int = 0) -> Callable[..., Any]:
+    """`make_sampler_fn(temperature=, top_p=)` for `pass_at_k_eval`: samplers that stop on every
+    one of the tokenizer's stop ids, as the training rollouts do, with the run's cache settings."""
+
+    def make_sampler_fn(temperature: float, top_p: float):
+        return make_sampler(graphdef, cfg, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                            stop_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id, kv_cache_dtype=kv_cache_dtype,
+                            prefill_chunk_size=prefill_chunk_size)
+
+    return make_sampler_fn
+
+
 def run_eval(config: Config, *, checkpoint: Optional[str] = None, hf: Optional[str] = None,
              step: Optional[int] = None, ks: Sequence[int] = (1,), out: Optional[str] = None,
              batch: int = EVAL_BATCH) -> dict[str, Any]:
-    """`jaxreplay eval`: loads the policy, samples the task's eval split, writes the results as JSON."""
-    from jaxreplay.sampling import make_sampler
+    """`jaxreplay eval`: loads the policy, samples the task's eval split (its training split is
+    never read), writes the results as JSON; a progress bar unless run.progress_bar is off."""
+    from tqdm import tqdm
+
     from jaxreplay.tasks import make_task
 
     start = time.perf_counter()
     cfg, graphdef, params, tokenizer, source = load_policy(config, checkpoint=checkpoint, hf=hf, step=step)
-    task = make_task(config.task, tokenizer)
+    task = make_task(config.task, tokenizer, train=False)
     s = config.sampling
     if task.prompt_len + s.max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"prompts of {task.prompt_len} tokens plus sampling.max_new_tokens={s.max_new_tokens} "
                          f"exceed model.max_seq_len={cfg.max_seq_len}")
 
-    def sampler(temperature: float, top_p: float):
-        return make_sampler(graphdef, cfg, max_new_tokens=s.max_new_tokens, temperature=temperature, top_p=top_p,
-                            eos_id=task.tokenizer.eos_id, pad_id=task.tokenizer.pad_id,
-                            kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size)
-
+    sampler = eval_sampler_factory(graphdef, cfg, s.max_new_tokens, task.tokenizer, kv_cache_dtype=s.kv_cache_dtype,
+                                   prefill_chunk_size=s.prefill_chunk_size)
+    samples = len(task.eval_problems) * (1 + max(ks))
+    with tqdm(total=samples, desc="eval", unit="sample", disable=not config.run.progress_bar,
+              dynamic_ncols=True) as bar:
+        scores = pass_at_k_eval(params, task, sampler, ks, config.run.seed, batch, progress=bar.update)
     results = {
         "task": config.task.name,
         "split": config.task.eval_split if config.task.name != "arithmetic" else "held-out",
         **source,
-        **pass_at_k_eval(params, task, sampler, ks, config.run.seed, batch),
+        **scores,
         "max_new_tokens": s.max_new_tokens,
         "seconds": round(time.perf_counter() - start, 1),
     }

@@ -39,13 +39,29 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     The warm-up matters for RL on a fresh Adam state: its first steps are sign-like,
     moving every weight by the full learning rate on a noisy policy gradient.
     """
-    lr = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps) if config.warmup_steps else \
-        config.learning_rate
     mu_dtype = dtype_of(config.adam_mu_dtype) if config.adam_mu_dtype else None
     return optax.chain(
         optax.clip_by_global_norm(config.grad_clip),
-        optax.adamw(lr, b1=config.adam_b1, b2=config.adam_b2, weight_decay=config.weight_decay, mu_dtype=mu_dtype),
+        optax.adamw(learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
+                    weight_decay=config.weight_decay, mu_dtype=mu_dtype),
     )
+
+
+def learning_rate_schedule(config: TrainConfig) -> optax.ScalarOrSchedule:
+    """A linear warm-up over `warmup_steps` updates, then `learning_rate`."""
+    if not config.warmup_steps:
+        return config.learning_rate
+    return optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
+
+
+def learning_rate(config: TrainConfig, opt_state) -> jax.Array:
+    """The learning rate the next update from `opt_state` applies (the schedule at its update count)."""
+    schedule = learning_rate_schedule(config)
+    if not callable(schedule):
+        return jnp.asarray(schedule, jnp.float32)
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    count = next(x.count for x in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(x))
+    return jnp.asarray(schedule(count), jnp.float32)
 
 
 def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransformation,
@@ -75,6 +91,7 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         metrics["loss"] = loss
         metrics["grad_norm"] = grad_norm
+        metrics["learning_rate"] = learning_rate(train, opt_state)  # of this update; it warms up
         metrics["nonfinite"] = (~finite).astype(jnp.int32)
         return keep(new_params, params), keep(new_opt_state, opt_state), metrics
 

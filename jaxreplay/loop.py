@@ -31,7 +31,7 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
-from jaxreplay import sharding
+from jaxreplay import rundir, sharding
 from jaxreplay.accounting import Accounting, param_count
 from jaxreplay.actor import Actor, item_spec
 from jaxreplay.calibrate import calibrated, measure_mu
@@ -43,7 +43,8 @@ from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
 from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import init_params
 from jaxreplay.models.hf import load_hf_model
-from jaxreplay.replay import ReplayServer, build_tables, reader_for, serve, writer_for
+from jaxreplay.replay import (ReplayInterrupted, ReplayServer, build_tables, check_only_client, check_port, reader_for,
+                              resolve_backend, serve, writer_for)
 from jaxreplay.replay.tables import LimiterState, Snapshot
 from jaxreplay.sampling import make_run_samplers
 from jaxreplay.models.tokenizer import load_tokenizer
@@ -70,11 +71,47 @@ def _save_config(run_dir: Path, config: Config) -> None:
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
 
 
+def _with_backend(config: Config, log: Callable[[str], None]) -> Config:
+    """`config` with the replay backend `auto` resolved to, said and checked before any work."""
+    backend = resolve_backend(config.replay.backend)
+    log(f"replay backend: {backend}" + (" (replay.backend=auto)" if config.replay.backend == "auto" else ""))
+    if backend == "reverb":
+        check_port(config.replay.port)
+    return dataclasses.replace(config, replay=dataclasses.replace(config.replay, backend=backend))
+
+
 def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Runs (or resumes) a colocated training run; returns the run summary."""
-    c = config
-    run_dir = Path(c.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """Runs (or resumes) a colocated training run, holding run.dir's lock; returns the run summary."""
+    with rundir.claim(config.run.dir) as run_dir:
+        done = _steps_done(run_dir, config.checkpoint.keep)
+        if done is not None and done >= config.train.steps:
+            log(f"nothing to run: no step ran, because the checkpoint in {run_dir / 'checkpoints'} is already at "
+                f"step {done} >= train.steps={config.train.steps}; raise train.steps to train further")
+            return {**_last_summary(run_dir), "steps": done, "steps_run": 0}
+        return _train(config, run_dir, log)
+
+
+def _last_summary(run_dir: Path) -> dict[str, Any]:
+    """The summary the run wrote when it last stopped (read, never rewritten), or {}."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _steps_done(run_dir: Path, keep: int) -> Optional[int]:
+    """The step of the latest complete checkpoint in `run_dir`, if any."""
+    if not (run_dir / "checkpoints").is_dir():
+        return None
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep=keep)
+    try:
+        return checkpointer.latest_step()
+    finally:
+        checkpointer.close()
+
+
+def _train(config: Config, run_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    c = _with_backend(config, log)
     _save_config(run_dir, c)
 
     mesh = sharding.mesh_for(c)  # colocated: one mesh samples and trains
@@ -91,7 +128,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
         task = make_task(c.task)
     tok = task.tokenizer
     sharding.check_batch_sizes(mesh, {"eval batch (eval.EVAL_BATCH)": EVAL_BATCH})
-    sample_fn, greedy_fn = make_run_samplers(graphdef, c, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=mesh)
+    sample_fn, greedy_fn = make_run_samplers(graphdef, c, stop_ids=tok.eos_ids, pad_id=tok.pad_id, mesh=mesh)
 
     start = time.perf_counter()
     if c.model.hf_path is None:  # a released model needs no warm start
@@ -116,23 +153,28 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
         state, progress = checkpointer.restore(_state(params, opt_state, None, spec, c.rollouts_per_step))
         params, opt_state = (sharding.shard_params(state[k], mesh) for k in ("params", "opt_state"))
         pending = _unpad(state["pending"], int(state["pending_count"]))
+        start -= progress.time_total_s  # the run's seconds count every invocation
         log(f"resumed from step {progress.learner_step} (policy version {progress.policy_version})")
+    first_step = progress.learner_step
 
     accounting = Accounting(param_count(params), progress.accounting)  # counters checkpointed in progress
     server = serve(
         build_tables(c, spec), checkpoint_root=run_dir / "replay", restore_from=progress.replay_checkpoint,
-        port=c.replay.port, timeout_s=c.replay.timeout_s,
+        port=c.replay.port, timeout_s=c.replay.timeout_s, seed=c.run.seed,
     )
     metrics = MetricsWriter(run_dir)
     bar = None
     notice = PreemptionNotice()
     try:
-        writer = writer_for(server, c, spec)
-        reader = reader_for(server, c, spec)
+        writer = writer_for(server, c, spec, interrupted=notice.is_set)
+        reader = reader_for(server, c, spec, interrupted=notice.is_set)
         if progress.warmstart_accuracy is None:
             progress.warmstart_accuracy = progress.eval_accuracy = evaluate(params, task, greedy_fn)
             metrics.write(0, {"eval/accuracy": progress.warmstart_accuracy})
-        log(f"eval/accuracy at start: {progress.warmstart_accuracy:.3f}")
+            log(f"eval/accuracy at start: {progress.warmstart_accuracy:.3f}")
+        else:
+            log(f"eval/accuracy {progress.eval_accuracy:.3f} at the latest evaluation, resuming at step "
+                f"{progress.learner_step} ({progress.warmstart_accuracy:.3f} after the warm start)")
 
         actor_stats: dict[str, float] = {}
         last_saved = progress.learner_step
@@ -156,7 +198,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
             if notice.is_set():  # preemption: save between turns, then stop
                 if last_saved != progress.learner_step:
                     _checkpoint(checkpointer, server, _state(params, opt_state, pending, spec, c.rollouts_per_step),
-                                progress)
+                                progress, start)
                 raise Preempted(f"SIGTERM: checkpoint at step {progress.learner_step} in {checkpointer.directory}; "
                                 "the same command resumes")
             if snapshot is None:
@@ -218,8 +260,9 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
                 bar.set_postfix(acc=f"{actor_stats.get('accuracy', 0):.2f}", eval=f"{progress.eval_accuracy:.2f}",
                                 ratio=f"{record['replay/ratio']:.2f}", refresh=False)
                 if step % c.checkpoint.every == 0:
+                    snapshot = check_only_client(snapshot, take_snapshot())  # the loop's counts vs the server's
                     _checkpoint(checkpointer, server, _state(params, opt_state, pending, spec, c.rollouts_per_step),
-                                progress)
+                                progress, start)
                     last_saved = step
             elif pending is None:
                 items, stats = actor.act(params, progress.policy_version, progress.actor_step)
@@ -234,7 +277,8 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
                 raise SchedulerStuckError("the limiter admits neither an insert nor a sample: "
                                           f"{snapshot[server.table].describe()}")
         if last_saved != progress.learner_step:
-            _checkpoint(checkpointer, server, _state(params, opt_state, pending, spec, c.rollouts_per_step), progress)
+            _checkpoint(checkpointer, server, _state(params, opt_state, pending, spec, c.rollouts_per_step), progress,
+                        start)
         bar.close()
 
         table = (snapshot if snapshot is not None else server.snapshot())[server.table]
@@ -256,14 +300,18 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
             **accounting.metrics(),
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        log(
-            f"done: {summary['steps']} steps in {summary['seconds']}s | eval/accuracy "
-            f"{summary['eval/accuracy_start']:.3f} -> {summary['eval/accuracy_end']:.3f} | replay/ratio "
-            f"{summary['replay/ratio']:.2f} (target {summary['replay/samples_per_insert_target']:g}) | "
-            f"generate {summary['time/generate_s']}s, train {summary['time/train_s']}s, "
-            f"replay {summary['time/replay_s']}s | {run_dir}"
-        )
+        if progress.learner_step > first_step:
+            log(
+                f"done: {summary['steps']} steps in {summary['seconds']}s | eval/accuracy "
+                f"{summary['eval/accuracy_start']:.3f} -> {summary['eval/accuracy_end']:.3f} | replay/ratio "
+                f"{summary['replay/ratio']:.2f} (target {summary['replay/samples_per_insert_target']:g}) | "
+                f"generate {summary['time/generate_s']}s, train {summary['time/train_s']}s, "
+                f"replay {summary['time/replay_s']}s | {run_dir}"
+            )
         return summary
+    except ReplayInterrupted as e:  # SIGTERM within a replay call: the table may hold part of `pending`
+        raise Preempted(f"SIGTERM while {e}; stopped without a checkpoint, the same command resumes from step "
+                        f"{checkpointer.latest_step() or 0}") from None
     finally:
         notice.close()
         if bar is not None:
@@ -289,9 +337,12 @@ def _unpad(padded: dict[str, Any], count: int) -> Optional[dict[str, np.ndarray]
     return {k: np.asarray(v)[:count] for k, v in padded.items()} if count else None
 
 
-def _checkpoint(checkpointer: Checkpointer, server: ReplayServer, state: dict[str, Any], progress: Progress) -> None:
-    """Reverb first, then Orbax naming it: a crash in between leaves the older pair intact."""
+def _checkpoint(checkpointer: Checkpointer, server: ReplayServer, state: dict[str, Any], progress: Progress,
+                start: float) -> None:
+    """Reverb first, then Orbax naming it: a crash in between leaves the older pair intact.
+    `start`: when the run began (perf_counter, earlier invocations included)."""
     t0 = time.perf_counter()
+    progress.time_total_s = t0 - start
     progress.replay_checkpoint = server.checkpoint()
     progress.time_replay_s += time.perf_counter() - t0
     checkpointer.save(progress.learner_step, state, progress)

@@ -9,6 +9,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from jaxreplay.accounting import HISTOGRAMS
+
 
 def _plain(value: Any) -> Any:
     """JSON-safe scalars; non-finite floats become null rather than invalid JSON."""
@@ -39,9 +41,25 @@ class MetricsWriter:
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                if key in HISTOGRAMS and isinstance(value, list):
+                    self._histogram(key, value, HISTOGRAMS[key], step)
+                elif key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, step)
         return record
+
+    def _histogram(self, key: str, counts: list[int], edges: tuple[int, ...], step: int) -> None:
+        """Bin counts of integers over [edges[i], edges[i+1]) (the last bin open-ended, drawn
+        as wide again) as a TensorBoard histogram; its buckets end half-way between integers."""
+        if not sum(counts):
+            return
+        limits = np.array([*edges[1:], 2 * edges[-1]], np.float64) - 0.5
+        lows = np.array(edges, np.float64)
+        mids = (lows + limits - 0.5) / 2  # of the integers in each bin
+        filled = np.nonzero(counts)[0]
+        c = np.asarray(counts, np.float64)
+        self._tb.add_histogram_raw(key, min=float(lows[filled[0]]), max=float(limits[filled[-1]]), num=int(c.sum()),
+                                   sum=float(c @ mids), sum_squares=float(c @ mids ** 2),
+                                   bucket_limits=limits.tolist(), bucket_counts=c.tolist(), global_step=step)
 
     def close(self) -> None:
         self._file.close()

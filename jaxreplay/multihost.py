@@ -1,15 +1,18 @@
 """Multi-host SPMD training: every process runs this same loop over one global mesh.
 
-One Reverb table, served by process 0, is shared by all processes. Each turn, process 0
-reads the limiter and picks the move for everyone, by the colocated scheduler's rule
-(loop.py), and publishes it through JAX's coordination service; the moves are SPMD:
+Replay is one table seen through a global limiter view (replay/multiprocess.py): by
+default each process keeps its own shard of it, in process, and the view sums every
+shard's counters; with replay.backend=reverb, process 0 serves the one Reverb table.
+Each turn every process reads the view, which goes through JAX's coordination service
+and is identical everywhere, and takes the same move by the colocated scheduler's rule
+(loop.py); the moves are SPMD:
   act:    every process generates rollouts for its own slice of the prompt batch (the
           sampler runs once, on the global batch) and keeps its own rows;
   insert: every process inserts k of its rows, P * k admitted by the limiter in total;
   learn:  every process samples B / P rows, `jax.make_array_from_process_local_data`
           assembles the global batch, and all take the same learner step.
-A barrier closes each insert and learn move, so the counters process 0 reads next
-include every process's calls. All waits on other processes have timeouts.
+Reading the view waits for every process, so the counters include every process's
+calls. All waits on other processes have timeouts.
 
 Not yet here: checkpoints and resume (a multi-host run starts fresh), positive-bias
 sampling and ratio calibration (rejected at start).
@@ -17,6 +20,7 @@ sampling and ratio calibration (rejected at start).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -32,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxreplay import distributed, sharding
+from jaxreplay import distributed, rundir, sharding
 from jaxreplay.actor import Actor, item_spec
 from jaxreplay.config import Config, ConfigError
 from jaxreplay.eval import EVAL_BATCH, evaluate
@@ -42,7 +46,8 @@ from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import abstract_params, init_params
 from jaxreplay.models.hf import load_hf_model, read_model_config
 from jaxreplay.models.tokenizer import load_tokenizer
-from jaxreplay.replay import LimiterState, ReplayServer, RolloutReader, RolloutWriter, build_tables
+from jaxreplay.replay import LimiterState
+from jaxreplay.replay.multiprocess import check_multiprocess, open_replay
 from jaxreplay.sampling import make_run_samplers
 from jaxreplay.tasks import make_task
 from jaxreplay.warmstart import supervised_warm_start
@@ -61,11 +66,14 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     """
     distributed.initialize(config.distributed)
     try:
-        return _train(config, log)
+        # One job, one lock: process 0 holds run.dir's (rundir.py); the others share the directory.
+        with rundir.claim(config.run.dir) if jax.process_index() == 0 else contextlib.nullcontext():
+            return _train(config, log)
     except BaseException as e:
         pid = jax.process_index()
-        Path(config.run.dir).mkdir(parents=True, exist_ok=True)
-        (Path(config.run.dir) / f"process-{pid}.error").write_text(traceback.format_exc())
+        with contextlib.suppress(OSError):  # run.dir itself may be what is wrong
+            Path(config.run.dir).mkdir(parents=True, exist_ok=True)
+            (Path(config.run.dir) / f"process-{pid}.error").write_text(traceback.format_exc())
         kind = "config error" if isinstance(e, ConfigError) else f"error: {type(e).__name__}"
         sys.stdout.flush()
         print(f"jaxreplay: process {pid}: {kind}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr,
@@ -105,45 +113,37 @@ def _train(config: Config, log: Callable[[str], None]) -> dict[str, Any]:
     opt_state = sharding.shard_params(optimizer.init(params), mesh)
     train_step = make_train_step(graphdef, c, optimizer, mesh)
     rows = sharding.batch_sharding(mesh)
-    sample_fn, greedy_fn = make_run_samplers(graphdef, c, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=mesh)
+    sample_fn, greedy_fn = make_run_samplers(graphdef, c, stop_ids=tok.eos_ids, pad_id=tok.pad_id, mesh=mesh)
     actor = Actor(c, task, _on_local_rows(sample_fn, mesh), shard=(pid, nproc))
     greedy_all = _on_all_rows(greedy_fn, mesh)
 
-    spec = item_spec(c, task.prompt_len)
-    server = None
-    if coord.is_leader:
-        server = ReplayServer(build_tables(c, spec, "reverb"), port=c.replay.port, timeout_s=c.replay.timeout_s)
-    port = coord.broadcast("replay_port", None if server is None else str(server.port))
-    address = server.address if server is not None else (c.distributed.replay_address or
-                                                         f"{coord.coordinator_host}:{port}")
+    replay = open_replay(c, item_spec(c, task.prompt_len), coord)
     metrics = MetricsWriter(run_dir) if coord.is_leader else None
     start = time.perf_counter()
     counts = {"inserted": 0, "sampled": 0, "actor_steps": 0, "learner_steps": 0}
     try:
-        writer = RolloutWriter(address, spec, timeout_s=c.replay.timeout_s)
-        reader = RolloutReader(address, spec, timeout_s=c.replay.timeout_s)
         accuracy_start = accuracy = evaluate(params, task, greedy_all)
         say(f"eval/accuracy at start: {accuracy_start:.3f}")
         pending: Optional[dict[str, np.ndarray]] = None
+        view = None  # the table now, if no move since it was read: a learn turn's serves the next turn
         turn = 0
         while counts["learner_steps"] < c.train.steps:
             turn += 1
             mine = 0 if pending is None else len(pending["reward"])
-            move = json.loads(coord.broadcast(
-                f"turn/{turn}", json.dumps(_choose(server.info(), mine, nproc, c.train.batch_size))
-                if server is not None else None))
+            if view is None:
+                view = replay.view(f"turn/{turn}", mine)
+            move, view = _choose(view.state, view.pending, nproc, c.train.batch_size), None
             if move["move"] == "stuck":
                 raise SchedulerStuckError(move["why"])
             if move["move"] == "insert":
                 k = move["rows"]
-                writer.insert({name: v[:k] for name, v in pending.items()})
+                replay.insert({name: v[:k] for name, v in pending.items()})
                 counts["inserted"] += k
                 pending = {name: v[k:] for name, v in pending.items()} if k < mine else None
-                coord.barrier(f"inserted/{turn}")
             elif move["move"] == "learn":
-                local, _ = reader.sample(c.train.batch_size // nproc)
+                local = replay.sample(c.train.batch_size // nproc)
                 counts["sampled"] += len(local["reward"])
-                coord.barrier(f"sampled/{turn}")
+                view = replay.view(f"sampled/{turn}", mine)
                 batch = {k: _global_rows(local[k], rows) for k in BATCH_KEYS}
                 # Wait for every local device, not just the one device_get reads: a device
                 # that started the next computation early would pair its collectives with a
@@ -156,39 +156,37 @@ def _train(config: Config, log: Callable[[str], None]) -> dict[str, Any]:
                 record["batch/reward_mean"] = float(np.mean(multihost_utils.process_allgather(local["reward"])))
                 if step % c.train.eval_every == 0 or step == c.train.steps:
                     accuracy = record["eval/accuracy"] = evaluate(params, task, greedy_all)
-                if server is not None:
-                    table = server.info()
-                    record.update({"replay/size": table.size, "replay/inserts": table.inserts,
-                                   "replay/samples": table.samples, "replay/ratio": table.ratio})
+                table = view.state
+                record.update({"replay/size": table.size, "replay/inserts": table.inserts,
+                               "replay/samples": table.samples, "replay/ratio": table.ratio})
+                if metrics is not None:
                     metrics.write(step, record)
             else:  # act
                 pending, _ = actor.act(params, counts["learner_steps"], counts["actor_steps"])
                 counts["actor_steps"] += 1
 
         digest = params_digest(params)
+        table = view.state  # after the last learner step
         summary = {"process_id": pid, "num_processes": nproc, "steps": counts["learner_steps"],
                    "actor_steps": counts["actor_steps"], "rows_inserted": counts["inserted"],
                    "rows_sampled": counts["sampled"], "params_sha256_start": digest_start, "params_sha256": digest,
                    "eval/accuracy_start": accuracy_start, "eval/accuracy_end": accuracy,
-                   "seconds": round(time.perf_counter() - start, 1)}
+                   "replay/backend": type(replay).__name__, "seconds": round(time.perf_counter() - start, 1)}
         (run_dir / f"process-{pid}.json").write_text(json.dumps(summary, indent=2) + "\n")
-        coord.barrier("finished")  # the server outlives every process's last Reverb call
-        if server is not None:
-            table = server.info()
-            summary.update({"replay/inserts": table.inserts, "replay/samples": table.samples,
-                            "replay/ratio": table.ratio,
-                            "replay/samples_per_insert_target": 1.0 if c.replay.mode == "on_policy"
-                            else c.replay.samples_per_insert})
+        coord.barrier("finished")  # no process touches the table again: process 0 may stop its server
+        summary.update({"replay/inserts": table.inserts, "replay/samples": table.samples, "replay/ratio": table.ratio,
+                        "replay/samples_per_insert_target": 1.0 if c.replay.mode == "on_policy"
+                        else c.replay.samples_per_insert})
+        if coord.is_leader:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         say(f"done: {summary['steps']} steps on {nproc} processes in {summary['seconds']}s | eval/accuracy "
-            f"{accuracy_start:.3f} -> {accuracy:.3f} | replay/ratio {summary.get('replay/ratio', float('nan')):.2f} "
+            f"{accuracy_start:.3f} -> {accuracy:.3f} | replay/ratio {table.ratio:.2f} "
             f"| params sha256 {digest[:12]} | {run_dir}")
         return summary
     finally:
         if metrics is not None:
             metrics.close()
-        if server is not None:
-            server.stop()
+        replay.stop()
 
 
 def check_layout(config: Config, mesh, num_processes: int) -> None:
@@ -201,8 +199,7 @@ def check_layout(config: Config, mesh, num_processes: int) -> None:
                           f"the {num_processes} processes, so processes cannot own distinct batch rows")
     sharding.check_batch_sizes(mesh, {"eval batch (eval.EVAL_BATCH)": EVAL_BATCH})
     t, r = config.train, config.replay
-    if r.positive_fraction > 0:
-        raise ConfigError("replay.positive_fraction: positive-bias sampling is not supported multi-host yet; set it to 0")
+    check_multiprocess(config, num_processes)
     if r.calibrate_steps > 0:
         raise ConfigError("replay.calibrate_steps: calibration is not supported multi-host yet; set "
                           "replay.samples_per_insert and calibrate_steps=0")
@@ -215,7 +212,8 @@ def check_layout(config: Config, mesh, num_processes: int) -> None:
 
 
 def _choose(state: LimiterState, pending: int, num_processes: int, batch_size: int) -> dict[str, Any]:
-    """Process 0's pick for the next turn; every process has `pending` rows waiting."""
+    """Every process's move for the next turn, from the same global view: each has
+    `pending` rows waiting (a pure function, so all processes take the same move)."""
     k = _insertable(state, pending, num_processes)
     if k > 0:
         return {"move": "insert", "rows": k}

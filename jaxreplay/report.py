@@ -1,308 +1,213 @@
-"""`jaxreplay report RUN_DIR... --out DIR`: side-by-side plots and a Markdown table.
+"""`jaxreplay report RUN_DIR... --out DIR [--baseline NAME] [--mu 5.28,6.84]`: tables and plots.
 
-Runs are grouped into settings: the seeds of one setting share their config except
-`run.seed` and `run.dir`, and a setting is named after the folder holding its run
-dirs (the sweep layout OUT/SETTING/seedS). The baseline is the on-policy setting
-(`replay.mode: on_policy`) unless `--baseline` names another.
+Every number is a median over the seeds of a setting with its interquartile range
+(report_stats). The baseline is the on-policy setting unless `--baseline` names
+another; its peak is the peak of its median eval-accuracy curve against generated
+tokens. A run reaches that peak at its first evaluation at or above it; what it spent
+until then (generated tokens, modelled compute at each mu) is divided by the
+baseline's median over its seeds that reach it, so the baseline's own row sits near
+1 and a setting below 1 got there cheaper. Only the seeds that reach the peak enter
+that median; the table says how many did.
 
-The table's "to baseline peak" columns: the target is the peak of the baseline's
-seed-mean eval curve; for each run, the generated tokens (and estimated FLOPs) at its
-first evaluation at or above the target, divided by the same quantity where the
-baseline's seed-mean curve first reaches it. Mean and standard deviation are over the
-seeds that reach the target, with how many did; a setting none of whose seeds reach
-it says so.
+Compute is modelled as the paper does (cost per update B + mu R): trained rollouts +
+mu x generated rollouts, at the mu the runs measured (the median of each run's last
+logged `cost/mu`) and at every mu given with `--mu`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
-import re
+import shutil
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
-import yaml
 
-from jaxreplay.accounting import STALENESS_LABELS
-from jaxreplay.metrics import read_metrics
+from jaxreplay import report_plots
+from jaxreplay.eval import PASS1_KEY, PASSK_KEY
+from jaxreplay.report_data import (EVAL_FILE, SUMMARY_FILE, RunData, Setting, group_settings, load_runs,
+                                   measured_mu, pick_baseline)
+from jaxreplay.report_stats import band, cell, first_reach, fmt
 
-_PASS_AT = re.compile(r"eval/pass@(\d+)$")
-EVAL_FILE = "eval.json"  # `jaxreplay eval CONFIG --checkpoint RUN_DIR --k 1,8 --out RUN_DIR/eval.json`
-# x axes of the accuracy plots: metrics key (cumulative, per step) and label.
-_AXES = {
-    "tokens": ("tokens/generated", "generated tokens"),
-    "compute": ("compute/flops", "estimated compute (FLOPs)"),
-    "wallclock": (None, "seconds in the loop (generate + train + replay; eval excluded)"),
-}
+END_WINDOW = 10  # "entropy at the end": the mean over a run's last END_WINDOW logged steps, per-batch noise damped
+
+Mus = Sequence[tuple[str, float]]  # (label, mu) of the compute axes
 
 
-@dataclasses.dataclass
-class RunData:
-    dir: Path
-    config: dict[str, Any]
-    records: list[dict[str, Any]]
-    final_eval: dict[str, Any] = dataclasses.field(default_factory=dict)  # RUN_DIR/eval.json, if any
-
-    def pass_at(self, k: str) -> Optional[float]:
-        """pass@k of the final policy from `jaxreplay eval ... --out RUN_DIR/eval.json`."""
-        if k == "1" and "pass@1" in self.final_eval:
-            return float(self.final_eval["pass@1"])
-        value = self.final_eval.get("pass@k", {}).get(k)
-        return None if value is None else float(value)
-
-    def series(self, key: Optional[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(steps, values) of `key` where present; key None: cumulative loop seconds."""
-        steps, values = [], []
-        for r in self.records:
-            if key is None:
-                parts = [r.get(k) for k in ("time/generate_s", "time/train_s", "time/replay_s")]
-                value = sum(parts) if all(p is not None for p in parts) else None
-            else:
-                value = r.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                steps.append(r["step"])
-                values.append(float(value))
-        return np.asarray(steps, np.int64), np.asarray(values, np.float64)
-
-    def at_step(self, key: Optional[str], step: int) -> float:
-        """`key` at `step`; for step 0 (before any training) the cumulative counters are 0."""
-        steps, values = self.series(key)
-        hit = np.nonzero(steps == step)[0]
-        if len(hit):
-            return float(values[hit[0]])
-        return 0.0 if step == 0 else float("nan")
+def baseline_peak(base: Setting) -> float:
+    """Peak of the baseline's median eval accuracy against generated tokens (learner steps if untracked)."""
+    for axis in ("tokens", "steps"):
+        b = band([(r.x(axis, steps), acc) for r in base.runs for steps, acc in [r.evals()]])
+        if b is not None:
+            return float(b[2].max())
+    raise AssertionError("learner steps are always known")
 
 
-@dataclasses.dataclass
-class Setting:
-    name: str
-    runs: list[RunData]
-
-    @property
-    def on_policy(self) -> bool:
-        return self.runs[0].config.get("replay", {}).get("mode") == "on_policy"
-
-    def eval_curve(self) -> tuple[np.ndarray, np.ndarray]:
-        """(steps evaluated by every seed, accuracy [seeds, steps])."""
-        per_run = [dict(zip(*r.series("eval/accuracy"))) for r in self.runs]
-        common = sorted(set.intersection(*(set(c) for c in per_run)))
-        return np.asarray(common, np.int64), np.array([[c[s] for s in common] for c in per_run], np.float64)
-
-
-def load_runs(run_dirs: Sequence[str | Path]) -> list[RunData]:
-    runs = []
-    for d in map(Path, run_dirs):
-        if not (d / "metrics.jsonl").exists() or not (d / "config.yaml").exists():
-            raise FileNotFoundError(f"{d} is not a run dir (needs metrics.jsonl and config.yaml)")
-        final_eval = json.loads((d / EVAL_FILE).read_text()) if (d / EVAL_FILE).exists() else {}
-        runs.append(RunData(dir=d, config=yaml.safe_load((d / "config.yaml").read_text()), records=read_metrics(d),
-                            final_eval=final_eval))
-    if not runs:
-        raise ValueError("no run dirs given")
-    return runs
-
-
-def group_settings(runs: Sequence[RunData]) -> list[Setting]:
-    """Groups by config without run.seed/run.dir; each group named after its run dirs' parent folder."""
-    groups: dict[str, list[RunData]] = {}
-    for run in runs:
-        key = yaml.safe_dump({**run.config, "run": {k: v for k, v in run.config.get("run", {}).items()
-                                                    if k not in ("seed", "dir")}}, sort_keys=True)
-        groups.setdefault(key, []).append(run)
-    settings, used = [], set()
-    for members in groups.values():
-        name = members[0].dir.resolve().parent.name or members[0].dir.name
-        base, i = name, 2
-        while name in used:
-            name, i = f"{base}#{i}", i + 1
-        used.add(name)
-        settings.append(Setting(name=name, runs=sorted(members, key=lambda r: r.config.get("run", {}).get("seed", 0))))
-    return settings
-
-
-def pick_baseline(settings: Sequence[Setting], name: Optional[str]) -> Setting:
-    if name is not None:
-        for s in settings:
-            if s.name == name:
-                return s
-        raise ValueError(f"--baseline {name!r} is not one of the settings: {', '.join(s.name for s in settings)}")
-    on_policy = [s for s in settings if s.on_policy]
-    if len(on_policy) != 1:
-        raise ValueError(f"found {len(on_policy)} on-policy settings; name the baseline with --baseline "
-                         f"(settings: {', '.join(s.name for s in settings)})")
-    return on_policy[0]
-
-
-def _first_reach(steps: np.ndarray, acc: np.ndarray, target: float) -> Optional[int]:
-    hit = np.nonzero(acc >= target - 1e-12)[0]
-    return int(steps[hit[0]]) if len(hit) else None
-
-
-def cost_to_reach(setting: Setting, key: str, target: float) -> list[Optional[float]]:
-    """Per run: `key` at its first evaluation with accuracy >= target (None if never)."""
+def reach(setting: Setting, target: float, axis: str, mu: Optional[float] = None) -> list[Optional[float]]:
+    """Per run: `axis` at its first evaluation with accuracy >= target (None if never, or untracked)."""
     out = []
     for run in setting.runs:
-        steps, acc = run.series("eval/accuracy")
-        step = _first_reach(steps, acc, target)
-        out.append(None if step is None else run.at_step(key, step))
+        steps, acc = run.evals()
+        x = first_reach(run.x(axis, steps, mu), acc, target)
+        out.append(x if x is not None and np.isfinite(x) else None)
     return out
 
 
-def baseline_cost(baseline: Setting, key: str) -> tuple[float, float]:
-    """(target accuracy, seed-mean `key` where the baseline's seed-mean curve first reaches it)."""
-    steps, acc = baseline.eval_curve()
-    mean = acc.mean(axis=0)
-    target = float(mean.max())
-    step = _first_reach(steps, mean, target)
-    return target, float(np.mean([r.at_step(key, step) for r in baseline.runs]))
+def baseline_cost(base: Setting, target: float, axis: str, mu: Optional[float] = None) -> Optional[float]:
+    """Median over the baseline's seeds that reach `target` of what they spent (None if none is tracked)."""
+    hits = [v for v in reach(base, target, axis, mu) if v is not None]
+    return float(np.median(hits)) if hits else None
 
 
-def _mean_std(values: Sequence[float]) -> str:
-    if not values:
+def to_baseline(setting: Setting, base: Setting, target: float, axis: str, mu: Optional[float] = None) -> str:
+    """'median [IQR] (k/n)' of what each seed spent to reach `target`, as a multiple of the baseline's."""
+    ref = baseline_cost(base, target, axis, mu)
+    if ref is None:
         return "n/a"
-    if len(values) == 1:
-        return f"{values[0]:.3g}"
-    mean, std = float(np.mean(values)), float(np.std(values))
-    return f"{mean:.3g} ± {0.0 if std < 1e-9 * max(1.0, abs(mean)) else std:.2g}"  # no float-noise spreads
+    if ref == 0:
+        return "baseline peak is the start"
+    hits = [v / ref for v in reach(setting, target, axis, mu) if v is not None]
+    n = len(setting.runs)
+    return f"{cell(hits)} ({len(hits)}/{n})" if hits else f"never reaches {target:.3f} (0/{n})"
 
 
-def table(settings: Sequence[Setting], baseline: Setting) -> str:
-    """The Markdown comparison table (one row per setting)."""
-    pass_keys = sorted({k for s in settings for r in s.runs for rec in r.records for k in rec if _PASS_AT.match(k)},
-                       key=lambda k: int(_PASS_AT.match(k).group(1)))
-    target, base_tokens = baseline_cost(baseline, "tokens/generated")
-    _, base_flops = baseline_cost(baseline, "compute/flops")
-    final_ks = sorted({k for s in settings for r in s.runs for k in ["1", *r.final_eval.get("pass@k", {})]
-                       if r.pass_at(k) is not None}, key=int)
-    header = ["setting", "seeds", "peak eval acc", "final eval acc", *[f"peak {k[5:]}" for k in pass_keys],
-              *[f"final pass@{k} (jaxreplay eval)" for k in final_ks],
-              f"tokens to baseline peak ({target:.3f}), × baseline", "compute to baseline peak, × baseline",
-              "replay ratio", "staleness mean", "mu (gen/train s per rollout)"]
+def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def _end_entropy(run: RunData) -> Optional[float]:
+    values = run.series("entropy")[1][-END_WINDOW:]
+    return float(values.mean()) if len(values) else None
+
+
+def _ref(value: Optional[float]) -> str:
+    return "n/a" if value is None else fmt(value)
+
+
+def _name(s: Setting, base: Setting) -> str:
+    return s.name + (" (baseline)" if s is base else "")
+
+
+def main_table(settings: Sequence[Setting], base: Setting, target: float, mus: Mus) -> str:
+    """Per setting: peak and final accuracy, tokens and compute to the baseline peak, entropy at the end."""
+    tokens_ref = baseline_cost(base, target, "tokens")
+    header = ["setting", "seeds", "peak eval accuracy", "final eval accuracy",
+              f"tokens to {base.name} peak {target:.3f} (multiple of {_ref(tokens_ref)} tokens)",
+              *[f"compute to {base.name} peak at {label} (multiple of "
+                f"{_ref(baseline_cost(base, target, 'compute', mu))} units)" for label, mu in mus],
+              f"entropy at end (last {END_WINDOW} steps)", "replay ratio (target)", "mean staleness"]
     rows = []
     for s in settings:
-        peaks = [float(np.max(r.series("eval/accuracy")[1])) for r in s.runs]
-        finals = [float(r.series("eval/accuracy")[1][-1]) for r in s.runs]
-        cells = [s.name + (" (baseline)" if s is baseline else ""), str(len(s.runs)), _mean_std(peaks),
-                 _mean_std(finals)]
-        for k in pass_keys:
-            cells.append(_mean_std([float(np.max(v)) for r in s.runs if len(v := r.series(k)[1])]))
-        for k in final_ks:
-            cells.append(_mean_std([v for r in s.runs if (v := r.pass_at(k)) is not None]))
-        for key, base in (("tokens/generated", base_tokens), ("compute/flops", base_flops)):
-            reached = [c / base for c in cost_to_reach(s, key, target) if c is not None and base > 0]
-            if base == 0:
-                cells.append("baseline peak is the start")
-            elif not reached:
-                cells.append(f"never reaches {target:.3f}")
-            else:
-                cells.append(f"{_mean_std(reached)} ({len(reached)}/{len(s.runs)} seeds)")
-        for key in ("replay/ratio", "staleness/mean", "cost/mu"):
-            last = [v[-1] for r in s.runs if len(v := r.series(key)[1])]
-            cells.append(_mean_std(last) if key != "staleness/mean" else
-                         _mean_std([float(np.mean(r.series(key)[1])) for r in s.runs if len(r.series(key)[1])]))
-        rows.append(cells)
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+        rows.append([
+            _name(s, base), str(len(s.runs)),
+            cell([float(np.max(r.evals()[1])) for r in s.runs]),
+            cell([float(r.evals()[1][-1]) for r in s.runs]),
+            to_baseline(s, base, target, "tokens"),
+            *[to_baseline(s, base, target, "compute", mu) for _, mu in mus],
+            cell([_end_entropy(r) for r in s.runs]),
+            f"{cell([r.last('replay/ratio') for r in s.runs])} ({fmt(s.spi_target)})",
+            cell([float(np.mean(v)) for r in s.runs if len(v := r.series("staleness/mean")[1])]),
+        ])
+    return _markdown(header, rows)
 
 
-def _band(ax, setting: Setting, xkey: Optional[str], color) -> None:
-    """Seed-mean eval accuracy against `xkey` (seed-mean x at each eval step), min-max band across seeds."""
-    steps, acc = setting.eval_curve()
-    if not len(steps):
-        return
-    x = np.array([[r.at_step(xkey, int(s)) for s in steps] for r in setting.runs]).mean(axis=0)
-    ax.plot(x, acc.mean(axis=0), color=color, label=f"{setting.name} ({len(setting.runs)} seeds)", marker=".")
-    if len(setting.runs) > 1:
-        ax.fill_between(x, acc.min(axis=0), acc.max(axis=0), color=color, alpha=0.2, linewidth=0)
+def compute_table(settings: Sequence[Setting], base: Setting, target: float, mus: Mus) -> str:
+    """Compute to the baseline peak at every mu, as multiples of the baseline's."""
+    header = ["setting", *[f"{label} (× {_ref(baseline_cost(base, target, 'compute', mu))} units)"
+                           for label, mu in mus]]
+    rows = [[_name(s, base), *[to_baseline(s, base, target, "compute", mu) for _, mu in mus]] for s in settings]
+    return _markdown(header, rows)
 
 
-def _per_step(ax, setting: Setting, key: str, color) -> None:
-    curves = [r.series(key) for r in setting.runs]
-    curves = [c for c in curves if len(c[0])]
-    if not curves:
-        return
-    common = sorted(set.intersection(*(set(c[0].tolist()) for c in curves)))
-    ys = np.array([[dict(zip(c[0].tolist(), c[1]))[s] for s in common] for c in curves])
-    ax.plot(common, ys.mean(axis=0), color=color, label=setting.name)
-    if len(curves) > 1:
-        ax.fill_between(common, ys.min(axis=0), ys.max(axis=0), color=color, alpha=0.2, linewidth=0)
+def pass_table(settings: Sequence[Setting], base: Setting) -> Optional[str]:
+    """pass@1 (temperature 0.1) and pass@k (temperature 1.0) of the final policies, from eval.json."""
+    ks = sorted({int(k) for s in settings for r in s.runs for k in r.final_eval.get(PASSK_KEY, {})})
+    if not any(r.final_eval for s in settings for r in s.runs):
+        return None
+    header = ["setting", "runs with eval.json", "pass@1 (T 0.1)", *[f"pass@{k} (T 1.0)" for k in ks]]
+    rows = [[_name(s, base), str(sum(1 for r in s.runs if r.final_eval)),
+             cell([r.final_eval[PASS1_KEY] for r in s.runs if r.final_eval.get(PASS1_KEY) is not None]),
+             *[cell([r.pass_at(str(k)) for r in s.runs]) for k in ks]] for s in settings]
+    return _markdown(header, rows)
 
 
-def plots(settings: Sequence[Setting], out: Path, target: Optional[float] = None) -> list[Path]:
-    """Writes the PNGs (accuracy plots with a dashed line at `target`, the baseline's peak); returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = plt.get_cmap("tab10").colors
-    written = []
-
-    def save(fig, name):
-        fig.tight_layout()
-        path = out / name
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-
-    for name, (key, label) in _AXES.items():
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for i, s in enumerate(settings):
-            _band(ax, s, key, colors[i % len(colors)])
-        if target is not None:
-            ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"baseline peak {target:.3f}")
-        ax.set_xlabel(label)
-        ax.set_ylabel("eval accuracy (mean, min-max band over seeds)")
-        ax.set_title(f"eval accuracy vs {label.split(' (')[0]}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        save(fig, f"accuracy_vs_{name}.png")
-
-    for key, ylabel, fname in (("entropy", "policy entropy (nats/token)", "entropy.png"),
-                               ("staleness/mean", "mean staleness of the batch (learner steps)", "staleness.png"),
-                               ("replay/ratio", "measured samples per insert", "replay_ratio.png")):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for i, s in enumerate(settings):
-            _per_step(ax, s, key, colors[i % len(colors)])
-        ax.set_xlabel("learner step")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        save(fig, fname)
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    width = 0.8 / max(len(settings), 1)
-    for i, s in enumerate(settings):
-        hist = np.zeros(len(STALENESS_LABELS))
-        for r in s.runs:
-            for rec in r.records:
-                if isinstance(rec.get("staleness/hist"), list):
-                    hist += np.asarray(rec["staleness/hist"], np.float64)
-        if hist.sum():
-            ax.bar(np.arange(len(hist)) + i * width, hist / hist.sum(), width, color=colors[i % len(colors)],
-                   label=s.name)
-    ax.set_xticks(np.arange(len(STALENESS_LABELS)) + 0.4 - width / 2, STALENESS_LABELS)
-    ax.set_xlabel("staleness of a sampled rollout (learner steps)")
-    ax.set_ylabel("share of sampled rollouts")
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend()
-    save(fig, "staleness_hist.png")
-    return written
+def runs_table(settings: Sequence[Setting], target: float) -> str:
+    """One row per run: where it got, what it spent, and when it reached the baseline peak."""
+    header = ["setting", "run", "learner steps", "peak acc", "final acc", "generated tokens",
+              "generated / trained rollouts", "measured µ", "loop seconds (no compilation)",
+              f"tokens to {target:.3f}"]
+    rows = []
+    for s in settings:
+        for run, hit in zip(s.runs, reach(s, target, "tokens")):
+            step = int(run.records[-1]["step"])
+            rows.append([s.name, run.dir.name, str(step), fmt(np.max(run.evals()[1])), fmt(run.evals()[1][-1]),
+                         fmt(run.value("tokens/generated", step)),
+                         f"{fmt(run.generated(step))} / {fmt(run.trained(step))}",
+                         fmt(run.last("cost/mu") or float("nan")), fmt(run.seconds(step)),
+                         "never" if hit is None else fmt(hit)])
+    return _markdown(header, rows)
 
 
-def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[str] = None) -> str:
-    """Writes OUT/report.md and the PNGs; returns the Markdown table."""
+def _how_to_read(settings: Sequence[Setting], base: Setting, target: float, mu: Optional[float],
+                 given: Sequence[float]) -> list[str]:
+    runs = [r for s in settings for r in s.runs]
+    timed = sum(r.timed for r in runs)
+    mus = [m for r in runs if (m := r.last("cost/mu")) is not None]
+    measured = (f"measured µ = {fmt(mu)}: the median of the last cost/mu of the {len(mus)} runs that logged it "
+                f"(range {fmt(min(mus))} to {fmt(max(mus))})" if mu is not None else
+                "no run logged cost/mu, so only the given µ are modelled")
+    return [
+        "- **Statistic:** every number is the median over a setting's seeds, with the interquartile range "
+        "(25th to 75th percentile, linear interpolation between seeds) in brackets: `median [q25, q75]`. "
+        "Bands in the plots are the same IQR, after interpolating each seed's curve linearly onto one x grid "
+        "(the seeds' own x values inside the range every seed covers).",
+        f"- **Baseline:** `{base.name}`. Its peak, {target:.4f}, is the peak of its median eval-accuracy curve "
+        "against generated tokens. A run reaches it at its first evaluation at or above it; the tokens or compute "
+        "spent until then are divided by the baseline's median over its seeds that reach it. Only seeds that "
+        "reach it enter the median; `(k/n)` says how many of n did.",
+        "- **Compute:** trained rollouts + µ × generated rollouts, in units of training one rollout (the paper's "
+        f"cost per update B + µR). {measured[0].upper() + measured[1:]}. Given with --mu: "
+        f"{', '.join(fmt(m) for m in given) or 'none'}.",
+        f"- **Wall-clock:** seconds generating, training and on replay, evaluation left out. Compilation is left "
+        f"out: {timed} of {len(runs)} runs logged the accounting's timed seconds (first generate and train call "
+        f"of each process left out); the other {len(runs) - timed} count from their first learner step, "
+        "which holds both first calls.",
+    ]
+
+
+def _copy_run_files(settings: Sequence[Setting], out: Path) -> None:
+    """OUT/runs/SETTING/RUN/{config.yaml, summary.json, eval.json}: small enough to commit with the report."""
+    for s in settings:
+        for run in s.runs:
+            dest = out / "runs" / s.name / run.dir.name
+            dest.mkdir(parents=True, exist_ok=True)
+            for name in ("config.yaml", SUMMARY_FILE, EVAL_FILE):
+                if (run.dir / name).exists() and (run.dir / name).resolve() != (dest / name).resolve():
+                    shutil.copyfile(run.dir / name, dest / name)
+
+
+def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[str] = None,
+           mus: Sequence[float] = ()) -> str:
+    """Writes OUT/report.md, the PNGs and OUT/runs/; returns the main and compute tables."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     settings = group_settings(load_runs(run_dirs))
     base = pick_baseline(settings, baseline)
-    text = table(settings, base)
-    pngs = plots(settings, out, target=baseline_cost(base, "tokens/generated")[0])
-    doc = ["# Replay comparison", "", f"Baseline: `{base.name}`. Runs: " +
-           ", ".join(f"`{r.dir}`" for s in settings for r in s.runs), "", text, "",
-           *[f"![{p.stem}]({p.name})" for p in pngs], ""]
+    out.mkdir(parents=True, exist_ok=True)
+    target = baseline_peak(base)
+    mu = measured_mu([r for s in settings for r in s.runs])
+    all_mus = ([(f"measured µ = {fmt(mu)}", mu)] if mu is not None else []) + [(f"µ = {fmt(m)}", m) for m in mus]
+    main_mus = all_mus[:2] if mu is not None else all_mus[:1]  # the measured µ and the first given
+    main, compute = main_table(settings, base, target, main_mus), compute_table(settings, base, target, all_mus)
+    passes = pass_table(settings, base)
+    pngs = report_plots.write(settings, target, all_mus, out)
+    _copy_run_files(settings, out)
+    doc = ["# Replay comparison", "", *_how_to_read(settings, base, target, mu, mus), "",
+           "## Per setting", "", main, "## Compute to the baseline peak, × the baseline's", "",
+           compute if all_mus else "No µ: no run logged cost/mu and none was given with --mu.\n",
+           *(["## pass@k of the final policy (`jaxreplay eval ... --out RUN_DIR/eval.json`)", "", passes]
+             if passes else []),
+           "## Plots", "", *[f"### {title}\n\n![{title}]({p.name})\n" for p, title in pngs],
+           "## Runs", "", runs_table(settings, target),
+           "Per-run config.yaml, summary.json and eval.json are copied under `runs/`.", ""]
     (out / "report.md").write_text("\n".join(doc))
-    return text
+    return main + "\n" + (compute if all_mus else "")

@@ -11,10 +11,11 @@ t scores tokens[t] under the distribution computed from logits[t - 1].
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -22,12 +23,13 @@ from jaxreplay import sharding
 from jaxreplay.config import Config, ModelConfig
 from jaxreplay.models.transformer import (
     KV_CACHE_AXES, KVCache, Rotation, abstract_params, dtype_of, init_cache, positions_from_mask, rotation)
+from jaxreplay.rl.losses import LOGPROB_FLOOR
 
 
 class Rollout(NamedTuple):
-    tokens: jax.Array  # [B, P+N] int32: left-padded prompt, then completion, pad after EOS
-    attention_mask: jax.Array  # [B, P+N] bool: real prompt tokens + completion through EOS
-    completion_mask: jax.Array  # [B, P+N] bool: completion tokens, the EOS token included
+    tokens: jax.Array  # [B, P+N] int32: left-padded prompt, then completion, pad after the first stop id
+    attention_mask: jax.Array  # [B, P+N] bool: real prompt tokens + completion through the stop
+    completion_mask: jax.Array  # [B, P+N] bool: completion tokens, the stop token included
     logprobs: jax.Array  # [B, P+N] f32: log-prob of each completion token under the
     #                      sampling distribution (after temperature/top-k/top-p); 0 elsewhere
 
@@ -102,9 +104,6 @@ def policy_logprobs(logits: jax.Array, tokens: jax.Array, *, temperature: float,
                                     top_p=top_p))
 
 
-LOGPROB_FLOOR = -1e4
-
-
 def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
     """[B, T]: entry t = entropy of softmax(logits[t-1] / temperature); entry 0 = 0."""
     return _shifted(entropy(logits[:, :-1], temperature))
@@ -123,7 +122,7 @@ class _Decode(NamedTuple):
     tokens: jax.Array  # [B, L]
     mask: jax.Array  # [B, L] bool: real tokens (the attention mask, and the cache's key mask)
     logprobs: jax.Array  # [B, L]
-    done: jax.Array  # [B] bool: the row has emitted EOS
+    done: jax.Array  # [B] bool: the row has emitted a stop id
     rng: jax.Array
 
 
@@ -136,7 +135,7 @@ def make_sampler(
     top_p: float = 1.0,
     top_k: int = 0,
     greedy: bool = False,
-    eos_id: int,
+    stop_ids: Sequence[int],
     pad_id: int,
     mesh: Optional[Mesh] = None,
     kv_cache_dtype: Optional[str] = None,
@@ -144,8 +143,9 @@ def make_sampler(
 ) -> Callable[[nnx.State, jax.Array, jax.Array, jax.Array], Rollout]:
     """A jitted `sample(params, prompt_tokens [B, P] int32, prompt_mask [B, P] bool, rng) -> Rollout`.
 
-    Each row emits up to `max_new_tokens`; after its EOS it emits `pad_id` with masks
-    False and logprob 0, and the loop stops once every row is done. `greedy` takes the
+    Each row emits up to `max_new_tokens`; after the first of any of `stop_ids` (the
+    tokenizer's `eos_ids`; empty: never stop early) it emits `pad_id` with masks False
+    and logprob 0, and the loop stops once every row is done. `greedy` takes the
     argmax and reports temperature-1 log-probs. Compiles once per (B, P) and dtypes.
     With a `mesh`, params must carry `sharding.param_shardings` (or be uncommitted),
     prompts and rollouts are split over the batch, and so is the KV cache.
@@ -165,6 +165,7 @@ def make_sampler(
     if prefill_chunk_size < 0:
         raise ValueError(f"prefill_chunk_size must be >= 0 (0 disables), got {prefill_chunk_size}")
     n_new = max_new_tokens
+    stops = np.asarray(tuple(stop_ids), np.int32).reshape(-1)  # a constant of the program
 
     def choose(logits, rng):
         """[B, V] logits -> (token [B] int32, its log-prob [B] under the sampling distribution)."""
@@ -206,7 +207,7 @@ def make_sampler(
                 tokens=put(s.tokens, token),
                 mask=put(s.mask, live),
                 logprobs=put(s.logprobs, jnp.where(live, logp, 0.0)),
-                done=s.done | (live & (token == eos_id)),
+                done=s.done | (live & (token[:, None] == stops[None, :]).any(axis=-1)),
                 rng=rng,
             )
 
@@ -312,11 +313,19 @@ def _phase_ends(n_new: int) -> list[int]:
     return [round(n_new * (k + 1) / n) for k in range(n)]
 
 
-def make_run_samplers(graphdef, config: Config, *, eos_id: int, pad_id: int, mesh: Optional[Mesh] = None):
+def make_run_samplers(graphdef, config: Config, *, stop_ids: Sequence[int], pad_id: int,
+                      mesh: Optional[Mesh] = None):
     """The two samplers every training loop needs: rollouts at the configured temperature /
     top-k / top-p, and greedy decoding for evaluation."""
     s = config.sampling
-    common = dict(max_new_tokens=s.max_new_tokens, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
+    common = dict(max_new_tokens=s.max_new_tokens, stop_ids=stop_ids, pad_id=pad_id, mesh=mesh,
                   kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size)
     rollout = make_sampler(graphdef, config.model, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, **common)
     return rollout, make_sampler(graphdef, config.model, greedy=True, **common)
+
+
+def completion_ids(rollout: Rollout) -> list[np.ndarray]:
+    """Each row's completion as the reward sees it: exactly the tokens its completion_mask
+    covers (through the first stop id), so the reward and the learner see one completion."""
+    tokens, mask = np.asarray(rollout.tokens), np.asarray(rollout.completion_mask, bool)
+    return [row[keep] for row, keep in zip(tokens, mask)]

@@ -15,7 +15,8 @@ list of dotted overrides) and the seeds:
 Each run is a `jaxreplay train` subprocess (its own Reverb server, native logs and
 memory), logging to RUN_DIR/train.log. A run whose summary.json reports all its steps
 is skipped; any other run is started, and `jaxreplay train` resumes it from its latest
-checkpoint. `--print` prints one command per run instead, for a cluster scheduler.
+checkpoint. `--print` prints one command per run instead, for a cluster scheduler. Dotted
+overrides after the sweep file apply to every run (`jaxreplay sweep FILE train.steps=50`).
 Every run's config is loaded and validated before the first one starts.
 """
 
@@ -23,17 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
-import yaml
-
-from jaxreplay.config import Config, ConfigError, load_config
+from jaxreplay.config import Config, ConfigError, load_config, read_yaml, show
 
 _KEYS = {"base", "out", "seeds", "overrides", "settings", "timeout_s"}
 _NAME = re.compile(r"[A-Za-z0-9_.+-]+")
@@ -69,18 +69,17 @@ class Sweep:
     timeout_s: float
 
 
-def load_sweep(path: str | Path) -> Sweep:
-    """Parses and validates the sweep file and every run's config; `ConfigError` names the problem."""
+def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
+    """Parses and validates the sweep file and every run's config; `ConfigError` names the problem.
+
+    `overrides` (the command line's) apply to every run after the file's own overrides and
+    the setting's; the seed and run dir stay the sweep's."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read sweep file {path}: {e.strerror}") from None
-    except yaml.YAMLError:
-        raise ConfigError(f"malformed YAML in sweep file {path}") from None
+    extra = _override_list(list(overrides), "sweep (command line)")
+    raw = read_yaml(path, "sweep file")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a sweep file is a mapping with keys {', '.join(sorted(_KEYS))}")
-    unknown = sorted(set(raw) - _KEYS)
+    unknown = sorted(set(raw) - _KEYS, key=str)
     if unknown:
         raise ConfigError(f"sweep: unknown key {unknown[0]} (known: {', '.join(sorted(_KEYS))})")
     for key in ("base", "out", "seeds", "settings"):
@@ -91,7 +90,7 @@ def load_sweep(path: str | Path) -> Sweep:
     seeds = raw["seeds"]
     if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool)
                                                       for s in seeds)):
-        raise ConfigError(f"sweep.seeds: expected a non-empty list of integers, got {seeds!r}")
+        raise ConfigError(f"sweep.seeds: expected a non-empty list of integers, got {show(seeds)}")
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"sweep.seeds: repeated seed in {seeds}")
     common = _override_list(raw.get("overrides") or [], "sweep.overrides")
@@ -99,15 +98,15 @@ def load_sweep(path: str | Path) -> Sweep:
     if not isinstance(settings, dict) or not settings:
         raise ConfigError("sweep.settings: expected a non-empty mapping of name -> list of overrides")
     timeout_s = raw.get("timeout_s", 3600)
-    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
-        raise ConfigError(f"sweep.timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 < timeout_s < math.inf:
+        raise ConfigError(f"sweep.timeout_s: expected a positive number of seconds, got {show(timeout_s)}")
     runs = []
     for name, overrides in settings.items():
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ConfigError(f"sweep.settings: {name!r} is not a usable directory name")
+            raise ConfigError(f"sweep.settings: {show(name)} is not a usable directory name")
         own = _override_list(overrides or [], f"sweep.settings.{name}")
         for seed in seeds:
-            args = (*common, *own, f"run.seed={seed}", f"run.dir={Path(str(raw['out'])) / name / f'seed{seed}'}",
+            args = (*common, *own, *extra, f"run.seed={seed}", f"run.dir={Path(str(raw['out'])) / name / f'seed{seed}'}",
                     "run.progress_bar=false")
             try:
                 config = load_config(base, args)
@@ -119,7 +118,7 @@ def load_sweep(path: str | Path) -> Sweep:
 
 def _override_list(value, key: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) and "=" in v for v in value):
-        raise ConfigError(f"{key}: expected a list of dotted overrides like train.steps=100, got {value!r}")
+        raise ConfigError(f"{key}: expected a list of dotted overrides like train.steps=100, got {show(value)}")
     if any(v.split("=", 1)[0] in ("run.seed", "run.dir") for v in value):
         raise ConfigError(f"{key}: run.seed and run.dir are set by the sweep")
     return tuple(value)

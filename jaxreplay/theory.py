@@ -11,13 +11,16 @@ the buffer. The cost to reach a target loss is, up to constants,
 
 minimised in closed form by y* = (-alpha + sqrt(alpha^2 + mu*rho*(1 - 2*alpha))) / rho and
 x* = y*^2 / (2*alpha*(mu + y*)). An x* below 1 (a window shorter than one actor step)
-means replay does not pay: train on-policy.
+means replay does not pay: train on-policy. The model takes one learner update per actor
+step, so B = y*R: a run with another batch size realises another horizon
+(`realised_horizon`), and `reverb_settings` gives both ways to realise x*.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 import numpy as np
 
@@ -42,10 +45,10 @@ class Optimum:
 
 
 def _check(mu: float, rho: float, alpha: float) -> None:
-    if not mu > 0:
-        raise ValueError(f"mu must be positive, got {mu}")
-    if not rho > 0:
-        raise ValueError(f"rho must be positive, got {rho}")
+    if not (math.isfinite(mu) and mu > 0):
+        raise ValueError(f"mu must be a positive finite number, got {mu}")
+    if not (math.isfinite(rho) and rho > 0):
+        raise ValueError(f"rho must be a positive finite number, got {rho}")
     if not 0 < alpha < 0.5:
         raise ValueError(f"alpha must be in (0, 0.5) for a finite optimum, got {alpha}")
 
@@ -89,20 +92,60 @@ def numeric_optimum(mu: float, rho: float, alpha: float, lo: float = 1e-3, hi: f
     return Optimum(mu=mu, rho=rho, alpha=alpha, x=x, y=replay_ratio(mu, rho, x))
 
 
-def reverb_settings(opt: Optimum, rollouts_per_step: int) -> dict[str, float | int | str]:
-    """Config values realising `opt` with R = `rollouts_per_step`: a FIFO window of x*R
-    rollouts, each sampled y* times on average (the limiter holds the ratio whatever B is;
-    B = y*R gives one learner update per actor step, as in the model)."""
+def realised_horizon(max_size: int, batch_size: int, samples_per_insert: float) -> float:
+    """The staleness horizon a run realises, in model steps (one learner update each).
+
+    The model generates R = B / y rollouts per update, so a FIFO window of N rollouts spans
+    N * y / B updates; it equals x* = N/R only when B = y*R."""
+    return max_size * samples_per_insert / batch_size
+
+
+def _multiple(value: float, unit: int) -> int:
+    """`value` rounded to the nearest positive multiple of `unit`."""
+    return max(unit, unit * round(value / unit))
+
+
+def reverb_settings(opt: Optimum, rollouts_per_step: int, batch_size: Optional[int] = None,
+                    batch_unit: int = 1) -> dict[str, float | int | str]:
+    """Config values realising `opt` with R = `rollouts_per_step` generated per actor step.
+
+    The model takes one learner update per actor step, so B = y*R. Without `batch_size`,
+    that B is set (rounded to a multiple of `batch_unit`: the mesh's data parallelism and
+    the group size) with a window N = x*R; with the config's own `batch_size` B, the window
+    is N = x*B/y* instead, which realises the same horizon at that B."""
     if opt.on_policy:
         return {"replay.mode": "on_policy"}
-    return {
-        "replay.mode": "replay",
-        "replay.max_size": max(1, round(opt.x * rollouts_per_step)),
-        "replay.samples_per_insert": round(opt.y, 3),
-    }
+    settings: dict[str, float | int | str] = {"replay.mode": "replay", "replay.samples_per_insert": round(opt.y, 3)}
+    if batch_size is None:
+        settings["train.batch_size"] = _multiple(opt.y * rollouts_per_step, batch_unit)
+        settings["replay.max_size"] = max(1, round(opt.x * rollouts_per_step))
+    else:
+        settings["train.batch_size"] = batch_size
+        settings["replay.max_size"] = max(1, round(opt.x * batch_size / opt.y))
+    return settings
 
 
-def describe(opt: Optimum, rollouts_per_step: int) -> str:
+# The paper's Table 1 splits of 8 devices into W inference and T trainer devices. The replay
+# ratios its runs reached there were measured (Qwen3-0.6B), not given by this model.
+PAPER_SPLITS = ((7, 1), (6, 2), (5, 3), (4, 4))
+PAPER_MEASURED_RATIO = {(7, 1): 1.0, (6, 2): 2.2, (5, 3): 5.6, (4, 4): 17.6}
+
+
+def split_compute_ratio(inference: int, trainers: int, mu: float) -> float:
+    """gamma = (1 + W/T) / (1 + mu): compute per update with a buffer vs on-policy."""
+    return (1.0 + inference / trainers) / (1.0 + mu)
+
+
+def split_table(mu: float, splits=PAPER_SPLITS) -> str:
+    lines = [f"(W,T) device splits at mu={mu:g}: gamma = (1 + W/T)/(1 + mu); y as measured in the paper's runs",
+             "  W  T  gamma  paper's measured y"]
+    for w, t in splits:
+        measured = PAPER_MEASURED_RATIO.get((w, t))
+        lines.append(f"  {w}  {t}  {split_compute_ratio(w, t, mu):.2f}   {'' if measured is None else f'{measured:g}'}")
+    return "\n".join(lines)
+
+
+def describe(opt: Optimum, rollouts_per_step: int, batch_size: Optional[int] = None, batch_unit: int = 1) -> str:
     """The report `jaxreplay theory` prints."""
     lines = [
         f"cost model: mu={opt.mu:g} rho={opt.rho:g} alpha={opt.alpha:g} R={rollouts_per_step}",
@@ -112,8 +155,13 @@ def describe(opt: Optimum, rollouts_per_step: int) -> str:
     if opt.on_policy:
         lines.append("x* < 1: replay does not pay at these constants; train on-policy")
     else:
-        lines.append(f"compute per trained rollout vs on-policy: gamma = {opt.compute_ratio:.3f}")
+        lines.append(f"compute per trained rollout vs on-policy: gamma = (1 + mu/y*)/(1 + mu) = {opt.compute_ratio:.3f}")
         if opt.y < 1:
             lines.append("y* < 1: fewer samples than rollouts generated; replay saves no compute here (gamma > 1)")
-    lines.append("settings: " + " ".join(f"{k}={v}" for k, v in reverb_settings(opt, rollouts_per_step).items()))
+    show = lambda s: " ".join(f"{k}={v}" for k, v in s.items())  # noqa: E731
+    lines.append("settings (B = y*R, N = x*R): " + show(reverb_settings(opt, rollouts_per_step, None, batch_unit)))
+    if batch_size is not None and not opt.on_policy:
+        lines.append(f"settings at train.batch_size={batch_size} (N = x*B/y*): "
+                     + show(reverb_settings(opt, rollouts_per_step, batch_size)))
+    lines.append(split_table(opt.mu))
     return "\n".join(lines)

@@ -19,7 +19,7 @@ import dataclasses
 import importlib.metadata
 from typing import Any, Optional
 
-from jaxreplay.config import ConfigError
+from jaxreplay.config import Config, ConfigError, owner_check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +59,15 @@ HBM_GIB = {
     "TPU v6 lite": 32,  # v6e (Trillium)
     "TPU v6e": 32,
 }
+
+
+@owner_check
+def validate_topology(c: Config) -> None:
+    """`mesh.topology`'s part of `config.validate`: a slice this table knows."""
+    name = c.mesh.topology
+    if name is not None and name not in TOPOLOGIES:
+        raise ConfigError(f"mesh.topology: {name!r} is not a known TPU slice (e.g. {', '.join(list(TOPOLOGIES)[:6])}, "
+                          f"...; see jaxreplay/topology.py)")
 
 
 class MissingLibtpu(RuntimeError):

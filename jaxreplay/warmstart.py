@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import optax
+from tqdm import tqdm
 
 from jaxreplay.checkpoint import restore_params, save_params
 from jaxreplay.config import Config
@@ -43,14 +44,16 @@ def warm_start(graphdef, params, task: ArithmeticTask, config: Config, cache_dir
 
 
 def supervised_warm_start(graphdef, params, task: ArithmeticTask, config: Config):
-    """The warm start itself, uncached: deterministic given params and config."""
+    """The warm start itself, uncached: deterministic given params and config. It can take
+    minutes, so it shows a progress bar (`run.progress_bar`)."""
     w = config.warmstart
     optimizer = optax.adam(w.learning_rate)
     opt_state = optimizer.init(params)
     step = make_sft_step(graphdef, optimizer)
     # A stream of its own so warm-start problems are not the RL prompt stream.
     seed = config.run.seed + 7_919
-    for i in range(w.steps):
+    for i in tqdm(range(w.steps), desc="warm start", unit="step", disable=not config.run.progress_bar,
+                  dynamic_ncols=True):
         tokens, attention_mask, loss_mask = task.supervised_batch(
             seed, i, w.batch_size, config.sampling.max_new_tokens, carry_error=w.teacher_carry_error
         )

@@ -59,3 +59,20 @@ def test_counters_live_in_the_given_dict_so_a_resume_continues_them():
     resumed = Accounting(n_params=1, state=dict(state))
     resumed.on_generate(_items(5, 1), seconds=1.0)
     assert resumed.state["rollouts_generated"] == 10
+
+
+def test_a_resumed_run_leaves_out_its_first_calls_too_since_they_compile_again():
+    state = {}
+    first = Accounting(n_params=1, state=state)
+    first.on_generate(_items(4, 1), seconds=100.0)  # compile
+    first.on_generate(_items(4, 1), seconds=2.0)
+    first.on_train(_items(2, 1), np.ones(2), np.zeros(2), seconds=50.0)  # compile
+    first.on_train(_items(2, 1), np.ones(2), np.zeros(2), seconds=1.0)
+    resumed = Accounting(n_params=1, state=dict(state))
+    resumed.on_generate(_items(4, 1), seconds=80.0)  # compiles again in the new process
+    resumed.on_generate(_items(4, 1), seconds=2.0)
+    resumed.on_train(_items(2, 1), np.ones(2), np.zeros(2), seconds=40.0)
+    m = resumed.on_train(_items(2, 1), np.ones(2), np.zeros(2), seconds=1.0)
+    assert m["time/generate_timed_s"] == pytest.approx(4.0) and m["time/train_timed_s"] == pytest.approx(2.0)
+    assert m["rollouts/generated"] == 16 and m["rollouts/trained"] == 8
+    assert resumed.mu == pytest.approx((4.0 / 8) / (2.0 / 4))

@@ -28,7 +28,7 @@ def test_batch_60_with_group_16_keeps_every_group_whole(monkeypatch):
     task = DatasetTask(config.task, ByteTokenizer(), records=records)
     graphdef, params = init_params(config.model, 0)
     tok = task.tokenizer
-    sample = make_sampler(graphdef, config.model, max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    sample = make_sampler(graphdef, config.model, max_new_tokens=4, stop_ids=tok.eos_ids, pad_id=tok.pad_id)
     items, _ = Actor(config, task, sample).act(params, policy_version=0, actor_step=0)
 
     prompts, _ = task.encode_prompts(task.train_problems(config.run.seed, 0, 4))

@@ -11,7 +11,7 @@ from jaxreplay.aot import DoesNotFit, Program, Report, check_fits, load_for_comp
 from jaxreplay.cli import main
 from jaxreplay.config import ConfigError, load_config
 from jaxreplay.models import abstract_params, count_params
-from jaxreplay.models.architectures import SHIPPED, architecture_dir
+from jaxreplay.architectures import SHIPPED, architecture_dir
 from jaxreplay.models.hf import read_model_config
 from jaxreplay.topology import HBM_GIB, TOPOLOGIES, libtpu_version
 

@@ -101,6 +101,22 @@ def test_missing_file_is_a_config_error(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+def test_a_config_for_other_machines_is_not_checked_against_this_one(tmp_path):
+    """`local=False` (the TPU launcher's check for its workers): what this machine lacks is no error,
+    every rule of the config itself still is."""
+    import importlib.util
+
+    elsewhere = [f"model.hf_path={tmp_path / 'on-the-workers'}", "replay.backend=reverb"]
+    with pytest.raises(ConfigError, match="model.hf_path|replay.backend"):
+        load_config(None, elsewhere)  # no such directory here (and, on the default tier, no Reverb)
+    assert load_config(None, elsewhere, local=False).model.hf_path == str(tmp_path / "on-the-workers")
+    with pytest.raises(ConfigError, match="train.batch_size"):
+        load_config(None, [*elsewhere, "train.batch_size=0"], local=False)
+    if importlib.util.find_spec("reverb") is None:
+        with pytest.raises(ConfigError, match="reverb is not installed"):
+            load_config(None, ["replay.backend=reverb"])
+
+
 _FIELDS = [
     (section.name, f.name)
     for section in dataclasses.fields(Config)
@@ -143,3 +159,212 @@ def test_scientific_notation_is_a_float_in_overrides_and_files(tmp_path):
 
 def test_demo_config_spells_out_the_documented_defaults():
     assert load_config("configs/demo.yaml") == load_config(None)
+
+
+# --- Numbers: by field type, then by range ------------------------------------------------------
+def _fields_of(kind):
+    """(section, name) of every field typed `kind` or Optional[`kind`]."""
+    import typing
+
+    out = []
+    for section in dataclasses.fields(Config):
+        hints = typing.get_type_hints(section.default_factory)
+        for f in dataclasses.fields(section.default_factory()):
+            tp = hints[f.name]
+            if tp is kind or set(typing.get_args(tp)) == {kind, type(None)}:
+                out.append(f"{section.name}.{f.name}")
+    return out
+
+
+FLOAT_FIELDS, INT_FIELDS = _fields_of(float), _fields_of(int)
+
+
+def test_the_field_lists_cover_the_number_fields():
+    assert "replay.error_buffer" in FLOAT_FIELDS and "train.adam_b1" in FLOAT_FIELDS and len(FLOAT_FIELDS) >= 25
+    assert "replay.max_size" in INT_FIELDS and "run.seed" in INT_FIELDS and len(INT_FIELDS) >= 35
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+@pytest.mark.parametrize("key", FLOAT_FIELDS)
+def test_every_float_field_must_be_finite(key, value):
+    with pytest.raises(ConfigError, match=rf"^{key}: must be a finite number, got -?(inf|nan)$"):
+        load_config(None, [f"{key}={value}"])
+
+
+@pytest.mark.parametrize("value", [2**31, -(2**31) - 1, 10**12])
+@pytest.mark.parametrize("key", INT_FIELDS)
+def test_every_int_field_must_fit_in_32_bits(key, value):
+    """Ints reach XLA and Reverb's int32 arguments (replay.max_size=1e12 was a pybind TypeError)."""
+    with pytest.raises(ConfigError, match=rf"^{key}: {value} does not fit in 32 bits"):
+        load_config(None, [f"{key}={value}"])
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.adam_b1=1", "train.adam_b1"), ("train.adam_b1=-0.1", "train.adam_b1"),
+        ("train.adam_b2=1.5", "train.adam_b2"), ("replay.priority_exponent=-1", "replay.priority_exponent"),
+        ("replay.priority_exponent=1000", "replay.priority_exponent"), ("replay.timeout_s=0", "replay.timeout_s"),
+        ("replay.timeout_s=1e7", "replay.timeout_s"), ("distributed.timeout_s=-5", "distributed.timeout_s"),
+        ("replay.error_buffer=0.5", "replay.error_buffer"),
+        ("replay.samples_per_insert=-2", "replay.samples_per_insert"),
+        ("run.seed=-1", "run.seed"), ("task.data_seed=-1", "task.data_seed"),
+        ("sampling.temperature=1e-40", "sampling.temperature"),
+        ("warmstart.teacher_carry_error=1.5", "warmstart.teacher_carry_error"),
+        ("replay.port=70000", "replay.port"), ("mesh.actor_devices=-1", "mesh.actor_devices"),
+        ("distributed.process_id=-2", "distributed.process_id"), ("train.learning_rate=0", "train.learning_rate"),
+    ],
+)
+def test_numbers_outside_their_range_are_rejected_naming_the_key_and_range(override, key):
+    with pytest.raises(ConfigError, match=rf"^{key}: must be (>|>=|in) "):
+        load_config(None, [override])
+
+
+def test_ranges_name_real_number_fields():
+    from jaxreplay.config import RANGES
+
+    assert set(RANGES) <= set(FLOAT_FIELDS) | set(INT_FIELDS)
+
+
+def test_programmatic_configs_get_the_same_checks():
+    """validate() runs on configs built in code too (calibration's resolved ratio, tests)."""
+    from jaxreplay.config import validate
+
+    c = Config()
+    bad = dataclasses.replace(c, replay=dataclasses.replace(c.replay, samples_per_insert=float("inf")))
+    with pytest.raises(ConfigError, match="replay.samples_per_insert"):
+        validate(bad)
+
+
+# --- The task owner's checks ------------------------------------------------------------------
+def test_a_task_that_can_produce_no_training_problem_is_rejected():
+    """One-digit sums are 100 problems: a held-out set of 256 takes them all (train_problems looped forever)."""
+    with pytest.raises(ConfigError, match=r"^task.eval_size: .*all 100 problems"):
+        load_config(None, ["task.min_digits=1", "task.max_digits=1"])
+    with pytest.raises(ConfigError, match="task.eval_size"):
+        load_config(None, ["task.min_digits=1", "task.max_digits=1", "task.eval_size=100"])
+
+
+def test_a_task_with_few_training_problems_still_trains():
+    from jaxreplay.tasks import make_task
+
+    c = load_config(None, ["task.min_digits=1", "task.max_digits=1", "task.eval_size=90"])
+    task = make_task(c.task)
+    problems = task.train_problems(seed=0, index=0, n=16)
+    assert len(problems) == 16 and not set(problems) & set(task.eval_problems)
+
+
+def test_config_module_imports_no_key_owner():
+    """Owners (tasks/) import config and register their checks; config imports none of them."""
+    import ast
+
+    import jaxreplay.config as config_module
+
+    tree = ast.parse(open(config_module.__file__).read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m.startswith("jaxreplay")}
+
+
+# --- YAML: duplicates, expansion, encoding, file kinds -----------------------------------------
+@pytest.mark.parametrize("text, key", [
+    ("train:\n  steps: 3\ntrain:\n  learning_rate: 0.1\n", "'train'"),
+    ("train:\n  steps: 3\n  steps: 4\n", "'steps'"),
+])
+def test_duplicate_keys_are_refused_naming_the_line(tmp_path, text, key):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"dup\.yaml at line \d+, column \d+: duplicate key {key}"):
+        load_config(path)
+
+
+def test_merge_keys_are_not_duplicates(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("train:\n  <<: {steps: 3, batch_size: 16}\n  steps: 5\n")
+    assert load_config(path).train.steps == 5
+
+
+def test_a_duplicate_key_in_an_override_is_refused():
+    with pytest.raises(ConfigError, match="train: duplicate key 'steps'"):
+        load_config(None, ["train={steps: 1, steps: 2}"])
+
+
+def test_an_alias_bomb_is_refused_quickly_with_a_short_message(tmp_path):
+    import time
+
+    from test_bad_input import alias_bomb
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(alias_bomb())
+    assert len(alias_bomb()) < 500
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match="expands to more than") as err:
+        load_config(path)
+    assert time.perf_counter() - t0 < 5 and len(str(err.value)) < 300
+
+
+def test_an_alias_bomb_in_an_override_is_refused():
+    bomb = "[&a [x,x,x,x,x,x,x,x,x,x], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a], &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b], " \
+           "[*c,*c,*c,*c,*c,*c,*c,*c,*c,*c]]"
+    with pytest.raises(ConfigError, match="expands to more than"):
+        load_config(None, [f"task.operations={bomb}"])
+
+
+def test_error_messages_echo_at_most_a_bounded_part_of_a_value():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.steps=" + "x" * 100_000])
+    assert len(str(err.value)) < 200 and str(err.value).endswith("...")
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train." + "k" * 100_000 + "=1"])
+    assert len(str(err.value)) < 500
+
+
+def test_invalid_utf8_names_the_file(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("train:\n  steps: 3 # caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1\.yaml is not UTF-8 text \(byte 0xe9 at offset 23\)"):
+        load_config(path)
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    import os
+    import threading
+
+    fifo = tmp_path / "c.yaml"
+    os.mkfifo(fifo)
+    outcome = []
+
+    def load():
+        try:
+            load_config(fifo)
+        except ConfigError as e:
+            outcome.append(str(e))
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # unblock the reader before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert outcome and "is a FIFO" in outcome[0]
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p.mkdir(), "is a directory"),
+    (lambda p: p.write_text("#" * (2 << 20)), "is larger than"),
+    (lambda p: p.write_text("train: " + "[" * 50_000), "nested too deeply"),
+    (lambda p: p.write_text("train:\n  steps: " + "9" * 5000 + "\n"), "a number too long"),
+])
+def test_files_that_are_not_a_small_yaml_document_are_refused(tmp_path, make, message):
+    path = tmp_path / "c.yaml"
+    make(path)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_floats_from_huge_integers_and_non_string_keys_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="train.learning_rate: .* is too large for a float"):
+        load_config(None, ["train.learning_rate=" + "9" * 400])
+    path = tmp_path / "c.yaml"
+    path.write_text("train: {1: 2, x: 3}\n")
+    with pytest.raises(ConfigError, match="unknown key train.1 "):
+        load_config(path)

@@ -41,6 +41,7 @@ def test_the_paper_settings(model_dir):
     assert large.train.learning_rate == 6.8e-8 and (large.train.group_size, large.train.batch_size) == (16, 60)
     colab = load_config(CONFIGS / "qwen2.5_0.5b_instruct_gsm8k_colab.yaml", [f"model.hf_path={model_dir}"])
     assert colab.task.name == "gsm8k" and colab.task.chat_template
+    assert colab.task.path == "/content/gsm8k/main/{split}-*.parquet"  # the Hub's Parquet: Colab has no TFDS
 
 
 @pytest.mark.parametrize("name", ["qwen3_0.6b_math.yaml", "qwen2.5_7b_math.yaml",

@@ -6,7 +6,9 @@ so a killed-and-restarted run can be compared with a straight one number for num
 """
 
 import json
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -160,6 +162,31 @@ def test_a_run_killed_five_times_ends_like_a_straight_run(tmp_path, backend):
 
 
 @pytest.mark.slow
+def test_a_killed_inprocess_run_resumes_to_params_bit_identical_to_a_straight_run(tmp_path):
+    """With the uniform selector, what the learner samples comes from the in-process
+    server's seeded RNG, checkpointed with its table: a run killed past its checkpoint at
+    step 4 and resumed ends with exactly the params and optimizer state of a run never
+    interrupted, and logged the same losses."""
+    steps = ["replay.backend=inprocess", "replay.selector=uniform", "train.steps=10", "checkpoint.every=4"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    subprocess.run(cli(straight, *steps), check=True, cwd=ROOT, timeout=600, capture_output=True)
+    shutil.copytree(straight / "warmstart", killed / "warmstart")  # deterministic, and not under test here
+    proc = subprocess.Popen(cli(killed, *steps), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_step(proc, killed, 5)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert 4 in checkpoint_steps(killed) and logged_step(killed) < 10
+    subprocess.run(cli(killed, *steps), check=True, cwd=ROOT, timeout=600, capture_output=True)
+
+    assert [r["loss"] for r in read_metrics(straight)[1:]] == [r["loss"] for r in read_metrics(killed)[1:]]
+    a, b = restored_state(straight, 10), restored_state(killed, 10)
+    for x, y in zip(jax.tree.leaves((a["params"], a["opt_state"])), jax.tree.leaves((b["params"], b["opt_state"]))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow
 def test_sigterm_saves_a_final_checkpoint_and_exits_143(tmp_path):
     proc = subprocess.Popen(cli(tmp_path, "checkpoint.every=1000"), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -195,6 +222,54 @@ def test_non_finite_updates_are_skipped_then_stop_the_run_with_good_checkpoints(
     for x, y in zip(*(jax.tree.leaves((s["params"], s["opt_state"])) for s in (at_8, at_10))):
         assert np.isfinite(x).all()
         np.testing.assert_array_equal(x, y)
+
+
+# A second client of a run's table: it takes every sample the limiter admits.
+GREEDY_CLIENT = ("import sys, reverb\n"
+                 "client = reverb.Client(sys.argv[1])\n"
+                 "while True:\n"
+                 "    client._client.NewSampler('rollouts', 1, 1).GetNextTrajectory()\n")
+
+
+@pytest.mark.slow
+def test_a_pinned_port_refuses_a_second_run_and_a_second_client_ends_the_run(tmp_path):
+    """Run A serves on a pinned replay.port. A second run there is refused at once with
+    one line naming the port (gRPC's SO_REUSEPORT would let it bind, and clients would be
+    split between the two). A second client sampling A's table takes samples A's loop
+    counted on: A's sampler then waits in Reverb with no timeout of its own; A must end
+    with one line saying another client uses its table, not hang."""
+    pytest.importorskip("reverb", reason="the reverb extra is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [sys.executable, "-m", "jaxreplay.cli", "train", str(DEMO), *TINY, "replay.backend=reverb",
+            f"replay.port={port}", "replay.timeout_s=5", "train.steps=100000", "checkpoint.every=1000",
+            "train.eval_every=1000"]
+    run_a = subprocess.Popen([*args, f"run.dir={tmp_path / 'a'}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    client = None
+    try:
+        wait_for_step(run_a, tmp_path / "a", 1)
+        run_b = subprocess.run([*args, f"run.dir={tmp_path / 'b'}"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=120)
+        assert run_b.returncode == 2, run_b.stderr
+        assert run_b.stderr.strip().splitlines()[-1] == (
+            f"jaxreplay: config error: replay.port: {port} is in use by another jaxreplay run (pid {run_a.pid}); "
+            "choose another port, or 0 for a free one")
+        assert not (tmp_path / "b" / "metrics.jsonl").exists()
+
+        client = subprocess.Popen([sys.executable, "-c", GREEDY_CLIENT, f"localhost:{port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _, stderr = run_a.communicate(timeout=120)
+    finally:
+        run_a.kill()
+        if client is not None:
+            client.kill()
+            client.wait(timeout=60)
+    assert run_a.returncode == 1, stderr
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1].startswith(
+        "jaxreplay: error: TableSharedError: table 'rollouts' was changed by another client")
 
 
 def test_a_dead_reverb_server_ends_inserts_and_samples_within_the_timeout():

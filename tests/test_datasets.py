@@ -1,6 +1,8 @@
-"""Dataset tasks: GSM8K and MATH read through TFDS from a data_dir (never downloaded), local JSONL and
-Parquet files with configurable fields, fixed-length prompts, a seeded stream, and counted reward errors."""
+"""Dataset tasks: GSM8K, MATH and OpenR1-Math-style sets from local Parquet files in the Hugging Face Hub's
+layouts or JSONL (no TensorFlow), or through TFDS from a data_dir (never downloaded); configurable fields,
+fixed-length prompts, a seeded stream, and counted reward errors."""
 
+import importlib.util
 import json
 import logging
 
@@ -122,6 +124,124 @@ def test_tfds_errors_name_the_missing_split_or_feature(tfds_dir):
         make_task(config("task.name=gsm8k", f"task.data_dir={tfds_dir}", "task.prompt_field=prompt").task)
 
 
+def _write_shards(directory, split, columns, shards=1):
+    """`columns` as the Hub publishes a split: {split}-0000i-of-0000n.parquet, rows in shard order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    directory.mkdir(parents=True, exist_ok=True)
+    n = len(next(iter(columns.values())))
+    bounds = [n * i // shards for i in range(shards + 1)]
+    for i in range(shards):
+        part = {k: v[bounds[i]:bounds[i + 1]] for k, v in columns.items()}
+        pq.write_table(pa.table(part), directory / f"{split}-{i:05d}-of-{shards:05d}.parquet")
+
+
+def _gsm8k_repo(root):
+    """openai/gsm8k's layout: one directory per config ({config}/{split}-*.parquet); train in two shards."""
+    for config in ("main", "socratic"):
+        for split, rows in GSM8K.items():
+            _write_shards(root / config, split, {"question": [q for q, _ in rows], "answer": [a for _, a in rows]},
+                          shards=2 if split == "train" else 1)
+    return root
+
+
+def _math_repo(root):
+    """A MATH repository's default layout (data/{split}-*.parquet) with MATH's columns."""
+    for split, rows in MATH.items():
+        _write_shards(root / "data", split, {"problem": [p for p, _ in rows], "level": ["Level 1"] * len(rows),
+                                             "solution": [s for _, s in rows], "type": ["Algebra"] * len(rows)},
+                      shards=3 if split == "train" else 1)
+    return root
+
+
+@pytest.mark.parametrize("path", ["{root}/main", "{root}/main/{{split}}-*.parquet"])
+def test_gsm8k_from_the_hub_repository_parquet_layout(tmp_path, path):
+    """A config's directory or an explicit shard pattern; shards are read in order, scored like TFDS's GSM8K."""
+    root = _gsm8k_repo(tmp_path / "gsm8k")
+    task = make_task(config("task.name=gsm8k", f"task.path={path.format(root=root)}").task)
+    assert [(p.prompt, p.answer) for p in task.train_examples] == GSM8K["train"]
+    assert [(p.prompt, p.answer) for p in task.eval_problems] == GSM8K["test"]
+    first = task.eval_problems[0]  # 9 - 4 = 5
+    assert task.reward(first, completion_ids("She gives away 4, so 9 - 4 = 5.\n#### 5")) == 1.0
+    assert task.reward(first, completion_ids(r"The answer is $\boxed{5}$")) == 1.0
+    assert task.reward(first, completion_ids("#### 6")) == 0.0
+
+
+def test_math_from_a_repository_directory_in_the_data_layout(tmp_path):
+    task = make_task(config("task.name=math", f"task.path={_math_repo(tmp_path / 'math')}").task)
+    assert [(p.prompt, p.answer) for p in task.train_examples] == MATH["train"]
+    point = task.eval_problems[0]
+    assert task.reward(point, completion_ids(r"so \boxed{(2,3)}")) == 1.0
+    assert task.reward(point, completion_ids(r"so \boxed{[2,3]}")) == 0.0
+    half = next(p for p in task.train_examples if "2x" in p.prompt)
+    assert task.reward(half, completion_ids(r"x = \boxed{1.5}")) == 1.0
+
+
+def test_an_openr1_math_style_set_with_bare_answers(tmp_path):
+    """OpenR1-Math's columns (problem, a long solution, the bare answer that is scored against), each split
+    written as one {split}.parquet, as `datasets`' to_parquet leaves it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = {"train": [(r"Compute $\frac{1}{2} + \frac{1}{4}$.", r"\frac{3}{4}"), ("What is $2^5$?", "32")],
+            "test": [("Solve $2x = 3$.", r"\dfrac{3}{2}")]}
+    for split, records in rows.items():
+        pq.write_table(pa.table({"problem": [p for p, _ in records], "solution": ["Long reasoning ..."] * len(records),
+                                 "answer": [a for _, a in records], "uuid": [str(i) for i in range(len(records))]}),
+                       tmp_path / f"{split}.parquet")
+    task = make_task(config("task.name=parquet", f"task.path={tmp_path}", "task.prompt_field=problem",
+                            "task.answer_field=answer").task)
+    assert [(p.prompt, p.answer) for p in task.train_examples] == rows["train"]
+    assert task.config.reward == "math_equivalence"
+    assert task.reward(task.train_examples[0], completion_ids(r"so \boxed{0.75}")) == 1.0
+    assert task.reward(task.eval_problems[0], completion_ids(r"x = \boxed{1.5}")) == 1.0
+    assert task.reward(task.eval_problems[0], completion_ids(r"x = \boxed{2}")) == 0.0
+
+
+def test_gsm8k_from_jsonl_files_and_a_repository_of_jsonl(tmp_path):
+    """JSONL as {split}.jsonl by pattern, and a repository keeping {split}.jsonl at its root (MATH-500's layout)."""
+    for split, rows in GSM8K.items():
+        (tmp_path / f"{split}.jsonl").write_text(
+            "".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
+    for path in (f"{tmp_path}/{{split}}.jsonl", str(tmp_path)):
+        task = make_task(config("task.name=gsm8k", f"task.path={path}").task)
+        assert [(p.prompt, p.answer) for p in task.eval_problems] == GSM8K["test"]
+        assert task.reward(task.eval_problems[1], completion_ids("7 boxes: 42 eggs\n#### 42")) == 1.0
+
+
+def test_repository_errors_name_the_configs_missing_shards_or_split(tmp_path):
+    root = _gsm8k_repo(tmp_path / "gsm8k")
+    with pytest.raises(DatasetError, match=r"holds the configs main, socratic: set task.path to one of them"):
+        make_task(config("task.name=gsm8k", f"task.path={root}").task)
+    (root / "main" / "train-00001-of-00002.parquet").unlink()  # an interrupted download
+    with pytest.raises(DatasetError, match=r"split 'train': shards \[0\] of \[2\] .*incomplete"):
+        make_task(config("task.name=gsm8k", f"task.path={root}/main").task)
+    with pytest.raises(DatasetError, match=r"no 'validation' split in .*socratic: no validation\.parquet"):
+        make_task(config("task.name=gsm8k", f"task.path={root}/socratic", "task.eval_split=validation").task)
+    with pytest.raises(DatasetError, match=r"no file for split 'train': .*nowhere/train-\*\.parquet"):
+        make_task(config("task.name=gsm8k", f"task.path={tmp_path}/nowhere/{{split}}-*.parquet").task)
+    with pytest.raises(DatasetError, match=r"task.path .*nowhere: no such directory"):
+        make_task(config("task.name=gsm8k", f"task.path={tmp_path}/nowhere").task)
+
+
+def test_gsm8k_without_files_needs_tfds_and_says_so(tmp_path):
+    if importlib.util.find_spec("tensorflow_datasets") is not None:
+        pytest.skip("TFDS is installed here (the Reverb lane): the TFDS tests read it")
+    with pytest.raises(DatasetError, match="needs tensorflow-datasets .* set task.path to the dataset's Parquet"):
+        make_task(config("task.name=gsm8k", f"task.data_dir={tmp_path}").task)
+
+
+def test_parquet_and_tfds_give_the_same_records(tfds_dir, tmp_path):
+    """Where TFDS installs, the Hub's Parquet files and the prepared TFDS dataset are the same task."""
+    hub = make_task(config("task.name=gsm8k", f"task.path={_gsm8k_repo(tmp_path)}/main").task)
+    tfds = make_task(config("task.name=gsm8k", f"task.data_dir={tfds_dir}").task)
+    for split in ("train_examples", "eval_problems"):
+        assert sorted((p.prompt, p.answer, p.ids) for p in getattr(hub, split)) == \
+            sorted((p.prompt, p.answer, p.ids) for p in getattr(tfds, split))
+    assert hub.config.reward == tfds.config.reward == "gsm8k"
+
+
 def _write_files(tmp_path, data, fields=("q", "sol")):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -151,7 +271,7 @@ def test_malformed_jsonl_names_the_line(tmp_path):
     with pytest.raises(DatasetError, match=r"train\.jsonl:2: not a JSON object"):
         make_task(config("task.name=jsonl", f"task.path={tmp_path}/{{split}}.jsonl").task)
     (tmp_path / "train.jsonl").write_text('{"prompt": "a", "answer": "1"}\n')
-    with pytest.raises(DatasetError, match=r"split 'validation' not found: .*validation\.jsonl"):
+    with pytest.raises(DatasetError, match=r"no file for split 'validation': .*validation\.jsonl"):
         make_task(config("task.name=jsonl", f"task.path={tmp_path}/{{split}}.jsonl", "task.eval_split=validation").task)
 
 
@@ -218,6 +338,10 @@ def test_a_reward_function_that_raises_is_counted_not_fatal(monkeypatch, caplog)
     [
         (["task.name=jsonl", "task.path=data/train.jsonl"], "task.path"),  # no {split}: train and eval would coincide
         (["task.name=jsonl"], "task.path"),
+        (["task.name=parquet", "task.path=data/{split}.csv"], "task.path"),  # neither .parquet nor .jsonl
+        (["task.name=parquet", "task.path=data/{split}-*"], "task.path"),
+        (["task.name=gsm8k", "task.path=data/gsm8k", "task.data_dir=tfds"], "task.data_dir"),
+        (["task.name=math", "task.path=data/{split}.jsonl", "task.tfds_name=hendrycks_math"], "task.tfds_name"),
         (["task.name=gsm8k", "task.reward=nope"], "task.reward"),
         (["task.name=gsm8k", "task.eval_split=train"], "task.eval_split"),
         (["task.name=gsm8k", "warmstart.steps=10"], "warmstart.steps"),

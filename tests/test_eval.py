@@ -62,12 +62,12 @@ def test_eval_of_a_checkpoint_equals_eval_of_its_hf_export(tmp_path, capsys):
     results = json.loads(out.read_text())
     assert printed == {k: v for k, v in results.items() if k != "correct_per_problem"}
     assert results["step"] == 2 and results["problems"] == 40
-    assert results["pass@1_settings"] == {"temperature": 0.1, "top_p": 0.95, "samples_per_problem": 1}
-    assert results["pass@k_settings"] == {"temperature": 1.0, "top_p": 1.0, "samples_per_problem": 4}
+    assert results["pass@1_t0.1_settings"] == {"temperature": 0.1, "top_p": 0.95, "samples_per_problem": 1}
+    assert results["pass@k_t1.0_settings"] == {"temperature": 1.0, "top_p": 1.0, "samples_per_problem": 4}
     correct = np.array(results["correct_per_problem"])
-    assert results["pass@k"]["1"] == pytest.approx(correct.mean() / 4)
-    assert results["pass@k"]["4"] == pytest.approx((correct > 0).mean())
-    assert 0 < results["pass@1"] < 1 and results["pass@k"]["1"] <= results["pass@k"]["4"]
+    assert results["pass@k_t1.0"]["1"] == pytest.approx(correct.mean() / 4)
+    assert results["pass@k_t1.0"]["4"] == pytest.approx((correct > 0).mean())
+    assert 0 < results["pass@1_t0.1"] < 1 and results["pass@k_t1.0"]["1"] <= results["pass@k_t1.0"]["4"]
 
     # The same weights, restored with the optimizer state and everything else, then exported.
     task = make_task(config.task)
@@ -79,7 +79,7 @@ def test_eval_of_a_checkpoint_equals_eval_of_its_hf_export(tmp_path, capsys):
     out_hf = tmp_path / "from_hf.json"
     assert main(["eval", str(config_file), "--hf", str(hf_dir), "--k", "1,4", "--out", str(out_hf)]) == 0
     from_hf = json.loads(out_hf.read_text())
-    for key in ("pass@1", "pass@k", "correct_per_problem"):
+    for key in ("pass@1_t0.1", "pass@k_t1.0", "correct_per_problem"):
         assert from_hf[key] == results[key]
 
 
@@ -101,20 +101,41 @@ def test_more_samples_per_problem_than_a_sampling_batch_is_a_clear_error():
         count_correct(None, None, None, 16, None, batch=8)
 
 
-def test_eval_of_an_hf_directory_on_a_jsonl_split_with_its_chat_template(tmp_path):
+def _jsonl_eval(tmp_path, *extra):
+    """`jaxreplay eval --hf` of a tiny model on a dev split with its chat template: the model
+    directory given by --hf alone, and no training split on disk (eval never reads it)."""
     from tiny_hf import write_model
 
     model = write_model(tmp_path / "hf")
-    for split, n in [("train", 4), ("dev", 3)]:
-        (tmp_path / f"{split}.jsonl").write_text(
-            "".join(json.dumps({"q": f"{i}+{i}=", "a": str(2 * i)}) + "\n" for i in range(n)))
+    (tmp_path / "dev.jsonl").write_text("".join(json.dumps({"q": f"{i}+{i}=", "a": str(2 * i)}) + "\n"
+                                                for i in range(3)))
     out = tmp_path / "results.json"
-    overrides = [f"model.hf_path={model}", "task.name=jsonl", f"task.path={tmp_path}/{{split}}.jsonl",
-                 "task.prompt_field=q", "task.answer_field=a", "task.chat_template=true", "task.max_prompt_len=48",
-                 "warmstart.steps=0", "sampling.max_new_tokens=8", "model.max_seq_len=64"]
-    assert main(["eval", str(ROOT / "configs" / "demo.yaml"), *overrides, "--hf", str(model), "--split", "dev",
-                 "--k", "1,2", "--batch", "8", "--out", str(out)]) == 0
+    overrides = ["task.name=jsonl", f"task.path={tmp_path}/{{split}}.jsonl", "task.prompt_field=q",
+                 "task.answer_field=a", "task.chat_template=true", "task.max_prompt_len=48", "warmstart.steps=0",
+                 "sampling.max_new_tokens=8", "model.max_seq_len=64", *extra]
+    code = main(["eval", str(ROOT / "configs" / "demo.yaml"), *overrides, "--hf", str(model), "--split", "dev",
+                 "--k", "1,2", "--batch", "8", "--out", str(out)])
+    return code, model, out
+
+
+def test_eval_of_an_hf_directory_needs_only_hf_and_no_training_split(tmp_path, capsys):
+    code, model, out = _jsonl_eval(tmp_path)
+    assert code == 0, capsys.readouterr().err
+    assert not (tmp_path / "train.jsonl").exists()
     results = json.loads(out.read_text())
     assert (results["task"], results["split"], results["hf"], results["problems"]) == ("jsonl", "dev", str(model), 3)
     assert len(results["correct_per_problem"]) == 3 and results["reward/errors"] == 0
-    assert set(results["pass@k"]) == {"1", "2"} and 0 <= results["pass@1"] <= 1
+    # Two different pass@1 values (temperature 0.1, and 1.0 within pass@k): each key names its temperature.
+    assert "pass@1" not in results and "pass@k" not in results
+    assert set(results["pass@k_t1.0"]) == {"1", "2"} and 0 <= results["pass@1_t0.1"] <= 1
+    assert results["pass@1_t0.1_settings"]["temperature"] == 0.1
+    assert results["pass@k_t1.0_settings"]["temperature"] == 1.0
+
+
+def test_eval_progress_bar_follows_run_progress_bar(tmp_path, capsys):
+    """A bar over every sample drawn (3 problems x (1 + 2) samples), none with run.progress_bar=false."""
+    code, _, _ = _jsonl_eval(tmp_path / "on")
+    err = capsys.readouterr().err
+    assert code == 0 and "eval: 100%" in err and "9/9" in err
+    code, _, _ = _jsonl_eval(tmp_path / "off", "run.progress_bar=false")
+    assert code == 0 and "eval:" not in capsys.readouterr().err

@@ -128,12 +128,14 @@ def test_greedy_generation_matches_transformers(hf_model):
     cfg, graphdef, params = load_hf_model(path)
     tok = load_tokenizer(path, vocab_size=cfg.vocab_size)
     prompts = np.random.default_rng(0).integers(5, VOCAB, (2, 12)).astype(np.int32)
-    sample = make_sampler(graphdef, cfg, max_new_tokens=32, greedy=True, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    sample = make_sampler(graphdef, cfg, max_new_tokens=32, greedy=True, stop_ids=tok.eos_ids,
+                          pad_id=tok.pad_id)
     ours = np.asarray(sample(params, jnp.asarray(prompts), jnp.ones(prompts.shape, bool),
                              jax.random.PRNGKey(0)).tokens[:, prompts.shape[1]:])
     with torch.no_grad():
         out = model.generate(torch.from_numpy(prompts).long(), attention_mask=torch.ones(prompts.shape, dtype=torch.long),
-                             max_new_tokens=32, do_sample=False, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+                             max_new_tokens=32, do_sample=False, eos_token_id=list(tok.eos_ids),
+                             pad_token_id=tok.pad_id)
     ref = out[:, prompts.shape[1]:].numpy()
     ref = np.pad(ref, ((0, 0), (0, 32 - ref.shape[1])), constant_values=tok.pad_id)  # HF stops once all rows end
     np.testing.assert_array_equal(ours, ref)
@@ -185,8 +187,37 @@ def test_export_without_a_base_infers_the_architecture(tmp_path):
     save_hf_model(tmp_path / "out", cfg, params, tokenizer=load_tokenizer(tmp_path / "src"))
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["model_type"] == "qwen2" and written["architectures"] == ["Qwen2ForCausalLM"]
-    assert written["eos_token_id"] == 4
+    assert written["eos_token_id"] == [4, 2]  # every stop id, with no generation_config.json to hold them
+    assert load_tokenizer(tmp_path / "out").eos_ids == (4, 2)
     assert read_model_config(tmp_path / "out") == dataclasses.replace(cfg, hf_path=str(tmp_path / "out"))
+
+
+def test_reexport_and_mixed_directories_load_as_transformers_loads_them(tmp_path):
+    """Exports of different weights into one directory, one file then sharded and back: after
+    each, transformers and the loader read the same (latest) weights; and in a directory that
+    holds both layouts, both read model.safetensors."""
+    make_hf_model("llama", tmp_path / "src")
+    cfg, _, params = load_hf_model(tmp_path / "src")
+    other = jax.tree.map(lambda x: x * 1.5, params)
+    tokens = np.random.default_rng(3).integers(0, VOCAB, (2, 12)).astype(np.int32)
+
+    def agree(path: Path, want) -> None:
+        _, graphdef, loaded = load_hf_model(path)
+        assert_bit_equal(loaded, want)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                                local_files_only=True).eval()
+        ours = np.asarray(forward(graphdef, loaded, jnp.asarray(tokens), jnp.ones(tokens.shape, bool)))
+        assert np.abs(hf_logits(ref, tokens) - ours).max() < 1e-4
+
+    out = tmp_path / "out"
+    for weights, shard in [(params, 40_000), (other, 1 << 30), (params, 40_000)]:
+        save_hf_model(out, cfg, weights, base=tmp_path / "src", max_shard_bytes=shard)
+        agree(out, weights)
+
+    mixed = save_hf_model(tmp_path / "mixed", cfg, other, base=tmp_path / "src")
+    for f in out.glob("model*"):  # the sharded export of `params` beside a single file of `other`
+        f.rename(mixed / f.name)
+    agree(mixed, other)
 
 
 # ----------------------------------------------------------------------------------
@@ -373,6 +404,9 @@ def test_training_starts_from_the_hf_weights(tmp_path):
     assert 0 < moved < 1e-2  # two small Adam steps away from the HF weights, not from a fresh init
 
     run = tmp_path / "run"
+    before = {f.name: f.read_bytes() for f in (tmp_path / "hf").iterdir()}
+    assert main(["export", str(run / "config.yaml"), "--checkpoint", str(run), "--out", str(tmp_path / "hf")]) == 2
+    assert {f.name: f.read_bytes() for f in (tmp_path / "hf").iterdir()} == before  # refused before writing
     assert main(["export", str(run / "config.yaml"), "--checkpoint", str(run), "--out", str(tmp_path / "out")]) == 0
     assert load_tokenizer(tmp_path / "out").eos_ids == tok.eos_ids
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)

@@ -19,7 +19,7 @@ def rollout_batch(config, advantage):
     graphdef, params = init_params(config.model, 0)
     s = config.sampling
     sample = make_sampler(graphdef, config.model, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-                          top_k=s.top_k, top_p=s.top_p, eos_id=task.tokenizer.eos_id, pad_id=task.tokenizer.pad_id)
+                          top_k=s.top_k, top_p=s.top_p, stop_ids=task.tokenizer.eos_ids, pad_id=task.tokenizer.pad_id)
     prompts, mask = task.encode_prompts(task.train_problems(0, 0, 8))
     r = jax.device_get(sample(params, prompts, mask, jax.random.PRNGKey(1)))
     batch = {"tokens": r.tokens, "attention_mask": r.attention_mask, "completion_mask": r.completion_mask,
@@ -90,3 +90,17 @@ def test_every_loss_by_name_raises_the_likelihood_of_positive_advantage_rollouts
         new_params, opt_state, m = step(new_params, opt_state, batch, None)
     assert np.isfinite(float(m["loss"]))
     assert mean_logprob(new_params) - before > 1e-3
+
+
+@pytest.mark.parametrize("warmup, expected", [(4, [0.0, 0.25e-3, 0.5e-3, 0.75e-3, 1e-3, 1e-3]), (0, [1e-3] * 6)])
+def test_each_update_reports_the_learning_rate_it_applied(warmup, expected):
+    """The linear warm-up shows in the metrics: update k of a fresh optimizer uses lr * k / warmup."""
+    config = load_config(None, SMALL + ["train.learning_rate=1e-3", f"train.warmup_steps={warmup}"])
+    graphdef, params, batch = rollout_batch(config, advantage=1.0)
+    optimizer = make_optimizer(config.train)
+    step = make_train_step(graphdef, config, optimizer)
+    opt_state, rates = optimizer.init(params), []
+    for _ in expected:
+        params, opt_state, m = step(params, opt_state, batch, None)
+        rates.append(float(m["learning_rate"]))
+    np.testing.assert_allclose(rates, expected, rtol=1e-6)

@@ -48,8 +48,8 @@ class FreshStateCheck:
 def test_every_turn_decides_on_the_servers_current_state(tmp_path, monkeypatch, overrides):
     spies = []
 
-    def spying_reader_for(server, config, spec):
-        spies.append(FreshStateCheck(reader_for(server, config, spec), server))
+    def spying_reader_for(server, config, spec, **kwargs):
+        spies.append(FreshStateCheck(reader_for(server, config, spec, **kwargs), server))
         return spies[-1]
 
     monkeypatch.setattr(loop, "reader_for", spying_reader_for)

@@ -1,9 +1,12 @@
 """Multi-host SPMD: two processes on localhost stand in for a TPU pod (2 CPU devices each).
 
-Process 0 serves the one Reverb table, every process inserts its own rollouts and
-samples its share of each global batch, and all take the same learner steps.
+Every process inserts its own rollouts and samples its share of each global batch, and all
+take the same learner steps. Replay is sharded (each process keeps its own shard; the
+limiter decides from the summed counters) or, where Reverb is installed and asked for,
+one Reverb table served by process 0.
 """
 
+import importlib.util
 import json
 import os
 import socket
@@ -15,11 +18,12 @@ from typing import Optional
 
 import pytest
 
-pytest.importorskip("reverb", reason="needs dm-reverb (the `reverb` extra; Python 3.10/3.11): one Reverb server for all processes")
-
 from jaxreplay.config import ConfigError, load_config
 from jaxreplay.multihost import _choose, _insertable
 from jaxreplay.replay import LimiterState
+
+HAVE_REVERB = importlib.util.find_spec("reverb") is not None
+needs_reverb = pytest.mark.skipif(not HAVE_REVERB, reason="needs dm-reverb (the Reverb lane, Python 3.10/3.11)")
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,27 +73,39 @@ def _launch(run_dir: Path, num_processes: int, timeout_s: float, coordination_ti
     return results
 
 
+# Sharded replay: `auto` picks it where Reverb is not installed; on the Reverb lane it is asked for.
+SHARDED = [] if not HAVE_REVERB else ["replay.backend=inprocess"]
+
+
 @pytest.mark.slow
-def test_two_processes_train_the_same_params_from_one_shared_table(tmp_path):
-    results = _launch(tmp_path, num_processes=2, timeout_s=400)
+@pytest.mark.parametrize("backend, overrides", [
+    ("ShardedReplay", SHARDED),
+    pytest.param("CentralReplay", ["replay.backend=reverb"], marks=needs_reverb),
+])
+def test_two_processes_train_the_same_params_at_the_target_replay_ratio(tmp_path, backend, overrides):
+    results = _launch(tmp_path, num_processes=2, timeout_s=400,
+                      per_process={i: ["replay.samples_per_insert=2", *overrides] for i in range(2)})
     for i, r in enumerate(results):
         assert r.returncode == 0, f"process {i} failed:\n{r.stdout[-3000:]}"
 
     processes = [json.loads((tmp_path / f"process-{i}.json").read_text()) for i in range(2)]
     summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [p["replay/backend"] for p in processes] == [backend, backend]
     # Every process took every learner step, and the params moved, identically on both.
     assert [p["steps"] for p in processes] == [4, 4]
     assert processes[0]["params_sha256"] == processes[1]["params_sha256"]
     assert processes[0]["params_sha256"] != processes[0]["params_sha256_start"]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any(m["grad_norm"] > 0 for m in metrics)
-    # The one table, on process 0, holds the rollouts of both: each inserted its own, as
-    # many as the other, and sampled half of every batch of 16.
+    # The table holds the rollouts of both: each inserted its own, as many as the other,
+    # and sampled half of every batch of 16; the limiter counted both.
     inserted = [p["rows_inserted"] for p in processes]
     assert inserted[0] > 0 and inserted[0] == inserted[1]
     assert summary["replay/inserts"] == sum(inserted)
     assert [p["rows_sampled"] for p in processes] == [4 * 8, 4 * 8]
     assert summary["replay/samples"] == 4 * 16
+    assert summary["replay/samples_per_insert_target"] == 2.0
+    assert abs(summary["replay/ratio"] / 2.0 - 1) <= 0.1, summary["replay/ratio"]
 
 
 @pytest.mark.slow
@@ -142,3 +158,132 @@ def test_process_zero_picks_insert_then_learn_then_act():
 def test_bad_distributed_settings_are_rejected_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key):
         load_config("configs/demo.yaml", ["distributed.num_processes=2", override])
+
+
+# A small sharded table: shards of 8 rows, batches of 4 per process, 4 rows per process per act.
+SHARD_CFG = ["train.steps=6", "train.batch_size=8", "train.prompts_per_step=2", "train.group_size=4",
+             "replay.max_size=16", "replay.min_size_to_sample=4", "replay.samples_per_insert=2"]
+
+
+def _start_workers(out: Path, per_process: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """tests/sharded_replay_worker.py on 2 processes joined by a real coordination service."""
+    address = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "sharded_replay_worker.py"), str(i), "2", address,
+                               str(out), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i, args in enumerate(per_process)]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, out) for p, out in zip(procs, outputs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _run_sharded_workers(out: Path, overrides: list[str]) -> list[dict]:
+    for i, result in enumerate(_start_workers(out, [overrides, overrides])):
+        assert result.returncode == 0, f"process {i} failed:\n{result.stdout[-3000:]}"
+    return [json.loads((out / f"process-{i}.json").read_text()) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("sharded")
+    return out, _run_sharded_workers(out, SHARD_CFG)
+
+
+def test_sharded_replay_decides_alike_on_every_process_from_the_summed_counters(sharded_run):
+    _, reports = sharded_run
+    turns = reports[0]["turns"]
+    # The same global state, hence the same move, on both processes at every turn.
+    assert turns == reports[1]["turns"]
+    assert {t["move"]["move"] for t in turns} == {"act", "insert", "learn"}
+    # Each turn's counters are both processes' calls so far, not one shard's.
+    inserts = samples = 0
+    for t in turns:
+        assert (t["state"]["inserts"], t["state"]["samples"]) == (inserts, samples)
+        assert t["state"]["max_size"] == 16 and t["state"]["samples_per_insert"] == 2.0
+        inserts += 2 * t["move"].get("rows", 0)
+        samples += 8 * (t["move"]["move"] == "learn")
+    final = reports[0]["final"]
+    assert (final["inserts"], final["samples"]) == (inserts, samples)
+    for report in reports:
+        assert report["local"]["inserts"] == report["inserted"] == inserts // 2
+        assert report["local"]["samples"] == samples // 2 and report["local"]["max_size"] == 8
+        assert report["final"] == final
+
+
+def test_each_process_samples_only_its_own_shard_and_checkpoints_it(sharded_run):
+    out, reports = sharded_run
+    for pid, report in enumerate(reports):
+        assert len(report["samples"]) == 6
+        seen = 0  # rows this process had inserted when it took each batch
+        batches = iter(report["samples"])
+        for t in report["turns"]:
+            seen += t["move"].get("rows", 0)
+            if t["move"]["move"] == "learn":
+                batch = next(batches)
+                assert batch["origin"] == [pid] * 4  # B / P rows, all from this process
+                # ... from its shard: its freshest 8 rows (FIFO eviction per shard)
+                assert all(max(0, seen - 8) <= s < seen for s in batch["serial"]), (seen, batch)
+        # A shard checkpoints and restores on its own, items and counters.
+        assert report["restored_local"] == report["local"]
+        assert report["restored_final"] == report["final"]
+    assert sorted(p.name for p in (out / "replay").iterdir()) == ["shard-0", "shard-1"]
+
+
+@pytest.fixture
+def without_reverb(monkeypatch):
+    """The default tier: `import reverb` would fail, so `replay.backend=auto` is in-process."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "reverb" else real(name, *a))
+
+
+MULTI = ["distributed.enabled=true", "distributed.num_processes=2", "train.batch_size=16",
+         "replay.max_size=64", "replay.min_size_to_sample=16"]
+
+
+@pytest.mark.parametrize("backend", ["auto", "inprocess"])
+@pytest.mark.parametrize("overrides, key", [
+    (["replay.selector=prioritized"], "replay.selector"),
+    (["replay.positive_fraction=0.25"], "replay.positive_fraction"),
+    (["replay.max_times_sampled=2"], "replay.max_times_sampled"),  # uniform
+    (["replay.selector=fifo"], "replay.selector"),  # each shard would repeat its own oldest row
+    (["replay.selector=lifo", "replay.max_times_sampled=2"], "replay.max_times_sampled"),
+    (["replay.max_size=63"], "replay.max_size"),
+])
+def test_sharded_replay_rejects_settings_whose_meaning_would_change(without_reverb, backend, overrides, key):
+    with pytest.raises(ConfigError, match=rf"^{key}: .*sharded replay"):
+        load_config("configs/demo.yaml", [*MULTI, f"replay.backend={backend}", *overrides])
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["replay.mode=on_policy", "replay.selector=prioritized"],  # the on-policy queue ignores the selector
+])
+def test_sharded_replay_accepts_settings_that_keep_their_meaning(without_reverb, overrides):
+    config = load_config("configs/demo.yaml", [*MULTI, *overrides])
+    assert config.replay.backend == "auto"
+
+
+def test_one_process_keeps_every_selector_on_the_in_process_backend(without_reverb):
+    assert load_config("configs/demo.yaml", ["replay.selector=prioritized"]).replay.selector == "prioritized"
+
+
+@needs_reverb
+def test_auto_is_the_central_reverb_table_where_reverb_is_installed():
+    """It keeps the settings sharding would change; positive bias is not supported multi-host yet."""
+    assert load_config("configs/demo.yaml", [*MULTI, "replay.selector=prioritized"]).replay.selector == "prioritized"
+    with pytest.raises(ConfigError, match="^replay.positive_fraction: .*not supported multi-host yet"):
+        load_config("configs/demo.yaml", [*MULTI, "replay.positive_fraction=0.25"])
+
+
+@needs_reverb
+def test_processes_that_resolve_the_backend_differently_stop_with_a_config_error(tmp_path):
+    """As `auto` would where only some hosts have Reverb: both name the key instead of waiting on each other."""
+    results = _start_workers(tmp_path, [["--open", "replay.backend=inprocess"], ["--open", "replay.backend=reverb"]])
+    for result in results:
+        assert result.returncode != 0
+        assert "ConfigError: replay.backend: " in result.stdout, result.stdout[-2000:]
+        assert "different backends: inprocess on process 0, reverb on process 1" in result.stdout

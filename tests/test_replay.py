@@ -6,6 +6,11 @@ import contextlib
 import dataclasses
 import os
 import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 
 import numpy as np
@@ -14,8 +19,10 @@ import pytest
 pytest.importorskip("reverb", reason="needs dm-reverb (the `reverb` extra; Python 3.10/3.11)")
 
 from jaxreplay.config import ConfigError, load_config, validate
+from jaxreplay.guards import PreemptionNotice
 from jaxreplay.replay import (
-    TABLE_NAME, ReplayServer, ReplayTimeoutError, RolloutReader, RolloutWriter, build_table)
+    TABLE_NAME, PortInUseError, ReplayInterrupted, ReplayServer, ReplayTimeoutError, RolloutReader, RolloutWriter,
+    TableSharedError, build_table, check_port)
 
 # A regression here tends to hang inside Reverb's C++ (no Python signal gets in):
 # the thread method ends the run instead of waiting for the global timeout.
@@ -176,6 +183,116 @@ def test_sample_times_out_instead_of_hanging_when_sampled_items_expire():
         assert r.server.can_sample(4)
         with pytest.raises(ReplayTimeoutError, match="with 1 of 4 items taken"):
             r.reader.sample(4)
+
+
+def test_an_insert_the_limiter_admitted_times_out_naming_the_server_not_the_limiter():
+    """replay.timeout_s=0.001: the server often cannot confirm 1024 rows that soon, although
+    the limiter (unlimited here) admits them all; the message must say so, not blame the
+    limiter. A third or so of the attempts time out; 40 make missing one implausible."""
+    spec = {"tokens": ((10,), np.int32)}
+    unlimited = config(*LOOSE, "replay.error_buffer=1e12")
+    with ReplayServer(build_table(unlimited, spec)) as server:
+        for _ in range(40):
+            writer = RolloutWriter(server, spec, timeout_s=0.001)
+            try:
+                writer.insert({"tokens": np.zeros((1024, 10), np.int32)})
+            except ReplayTimeoutError as e:
+                message = str(e)
+                break
+            finally:
+                writer.close()
+        else:
+            pytest.fail("no insert timed out")
+        assert "waiting for the server to confirm them, although the rate limiter admits inserts" in message
+        assert "waiting for the rate limiter" not in message
+        assert server.info().can_insert(1)
+
+
+def test_a_sample_another_client_took_ends_at_once_naming_it():
+    """The caller's snapshot admitted 4 samples, but a second client took 2 of them first:
+    Reverb's sampler would wait for more inserts forever. The reader sees its sampler
+    stalled with the table counting more samples than it received, and says why."""
+    cfg = config("train.batch_size=4", "replay.min_size_to_sample=4", "replay.samples_per_insert=1",
+                 "replay.error_buffer=4", "replay.max_size=64")
+    with serve(cfg, timeout_s=30) as r:
+        r.writer.insert(rollouts(range(4)))
+        snapshot = r.server.snapshot()
+        assert snapshot[TABLE_NAME].can_sample_at_once(4) and not snapshot[TABLE_NAME].can_sample(5)
+        RolloutReader(r.server, SPEC, timeout_s=2).sample(2)  # the other client
+        start = time.monotonic()
+        with pytest.raises(TableSharedError, match=r"changed by another client .* replay\.port"):
+            r.reader.sample(4, snapshot)
+        assert time.monotonic() - start < 2
+
+
+@pytest.mark.parametrize("stage", ["waiting for the limiter", "waiting for Reverb's sampler"])
+def test_sigterm_ends_a_wait_within_a_slice(stage):
+    """SIGTERM's handler runs during any wait (they come back to Python every slice), and
+    the preemption flag it sets ends the wait in ReplayInterrupted: whether the reader polls
+    the limiter or waits on a sampler that the limiter holds back inside Reverb."""
+    notice = PreemptionNotice()  # this test runs on the main thread
+    try:
+        with serve(config(*LOOSE), timeout_s=30) as r:
+            reader = RolloutReader(r.server, SPEC, timeout_s=30, interrupted=notice.is_set)
+            snapshot = None
+            if stage == "waiting for Reverb's sampler":  # a snapshot that wrongly admits 4 samples of 2 items
+                r.writer.insert(rollouts(range(2)))
+                snapshot = {TABLE_NAME: dataclasses.replace(r.server.info(), size=4, deletes=-2)}
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            start = time.monotonic()
+            with pytest.raises(ReplayInterrupted):
+                reader.sample(4, snapshot)
+            assert 0.25 < time.monotonic() - start < 1.0
+    finally:
+        notice.close()
+
+
+def test_a_pinned_port_is_claimed_by_one_server_at_a_time():
+    """gRPC binds with SO_REUSEPORT, so Reverb alone would start a second server on a
+    port in use and split the clients between the two."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with serve(config(*LOOSE), port=port) as r:
+        assert r.server.port == port
+        with pytest.raises(PortInUseError, match=f"^replay.port: {port} is in use by another jaxreplay run "
+                                                 f"\\(pid {os.getpid()}\\)"):
+            ReplayServer(build_table(config(*LOOSE), SPEC), port=port)
+        with pytest.raises(PortInUseError, match=f"replay.port: {port}"):
+            check_port(port)
+    with serve(config(*LOOSE), port=port) as r:  # free again once the first server stopped
+        assert r.server.port == port
+    with socket.socket() as other:  # anything listening there, on any interface
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the last server's connections linger
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        with pytest.raises(PortInUseError, match=f"replay.port: {port} is already in use"):
+            ReplayServer(build_table(config(*LOOSE), SPEC), port=port)
+
+
+def test_reverb_logs_go_to_a_file_not_the_terminal(tmp_path):
+    """Reverb's logger writes a line per sampler (per batch) straight to file descriptor 2,
+    with no level to set: outside the CLI the adapter moves descriptor 2 to a log file,
+    leaving Python's stderr on the terminal."""
+    script = (
+        "import sys, numpy as np\n"
+        "from jaxreplay.config import load_config\n"
+        "from jaxreplay.replay import RolloutReader, RolloutWriter, build_tables, serve\n"
+        "spec = {'tokens': ((3,), np.int32), 'reward': ((), np.float32)}\n"
+        "c = load_config(None, ['replay.backend=reverb', 'train.batch_size=2', 'train.prompts_per_step=2',\n"
+        "                       'train.group_size=2', 'replay.min_size_to_sample=2', 'replay.max_size=8'])\n"
+        "with serve(build_tables(c, spec), timeout_s=5) as s:\n"
+        "    RolloutWriter(s, spec, timeout_s=5).insert({'tokens': np.zeros((4, 3), np.int32),\n"
+        "                                                'reward': np.zeros(4, np.float32)})\n"
+        "    RolloutReader(s, spec, timeout_s=5).sample(2)\n"
+        "print('python stderr', file=sys.stderr)\n")
+    log = tmp_path / "native.log"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "JAXREPLAY_NATIVE_LOG": str(log)})
+    assert result.returncode == 0, result.stderr
+    assert "[reverb/cc" not in result.stderr + result.stdout
+    assert result.stderr.strip() == "python stderr"
+    assert "Sampler and server are owned by the same process" in log.read_text()
 
 
 # 3. Selectors, eviction, on-policy --------------------------------------------------

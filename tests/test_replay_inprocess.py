@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -103,3 +104,44 @@ def test_a_reverb_server_refuses_in_process_tables():
     from jaxreplay.replay import ReplayServer
     with pytest.raises(TypeError, match="in-process ones .* replay.serve"):
         ReplayServer(build_tables(load_config(None, list(CFG)), SPEC, "inprocess"))
+
+
+def test_seeded_servers_sample_alike_and_a_restore_continues_the_same_draws(tmp_path):
+    """The uniform selector draws from the server's RNG: the same seed gives the same samples,
+    and a restored checkpoint carries the RNG on where the saved server left it."""
+    def keys(s, n=6):
+        return list(RolloutReader(s, SPEC, timeout_s=1).sample(n)[1].keys)
+
+    with server("replay.max_size=64", "replay.error_buffer=40", seed=3, checkpoint_root=tmp_path) as a, \
+            server("replay.max_size=64", "replay.error_buffer=40", seed=3) as b, \
+            server("replay.max_size=64", "replay.error_buffer=40", seed=4) as other:
+        for s in (a, b, other):
+            RolloutWriter(s, SPEC, timeout_s=1).insert(rollouts(range(20)))
+        assert keys(a) == keys(b) != keys(other)
+        path = a.checkpoint()
+        after = keys(a)
+    with server("replay.max_size=64", "replay.error_buffer=40", seed=3, restore_from=path) as restored:
+        assert keys(restored) == after
+
+
+@pytest.mark.parametrize("call", ["sample", "insert"])
+def test_sigterm_ends_a_blocked_call_within_a_slice(call):
+    """A blocked call waits in slices, so SIGTERM's handler runs, and the preemption flag
+    it sets ends the wait in ReplayInterrupted rather than at the timeout."""
+    from jaxreplay.guards import PreemptionNotice
+    from jaxreplay.replay import ReplayInterrupted
+
+    notice = PreemptionNotice()  # this test runs on the main thread
+    try:
+        with server(timeout_s=30) as s:
+            reader = RolloutReader(s, SPEC, timeout_s=30, interrupted=notice.is_set)
+            writer = RolloutWriter(s, SPEC, timeout_s=30, interrupted=notice.is_set)
+            if call == "insert":
+                writer.insert(rollouts(range(4)))  # the window is full: the next insert waits for a sample
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            start = time.monotonic()
+            with pytest.raises(ReplayInterrupted, match=f"table 'rollouts'"):
+                reader.sample(1) if call == "sample" else writer.insert(rollouts([4]))
+            assert 0.25 < time.monotonic() - start < 1.0
+    finally:
+        notice.close()

@@ -49,7 +49,7 @@ def test_grpo_clipping_by_hand():
     assert float(m["pg_clipfrac"]) == pytest.approx(2 / 4)
     assert float(m["pg_clipfrac_high"]) == pytest.approx(1 / 4)
     assert float(m["pg_clipfrac_low"]) == pytest.approx(1 / 4)
-    k3 = [(1 / r) - 1 + math.log(r) for r in (1.5, 0.5, 1.1, 0.5)]
+    k3 = [r - 1 - math.log(r) for r in (1.5, 0.5, 1.1, 0.5)]
     assert float(m["approx_kl"]) == pytest.approx(sum(k3) / 4, rel=1e-5)
 
 
@@ -160,3 +160,41 @@ def test_loss_and_advantage_are_chosen_by_name_in_config():
         load_config(None, ["train.loss=asymre"])  # r - V needs a centred estimator
     with pytest.raises(ConfigError, match="train.loss"):
         load_config(None, ["train.loss=ppo2"])
+
+
+def _categorical_pair():
+    """Two distributions over 6 tokens, and many tokens drawn from each."""
+    behaviour = jax.nn.log_softmax(jnp.array([1.0, 0.2, -0.5, 2.0, 0.0, -1.0]))
+    current = jax.nn.log_softmax(jnp.array([0.3, 0.9, -0.2, 1.2, 0.6, -0.4]))
+    return behaviour, current
+
+
+def _kl(p, q):
+    return float(jnp.sum(jnp.exp(p) * (p - q)))
+
+
+def test_approx_kl_estimates_kl_behaviour_to_current_on_behaviour_samples():
+    behaviour, current = _categorical_pair()
+    tokens = jax.random.categorical(jax.random.key(0), behaviour, shape=(200_000,))
+    lp, blp = current[tokens][None], behaviour[tokens][None]
+    _, m = grpo_clip_loss(lp, blp, jnp.zeros(1), jnp.ones_like(lp, bool), eps_low=0.2, eps_high=0.2)
+    assert float(m["approx_kl"]) == pytest.approx(_kl(behaviour, current), rel=0.03)
+    assert abs(_kl(current, behaviour) - _kl(behaviour, current)) > 0.1 * _kl(behaviour, current)  # directions differ
+
+
+def test_kl_penalty_estimates_kl_current_to_reference_on_current_samples():
+    reference, current = _categorical_pair()
+    tokens = jax.random.categorical(jax.random.key(1), current, shape=(200_000,))
+    value = kl_penalty(current[tokens][None], reference[tokens][None], jnp.ones((1, tokens.size), bool))
+    assert float(value) == pytest.approx(_kl(current, reference), rel=0.03)
+
+
+def test_asymre_reports_no_loss_for_tokens_at_the_filter_floor():
+    from jaxreplay.rl.losses import LOGPROB_FLOOR
+
+    lp = jnp.array([[-0.5, LOGPROB_FLOOR, -1.0]])
+    mask = jnp.ones((1, 3), bool)
+    loss, _ = asymre_loss(lp, lp, jnp.array([0.5]), mask, asymre_delta_v=-0.1)
+    assert float(loss) == pytest.approx(0.6 * (0.5 + 1.0) / 3, rel=1e-6)  # the floored token adds 0
+    grad = jax.grad(lambda x: asymre_loss(x, lp, jnp.array([0.5]), mask, asymre_delta_v=-0.1)[0])(lp)
+    assert float(grad[0, 1]) == 0.0 and float(grad[0, 0]) == pytest.approx(-0.6 / 3)

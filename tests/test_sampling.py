@@ -11,7 +11,8 @@ import pytest
 
 from jaxreplay.config import ModelConfig
 from jaxreplay.models import forward, init_params
-from jaxreplay.sampling import Rollout, _phase_ends, filter_logits, make_sampler, token_entropy, token_logprobs
+from jaxreplay.sampling import (
+    Rollout, _phase_ends, completion_ids, filter_logits, make_sampler, token_entropy, token_logprobs)
 
 CFG = ModelConfig(vocab_size=8, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
                   max_seq_len=20, tie_embeddings=False, attention_bias=True, qk_norm=True)
@@ -44,20 +45,21 @@ PROMPT, PROMPT_MASK = prompts(1, LENGTHS, 6)
 
 
 @functools.lru_cache(maxsize=None)
-def rollout(seed=7, **settings) -> Rollout:
-    sampler = make_sampler(GRAPHDEF, CFG, max_new_tokens=N_NEW, eos_id=EOS, pad_id=PAD, **settings)
+def rollout(seed=7, stop_ids=(EOS,), **settings) -> Rollout:
+    sampler = make_sampler(GRAPHDEF, CFG, max_new_tokens=N_NEW, stop_ids=stop_ids, pad_id=PAD, **settings)
     return jax.tree.map(np.asarray, sampler(PARAMS, PROMPT, PROMPT_MASK, jax.random.key(seed)))
 
 
-def check_structure(r: Rollout, p=6):
-    """Prompt kept verbatim; completion real through the first EOS, then pad/masked/zero."""
+def check_structure(r: Rollout, p=6, stops=(EOS,)):
+    """Prompt kept verbatim; completion real through the first stop id, then pad/masked/zero;
+    `completion_ids` (what the reward sees) is exactly the tokens the completion mask covers."""
     np.testing.assert_array_equal(r.tokens[:, :p], PROMPT)
     np.testing.assert_array_equal(r.attention_mask[:, :p], PROMPT_MASK)
     assert not r.completion_mask[:, :p].any() and (r.logprobs[:, :p] == 0).all()
     ended_early = 0
     for row in range(r.tokens.shape[0]):
         comp = r.tokens[row, p:]
-        eos = np.flatnonzero(comp == EOS)
+        eos = np.flatnonzero(np.isin(comp, stops))
         n_real = eos[0] + 1 if len(eos) else N_NEW
         ended_early += n_real < N_NEW
         expect = np.arange(N_NEW) < n_real
@@ -66,7 +68,8 @@ def check_structure(r: Rollout, p=6):
         assert (comp[n_real:] == PAD).all()
         assert (r.logprobs[row, p:][n_real:] == 0).all()
         assert (r.logprobs[row, p:][:n_real] <= 0).all() and np.isfinite(r.logprobs[row]).all()
-        assert (comp[:n_real - 1] != EOS).all()
+        assert not np.isin(comp[:n_real - 1], stops).any()
+        np.testing.assert_array_equal(completion_ids(r)[row], comp[:n_real])
     return ended_early
 
 
@@ -82,6 +85,18 @@ def test_eos_then_pad_and_masks():
     assert mixed, "the fixture should have rows that hit EOS and rows that do not"
 
 
+def test_every_stop_id_ends_a_completion():
+    """Several stop ids (a generation_config with eos_token_id [4, 2]): a row ends at the first of
+    any of them, masks and the reward's view included, and some rows end on the second one."""
+    sampler = make_sampler(GRAPHDEF, CFG, max_new_tokens=N_NEW, stop_ids=(EOS, 3), pad_id=PAD, temperature=1.0)
+    ended_on_second = 0
+    for seed in range(4):
+        r = jax.tree.map(np.asarray, sampler(PARAMS, PROMPT, PROMPT_MASK, jax.random.key(seed)))
+        check_structure(r, stops=(EOS, 3))
+        ended_on_second += sum(len(ids) < N_NEW and ids[-1] == 3 for ids in completion_ids(r))
+    assert ended_on_second, "the fixture should have rows that stop on the second stop id"
+
+
 def test_logprobs_match_full_forward_with_temperature():
     r = rollout(temperature=0.7)
     check_structure(r)
@@ -93,7 +108,7 @@ def test_a_long_decode_grows_its_cache_in_phases_and_still_matches_a_full_forwar
     """70 new tokens decode in two loops, over caches of P + 35 then P + 70 slots."""
     assert _phase_ends(70) == [35, 70] and _phase_ends(128) == [32, 64, 96, 128] and _phase_ends(N_NEW) == [N_NEW]
     cfg = dataclasses.replace(CFG, max_seq_len=80)
-    sampler = make_sampler(GRAPHDEF, cfg, max_new_tokens=70, temperature=0.7, eos_id=-1, pad_id=PAD)  # no EOS
+    sampler = make_sampler(GRAPHDEF, cfg, max_new_tokens=70, temperature=0.7, stop_ids=(), pad_id=PAD)  # no stop id
     r = jax.tree.map(np.asarray, sampler(PARAMS, PROMPT, PROMPT_MASK, jax.random.key(3)))
     assert r.completion_mask[:, 6:].all()
     ref = np.asarray(token_logprobs(FORWARD(PARAMS, r.tokens, r.attention_mask), r.tokens, 0.7))
@@ -136,7 +151,7 @@ def test_samples_follow_the_filtered_distribution():
     n, temperature, top_k, top_p = 4000, 1.5, 4, 0.85
     prompt, mask = prompts(2, [3], 4)
     sampler = make_sampler(GRAPHDEF, CFG, max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p,
-                           eos_id=EOS, pad_id=PAD)
+                           stop_ids=(EOS,), pad_id=PAD)
     r = sampler(PARAMS, jnp.tile(prompt, (n, 1)), jnp.tile(mask, (n, 1)), jax.random.key(3))
     logits = np.asarray(FORWARD(PARAMS, prompt, mask))[0, -1]
     probs = np.exp(reference_filter(logits, temperature, top_k, top_p))
@@ -166,7 +181,7 @@ def test_top_k_1_equals_greedy():
 
 
 def test_no_recompilation_for_new_values_of_the_same_shape():
-    sampler = make_sampler(GRAPHDEF, CFG, max_new_tokens=4, temperature=0.8, top_p=0.9, eos_id=EOS, pad_id=PAD)
+    sampler = make_sampler(GRAPHDEF, CFG, max_new_tokens=4, temperature=0.8, top_p=0.9, stop_ids=(EOS,), pad_id=PAD)
     outs = []
     for seed in range(3):
         _, params = params_for(10 + seed)
@@ -180,7 +195,7 @@ def test_no_recompilation_for_new_values_of_the_same_shape():
 
 
 def test_too_long_raises():
-    sampler = make_sampler(GRAPHDEF, CFG, max_new_tokens=15, eos_id=EOS, pad_id=PAD)
+    sampler = make_sampler(GRAPHDEF, CFG, max_new_tokens=15, stop_ids=(EOS,), pad_id=PAD)
     tokens, mask = prompts(0, [3, 6], 6)
     with pytest.raises(ValueError, match="max_seq_len"):
         sampler(PARAMS, tokens, mask, jax.random.key(0))
@@ -224,7 +239,7 @@ def test_a_chunked_prefill_of_a_long_prompt_needs_less_memory():
     tokens, mask = jnp.full((8, 256), 3, jnp.int32), jnp.ones((8, 256), bool)
 
     def temp_bytes(chunk):
-        sampler = make_sampler(graphdef, cfg, max_new_tokens=4, eos_id=EOS, pad_id=PAD, prefill_chunk_size=chunk)
+        sampler = make_sampler(graphdef, cfg, max_new_tokens=4, stop_ids=[EOS], pad_id=PAD, prefill_chunk_size=chunk)
         return sampler.lower(params, tokens, mask, jax.random.key(0)).compile().memory_analysis().temp_size_in_bytes
 
     assert temp_bytes(32) < temp_bytes(0) / 2
@@ -240,7 +255,7 @@ def test_the_kv_cache_is_stored_in_the_configured_dtype():
         config = load_config(None, [f"sampling.kv_cache_dtype={kv_dtype}"] if kv_dtype else [])
         graphdef, params = init_params(config.model, 0)
         tokens, mask = prompts(2, [5, 3, 7, 1], 7)
-        sample, _ = make_run_samplers(graphdef, config, eos_id=EOS, pad_id=PAD)
+        sample, _ = make_run_samplers(graphdef, config, stop_ids=[EOS], pad_id=PAD)
         return sample.lower(params, tokens, mask, jax.random.key(0)).as_text()
 
     m = load_config(None).model

@@ -34,7 +34,7 @@ def setup():
     graphdef, params = init_params(config.model, 0)
     prompts, mask = task.encode_prompts(task.train_problems(0, 0, ROWS))
     tok = task.tokenizer
-    kwargs = dict(max_new_tokens=config.sampling.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    kwargs = dict(max_new_tokens=config.sampling.max_new_tokens, stop_ids=tok.eos_ids, pad_id=tok.pad_id)
     r = jax.device_get(make_sampler(graphdef, config.model, **kwargs)(params, prompts, mask, jax.random.PRNGKey(1)))
     advantage = np.random.default_rng(0).standard_normal(ROWS).astype(np.float32)
     batch = {"tokens": r.tokens, "attention_mask": r.attention_mask, "completion_mask": r.completion_mask,

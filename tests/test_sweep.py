@@ -28,6 +28,19 @@ def test_the_committed_demo_sweep_is_4_settings_by_3_seeds():
     assert spi["on_policy"][0] == "on_policy" and spi["spi8"] == ("replay", 8.0)
 
 
+def test_command_line_overrides_apply_to_every_run_after_the_files_own(tmp_path):
+    path = _write(tmp_path, "seeds: [0, 1]\noverrides: [train.steps=7]\nsettings:\n  a: [train.batch_size=32]\n")
+    sweep = load_sweep(path, ["train.steps=9", "train.batch_size=16"])
+    assert {(r.config.train.steps, r.config.train.batch_size) for r in sweep.runs} == {(9, 16)}
+    assert all("train.steps=9" in c for c in commands(sweep))
+    with pytest.raises(ConfigError, match="run.seed and run.dir are set by the sweep"):
+        load_sweep(path, ["run.seed=3"])
+    out = subprocess.run([sys.executable, "-m", "jaxreplay.cli", "sweep", str(path), "train.steps=11", "--print"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert all("train.steps=11" in line for line in out.stdout.splitlines())
+
+
 def test_grid_is_settings_times_seeds_with_one_command_each(tmp_path):
     sweep = load_sweep(_write(tmp_path, "seeds: [3, 4]\noverrides: [train.steps=7]\nsettings:\n"
                                         "  a: [replay.samples_per_insert=4]\n  b: [replay.mode=on_policy]\n"))

@@ -1,10 +1,18 @@
 """The replay cost model: closed form, numeric check, and the Reverb settings it implies."""
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from jaxreplay.theory import cost, describe, numeric_optimum, optimum, replay_ratio, reverb_settings
+from jaxreplay.calibrate import horizon_mismatch
+from jaxreplay.config import load_config
+from jaxreplay.theory import (cost, describe, numeric_optimum, optimum, realised_horizon, replay_ratio,
+                              reverb_settings, split_compute_ratio)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_paper_constants_give_a_staleness_horizon_of_14_and_a_replay_ratio_of_5_6():
@@ -38,7 +46,8 @@ def test_optimal_ratio_is_the_best_ratio_at_the_optimal_horizon():
 
 def test_reverb_settings_scale_the_horizon_by_rollouts_per_step():
     s = reverb_settings(optimum(5.28, 0.1, 0.1), rollouts_per_step=64)
-    assert s == {"replay.mode": "replay", "replay.max_size": round(14.319 * 64), "replay.samples_per_insert": 5.576}
+    assert s == {"replay.mode": "replay", "replay.max_size": round(14.319 * 64), "replay.samples_per_insert": 5.576,
+                 "train.batch_size": round(5.576 * 64)}
     text = describe(optimum(5.28, 0.1, 0.1), 64)
     assert "x* = 14.32" in text and "y* = 5.576" in text and "replay.max_size=916" in text
 
@@ -55,3 +64,49 @@ def test_cheap_generation_is_flagged_as_saving_nothing():
     opt = optimum(0.3, 0.1, 0.1)
     assert opt.y < 1 and opt.compute_ratio > 1
     assert "replay saves no compute" in describe(opt, 64)
+
+
+@pytest.mark.parametrize("split,paper_gamma", [((7, 1), 1.29), ((6, 2), 0.65), ((5, 3), 0.43), ((4, 4), 0.32)])
+def test_device_split_compute_ratio_matches_the_papers_table_1(split, paper_gamma):
+    assert split_compute_ratio(*split, mu=5.28) == pytest.approx(paper_gamma, abs=0.03)
+
+
+def test_both_ways_of_setting_a_run_realise_the_optimal_horizon():
+    opt = optimum(5.28, 0.1, 0.1)
+    for batch_size in (None, 64, 512):
+        s = reverb_settings(opt, rollouts_per_step=64, batch_size=batch_size)
+        realised = realised_horizon(s["replay.max_size"], s["train.batch_size"], s["replay.samples_per_insert"])
+        assert realised == pytest.approx(opt.x, rel=0.02), (batch_size, s)
+    # The model's own batch: one learner update per actor step, B = y*R, kept a multiple of the unit.
+    assert reverb_settings(opt, 64, batch_unit=8)["train.batch_size"] == 360
+    # The old advice (N = x*R at the default B = R = 64) spans y* times the horizon.
+    assert realised_horizon(round(opt.x * 64), 64, opt.y) == pytest.approx(opt.y * opt.x, rel=0.01)
+
+
+def test_theory_command_prints_the_batch_size_and_the_device_split_table():
+    out = subprocess.run([sys.executable, "-m", "jaxreplay.cli", "theory", "--mu", "5.28", "--rho", "0.1", "--alpha",
+                          "0.1", "--rollouts-per-step", "64", "--batch-size", "64"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "train.batch_size=357 replay.max_size=916" in out.stdout
+    assert "train.batch_size=64 replay.max_size=164" in out.stdout
+    assert "  6  2  0.64" in out.stdout and "gamma = (1 + W/T)/(1 + mu)" in out.stdout
+
+
+@pytest.mark.parametrize("args", [["--mu", "0"], ["--mu", "nan"], ["--rho", "inf"], ["--alpha", "0.5"],
+                                  ["--rollouts-per-step", "0"], ["--batch-size", "-4"]])
+def test_theory_command_refuses_bad_input_with_one_line_and_exit_2(args):
+    base = {"--mu": "5.28", "--rho": "0.1", "--alpha": "0.1"}
+    base.update(dict(zip(args[::2], args[1::2])))
+    out = subprocess.run([sys.executable, "-m", "jaxreplay.cli", "theory", *sum(base.items(), ())],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert args[0] in out.stderr
+
+
+def test_calibration_says_when_the_batch_size_does_not_realise_the_horizon():
+    config = load_config(ROOT / "configs" / "demo.yaml", ["replay.max_size=512"])  # R = 64, B = 64
+    assert "realises a staleness horizon of 16 learner steps, not the modelled x = N/R = 8" in \
+        horizon_mismatch(config, 2.0)
+    matched = load_config(ROOT / "configs" / "demo.yaml", ["replay.max_size=512", "train.batch_size=128"])
+    assert horizon_mismatch(matched, 2.0) == ""

@@ -2,12 +2,15 @@
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from jaxreplay.actor import item_spec
 from jaxreplay.checkpoint import Checkpointer
@@ -16,6 +19,7 @@ from jaxreplay.loop import _state, train
 from jaxreplay.metrics import read_metrics
 from jaxreplay.models import init_params
 from jaxreplay.learner import make_optimizer
+from jaxreplay.replay import resolve_backend
 from jaxreplay.tasks import make_task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +37,7 @@ TINY = [
 LEARNING = ["task.min_digits=1", "task.max_digits=1", "warmstart.steps=300", "warmstart.learning_rate=3e-3"]
 
 REQUIRED_KEYS = {
-    "step", "loss", "reward_mean", "accuracy", "entropy", "pg_clipfrac", "approx_kl", "grad_norm",
+    "step", "loss", "reward_mean", "accuracy", "entropy", "pg_clipfrac", "approx_kl", "grad_norm", "learning_rate",
     "replay/size", "replay/inserts", "replay/samples", "replay/ratio", "staleness/mean", "staleness/max",
     "tokens/generated", "tokens/trained", "time/generate_s", "time/train_s",
 }
@@ -76,8 +80,11 @@ def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path):
     The narrow limiter window admits only a few of each actor step's 16 rollouts at a
     time, so the checkpoint at step 2 holds 9 generated rollouts still waiting.
     """
+    # AsymRE's advantage r - (V + dV) is never zero, so every step moves the params even when a
+    # 4-row FIFO batch holds one group with equal rewards (GRPO's advantage is 0 there).
     deterministic = ["replay.selector=fifo", "train.batch_size=4", "replay.samples_per_insert=1",
-                     "replay.error_buffer=3", "replay.max_size=16", "replay.min_size_to_sample=16", *LEARNING]
+                     "replay.error_buffer=3", "replay.max_size=16", "replay.min_size_to_sample=16", *LEARNING,
+                     "train.loss=asymre", "train.advantage=group_centered"]
     straight_config, straight = run(tmp_path, *deterministic, "train.steps=8", name="straight")
     run(tmp_path, *deterministic, "train.steps=2", name="resumed")
     resumed_config, resumed = run(tmp_path, *deterministic, "train.steps=8", name="resumed")
@@ -109,6 +116,63 @@ def jax_leaves(tree):
     import jax
 
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+# FIFO sampling through a narrow window (the oldest item keeps changing): deterministic on Reverb.
+NARROW_FIFO = ["replay.selector=fifo", "train.batch_size=4", "replay.samples_per_insert=1", "replay.error_buffer=3",
+               "replay.max_size=16", "replay.min_size_to_sample=16"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, selector", [("inprocess", ["replay.selector=uniform"]), ("reverb", NARROW_FIFO)],
+                         ids=["inprocess-uniform", "reverb-fifo"])
+def test_two_runs_with_the_same_seed_are_identical(tmp_path, backend, selector):
+    """The in-process server's selectors draw from a seed derived from run.seed; Reverb's
+    uniform selector cannot be seeded, its fifo one needs no seed. The second run reuses
+    the first one's warm start (deterministic, and not what this tests)."""
+    if backend == "reverb":
+        pytest.importorskip("reverb", reason="the reverb extra is not installed")
+    settings = [f"replay.backend={backend}", *selector, "train.steps=8", *LEARNING]
+    first, _ = run(tmp_path, *settings, name="first")
+    shutil.copytree(Path(first.run.dir) / "warmstart", tmp_path / "second" / "warmstart")
+    second, _ = run(tmp_path, *settings, name="second")
+    a, b = read_metrics(first.run.dir), read_metrics(second.run.dir)
+    assert sum(r["grad_norm"] > 0 for r in a[1:]) >= 3, "the runs must actually learn for this to test anything"
+    untimed = lambda record: {k: v for k, v in record.items() if not k.startswith(("time/", "cost/"))}
+    for ra, rb in zip(a, b, strict=True):
+        assert untimed(ra) == untimed(rb)
+
+
+@pytest.mark.slow
+def test_a_run_says_what_it_does_and_a_resume_what_it_resumed(tmp_path, capsys):
+    """The backend `auto` chose is printed and recorded; the warm start shows a progress
+    bar; a resume prints the latest evaluation, not the warm start's; summary.json's
+    seconds count every invocation; an invocation that runs no step prints no "done"."""
+    def leg(steps, *overrides):
+        lines = []
+        config = load_config(DEMO, [*TINY, f"run.dir={tmp_path}", f"train.steps={steps}", *overrides])
+        t0 = time.perf_counter()
+        summary = train(config, log=lines.append)
+        return lines, summary, time.perf_counter() - t0
+
+    backend = resolve_backend("auto")
+    lines, first, _ = leg(4, "run.progress_bar=true")
+    assert lines[0] == f"replay backend: {backend} (replay.backend=auto)"
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["replay"]["backend"] == backend
+    assert "warm start: 100%" in capsys.readouterr().err
+    assert any(line.startswith("eval/accuracy at start: ") for line in lines)
+
+    lines, second, seconds = leg(8)
+    latest, warm = read_metrics(tmp_path)[4]["eval/accuracy"], read_metrics(tmp_path)[0]["eval/accuracy"]
+    assert f"eval/accuracy {latest:.3f} at the latest evaluation, resuming at step 4 ({warm:.3f} after the warm " \
+        "start)" in lines
+    assert not any(line.startswith("eval/accuracy at start") for line in lines)
+    assert second["seconds"] > max(first["seconds"], seconds)  # both invocations, not the last one alone
+    assert lines[-1].startswith("done: 8 steps")
+
+    lines, third, _ = leg(8)
+    assert not any(line.startswith("done:") for line in lines), lines
+    assert third["seconds"] >= second["seconds"]
 
 
 @pytest.mark.slow
@@ -166,3 +230,21 @@ def test_cli_trains_and_keeps_native_logs_off_the_terminal(tmp_path):
     if importlib.util.find_spec("reverb") is not None:  # the in-process backend logs nothing natively
         assert "[reverb/cc" in (tmp_path / "native.log").read_text()
     assert result.stdout.strip().splitlines()[-1].startswith("done: 4 steps")
+
+
+@pytest.mark.slow
+def test_asking_for_no_more_steps_than_done_runs_nothing_and_says_why(tmp_path):
+    """It used to print "done: 4 steps in 6.3s" as if it had trained."""
+    config, _ = run(tmp_path, "train.steps=4")
+    run_dir = Path(config.run.dir)
+    kept = ("config.yaml", "metrics.jsonl", "summary.json")
+    before = {name: (run_dir / name).read_bytes() for name in kept}
+    for steps in (4, 2):
+        result = subprocess.run([sys.executable, "-m", "jaxreplay.cli", "train", str(DEMO), *TINY,
+                                 f"train.steps={steps}", f"run.dir={run_dir}"],
+                                capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip().splitlines()[1:] == [  # after the version line
+            f"nothing to run: no step ran, because the checkpoint in {run_dir / 'checkpoints'} is already at "
+            f"step 4 >= train.steps={steps}; raise train.steps to train further"]
+    assert {name: (run_dir / name).read_bytes() for name in kept} == before

@@ -17,11 +17,14 @@ transposed on the way in and out. Everything else keeps its layout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import jax
 import numpy as np
@@ -104,13 +107,27 @@ def _read_hf_config(path: Path) -> Any:
         raw = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise HFModelError(f"{file}: malformed JSON at line {e.lineno}") from None
+    except UnicodeDecodeError:
+        raise HFModelError(f"{file}: not UTF-8 text") from None
+    if not isinstance(raw, dict):
+        raise HFModelError(f"{file}: not a JSON object")
     model_type = raw.get("model_type")
     if model_type not in FAMILIES:
         raise HFModelError(f"{file}: unknown architecture model_type={model_type!r} "
                            f"(supported: {', '.join(sorted(FAMILIES))})")
     import transformers  # the demo path never needs it
+    from huggingface_hub.errors import StrictDataclassError
 
-    return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    try:
+        return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except (ValueError, TypeError, KeyError, AttributeError, OSError, StrictDataclassError) as e:
+        raise HFModelError(f"{file}: rejected by transformers: {_one_line(e)}") from None
+
+
+def _one_line(error: Exception, limit: int = 400) -> str:
+    """A library's multi-line message on one line, cut at `limit` characters."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def model_config_from_hf(hf: Any, *, param_dtype: DType = "float32", compute_dtype: DType = "float32",
@@ -143,13 +160,20 @@ def model_config_from_hf(hf: Any, *, param_dtype: DType = "float32", compute_dty
     # Qwen2 always has q/k/v biases; in Llama and Qwen3 `attention_bias` also puts one on o_proj.
     unsupported(family.attention_bias or not getattr(hf, "attention_bias", False), "attention_bias=true")
     n_heads = hf.num_attention_heads
+    n_kv_heads = getattr(hf, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // n_heads
+    # Older transformers (5.17) accept these; our decoder cannot run them.
+    if head_dim % 2:
+        raise HFModelError(f"{source}: head_dim={head_dim} must be even for RoPE")
+    if n_heads % n_kv_heads:
+        raise HFModelError(f"{source}: num_key_value_heads={n_kv_heads} must divide num_attention_heads={n_heads}")
     return ModelConfig(
         vocab_size=hf.vocab_size,
         d_model=hf.hidden_size,
         n_layers=hf.num_hidden_layers,
         n_heads=n_heads,
-        n_kv_heads=getattr(hf, "num_key_value_heads", None) or n_heads,
-        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
         d_ff=hf.intermediate_size,
         max_seq_len=max_seq_len if max_seq_len is not None else hf.max_position_embeddings,
         rope_theta=float(rope.get("rope_theta", 10_000.0)),
@@ -188,31 +212,105 @@ def family_of(cfg: ModelConfig) -> str:
 # Import
 
 
-def _weight_files(path: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file holding it."""
-    from safetensors import safe_open
+def _inside(path: Path, name: Any, where: str) -> Path:
+    """`path / name`, refused unless `name` is a relative file name that stays inside `path`
+    (as transformers checks `transformers_weights`)."""
+    if not isinstance(name, str) or not name:
+        raise HFModelError(f"{where}: {name!r} is not a file name")
+    base = os.path.abspath(path)
+    full = os.path.abspath(os.path.join(base, name))
+    if os.path.commonpath([base, full]) != base or full == base:
+        raise HFModelError(f"{where}: {name!r} is outside the model directory {path}")
+    return path / name
 
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise HFModelError(f"{index}: not a safetensors index (no weight_map)") from None
-        files = {name: path / file for name, file in weight_map.items()}
-        for file in sorted(set(files.values())):
-            if not file.is_file():
-                raise HFModelError(f"{index} names {file.name}, which does not exist")
-        return files
-    singles = sorted(path.glob("*.safetensors"))
-    if not singles:
-        other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".h5", ".msgpack"))
-        hint = f" (found {', '.join(other)}: convert it to safetensors)" if other else ""
-        raise HFModelError(f"{path} holds no safetensors weights{hint}")
-    files = {}
-    for file in singles:
-        with safe_open(str(file), framework="numpy") as f:
-            files.update({name: file for name in f.keys()})
-    return files
+
+def _weights_entry(path: Path) -> tuple[Path, bool]:
+    """(the weights file transformers loads, whether it is an index), in transformers' own order:
+    config.json's `transformers_weights`, else model.safetensors, else model.safetensors.index.json."""
+    config = path / "config.json"
+    explicit = json.loads(config.read_text()).get("transformers_weights")
+    if explicit is not None:
+        if not isinstance(explicit, str) or not explicit.endswith((".safetensors", ".safetensors.index.json")):
+            raise HFModelError(f"{config}: transformers_weights={explicit!r} is neither a .safetensors file nor a "
+                               f".safetensors.index.json")
+        entry = _inside(path, explicit, f"{config}: transformers_weights")
+        if not entry.is_file():
+            raise HFModelError(f"{config}: transformers_weights names {explicit}, which does not exist")
+        return entry, explicit.endswith(".safetensors.index.json")
+    if (path / SINGLE_FILE).is_file():
+        return path / SINGLE_FILE, False
+    if (path / INDEX_FILE).is_file():
+        return path / INDEX_FILE, True
+    other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".h5", ".msgpack"))
+    hint = (f" (found {', '.join(other)}: convert it to safetensors)" if other
+            else f" (neither {SINGLE_FILE} nor {INDEX_FILE})")
+    raise HFModelError(f"{path} holds no safetensors weights{hint}")
+
+
+def _weight_files(path: Path, wanted: list[str]) -> tuple[dict[str, Path], Optional[Path]]:
+    """(HF tensor name -> the file that should hold it, the index that says so or None), for every
+    name in `wanted` that the directory's weights list; a name left out is a missing tensor."""
+    entry, is_index = _weights_entry(path)
+    if not is_index:
+        return {name: entry for name in wanted}, None
+    try:
+        weight_map = json.loads(entry.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise HFModelError(f"{entry}: not a safetensors index (no weight_map)") from None
+    if not isinstance(weight_map, dict):
+        raise HFModelError(f"{entry}: weight_map is not a mapping of tensor names to files")
+    files = {name: _inside(path, weight_map[name], f"{entry}: weight_map[{name!r}]")
+             for name in wanted if name in weight_map}
+    for name, file in sorted(files.items(), key=lambda item: str(item[1])):
+        if not file.is_file():
+            raise HFModelError(f"{entry} names {weight_map[name]}, which does not exist")
+    return files, entry
+
+
+def _read_failure(file: Path, tensor: str, error: Exception) -> HFModelError:
+    return HFModelError(f"{file}: cannot read tensor {tensor}: {_one_line(error)}")
+
+
+@contextlib.contextmanager
+def _opened(file: Path, tensor: str) -> Iterator[Any]:
+    """`safe_open(file)`; a file safetensors cannot open is a one-line error naming it and
+    `tensor`, one that it should hold (safetensors' own error names neither)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(file), framework="numpy")
+    except (SafetensorError, OSError) as e:
+        raise _read_failure(file, tensor, e) from None
+    with handle as f:
+        yield f
+
+
+def _check_headers(path: Path, files: dict[str, Path], index: Optional[Path], wanted: list[str],
+                   shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every wanted tensor is in its file with the shape the config implies: a bad directory
+    fails before any read, naming the tensor and the file."""
+    missing = [name for name in wanted if name not in files]
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        if name in files:
+            by_file.setdefault(files[name], []).append(name)
+    for file, names in sorted(by_file.items()):
+        with _opened(file, names[0]) as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    if index is None:
+                        missing.append(name)
+                        continue
+                    raise HFModelError(f"{file} does not hold tensor {name}, which {index.name} puts there")
+                got = tuple(f.get_slice(name).get_shape())
+                if got != shapes[name]:
+                    raise HFModelError(f"{file.name}: tensor {name} has shape {list(got)}, the config implies "
+                                       f"{list(shapes[name])}")
+    if missing:
+        first = next(name for name in wanted if name in missing)
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise HFModelError(f"{path}: missing tensor {first}{more}")
 
 
 def _sharding_map(shardings: Any) -> dict[tuple, jax.sharding.Sharding]:
@@ -245,37 +343,29 @@ def load_hf_model(path: str | Path, *, param_dtype: DType = "float32", compute_d
         if unplaced:
             raise HFModelError(f"shardings has no entry for parameter {'.'.join(map(str, unplaced[0]))}")
 
-    files = _weight_files(path)
     names = {p: hf_name(p) for p in targets}
-    missing = [name for name, _ in names.values() if name not in files]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise HFModelError(f"{path}: missing tensor {missing[0]}{more}")
-    by_file: dict[Path, list[tuple]] = {}
-    for p, (name, _) in names.items():
-        by_file.setdefault(files[name], []).append(p)
+    wanted = [name for name, _ in names.values()]
+    files, index = _weight_files(path, wanted)
+    shapes = {}
+    for p, (name, transposed) in names.items():
+        shape = tuple(value_of(targets[p]).shape)
+        shapes[name] = shape[::-1] if transposed else shape
+    _check_headers(path, files, index, wanted, shapes)
 
-    from safetensors import safe_open
+    from safetensors import SafetensorError
 
     dtype = np.dtype(dtype_of(param_dtype))
-    for file, paths in sorted(by_file.items()):  # every header first: a bad directory fails before any read
-        with safe_open(str(file), framework="numpy") as f:
-            for p in paths:
-                name, transposed = names[p]
-                shape = tuple(value_of(targets[p]).shape)
-                want = shape[::-1] if transposed else shape
-                got = tuple(f.get_slice(name).get_shape())
-                if got != want:
-                    raise HFModelError(f"{file.name}: tensor {name} has shape {list(got)}, the config implies "
-                                       f"{list(want)}")
     loaded = {}
-    for file, paths in sorted(by_file.items()):
-        for p in paths:
-            # The file is mapped per tensor: pages read stay resident only while it is open.
-            with safe_open(str(file), framework="numpy") as f:
-                name, transposed = names[p]
-                array = _place(f.get_slice(name), transposed, tuple(value_of(targets[p]).shape), dtype, placement.get(p))
-            loaded[p] = with_value(targets[p], array)
+    for p in sorted(targets, key=lambda p: (str(files[names[p][0]]), names[p][0])):
+        name, transposed = names[p]
+        # The file is mapped per tensor: pages read stay resident only while it is open.
+        with _opened(files[name], name) as f:
+            try:
+                array = _place(f.get_slice(name), transposed, tuple(value_of(targets[p]).shape), dtype,
+                               placement.get(p))
+            except SafetensorError as e:
+                raise _read_failure(files[name], name, e) from None
+        loaded[p] = with_value(targets[p], array)
     return cfg, graphdef, nnx.from_flat_state(loaded)
 
 
@@ -307,9 +397,12 @@ def save_hf_model(path: str | Path, cfg: ModelConfig, params: nnx.State, *, toke
     generation_config.json is copied. `dtype` casts the saved tensors (default: as
     stored). Files above `max_shard_bytes` are split into shards with an index. One
     shard at a time is gathered to the host (from this process's devices: a multi-host
-    run's params must be gathered first).
+    run's params must be gathered first). Weight files of an earlier export into `path`
+    that this one does not rewrite are removed, so no loader can pick stale weights;
+    no other file is touched. `path` may not be `base` or the tokenizer's directory.
     """
     path = Path(path)
+    _check_destination(path, base, tokenizer)
     model_type = _read_hf_config(Path(base)).model_type if base is not None else family_of(cfg)
     family = FAMILIES[model_type]
     if (family.attention_bias, family.qk_norm) != (cfg.attention_bias, cfg.qk_norm):
@@ -330,8 +423,6 @@ def save_hf_model(path: str | Path, cfg: ModelConfig, params: nnx.State, *, toke
         shards[-1].append((name, p))
         size += nbytes
 
-    from safetensors.numpy import save_file
-
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         file = SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -342,11 +433,15 @@ def save_hf_model(path: str | Path, cfg: ModelConfig, params: nnx.State, *, toke
             tensors[name] = np.ascontiguousarray(x, dtype=out_dtype or x.dtype)
             weight_map[name] = file
             total += tensors[name].nbytes
-        save_file(tensors, str(path / file), metadata={"format": "pt"})
+        _save_weights(tensors, path / file)
         del tensors
+    written = set(weight_map.values())
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        written.add(INDEX_FILE)
+    for stale in _weight_file_names(path) - written:  # after the new files: the directory is never without weights
+        (path / stale).unlink()
 
     _hf_config(cfg, model_type, base, dtype or cfg.param_dtype, tokenizer).save_pretrained(str(path))
     if base is not None and (Path(base) / "generation_config.json").is_file():
@@ -354,6 +449,38 @@ def save_hf_model(path: str | Path, cfg: ModelConfig, params: nnx.State, *, toke
     if tokenizer is not None:
         tokenizer.save(path)
     return path
+
+
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _weight_file_names(path: Path) -> set[str]:
+    """The names in `path` an export writes weights under: model.safetensors, its index, its shards."""
+    return {p.name for p in path.iterdir() if (p.is_file() or p.is_symlink()) and (
+        p.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.fullmatch(p.name))}
+
+
+def _check_destination(path: Path, base: str | Path | None, tokenizer: Optional[HFTokenizer]) -> None:
+    """Refuses, before anything is written, an export over its own sources or onto a file."""
+    if path.exists() and not path.is_dir():
+        raise HFModelError(f"cannot export to {path}: it is a file, not a directory")
+    sources = [("the base model", base)] + ([("the tokenizer", tokenizer.name_or_path)] if tokenizer else [])
+    for what, source in sources:
+        if source is not None and path.is_dir() and Path(source).is_dir() and os.path.samefile(path, source):
+            raise HFModelError(f"cannot export to {path}: it is the directory of {what} the export reads; "
+                               f"choose another output directory")
+
+
+def _save_weights(tensors: dict[str, np.ndarray], file: Path) -> None:
+    """safetensors creates its files mode 0600; this one gets the mode any new file gets
+    (0644 under the usual umask), so others who may read the directory can load it."""
+    from safetensors.numpy import save_file
+
+    file.unlink(missing_ok=True)
+    file.touch()
+    mode = file.stat().st_mode & 0o777
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    file.chmod(mode)
 
 
 def _hf_config(cfg: ModelConfig, model_type: str, base: str | Path | None, dtype: DType,
@@ -368,7 +495,9 @@ def _hf_config(cfg: ModelConfig, model_type: str, base: str | Path | None, dtype
     else:
         keep = {"max_position_embeddings": cfg.max_seq_len}
         if tokenizer is not None:
-            keep.update(eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id)
+            # Every stop id, where `generate` (and `load_tokenizer`) look without a generation_config.json.
+            eos = tokenizer.eos_id if len(tokenizer.eos_ids) == 1 else list(tokenizer.eos_ids)
+            keep.update(eos_token_id=eos, pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id)
     fields = dict(
         architectures=[FAMILIES[model_type].architecture], vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,

@@ -19,6 +19,7 @@ class HFTokenizer:
     """Wraps a `transformers` tokenizer; ids are plain Python ints."""
 
     def __init__(self, tokenizer: Any, eos_ids: Sequence[int]):
+        """`eos_ids`: every id that ends a completion (the sampler's stop ids; `decode` ends at the first)."""
         if not eos_ids:
             raise HFModelError("tokenizer has no EOS token (neither eos_token nor generation_config.json eos_token_id)")
         self.hf = tokenizer
@@ -31,7 +32,7 @@ class HFTokenizer:
 
     @property
     def eos_id(self) -> int:
-        """The id the sampler stops on: the tokenizer's eos_token (for chat models, the end of a turn)."""
+        """The first stop id: the tokenizer's eos_token (for chat models, the end of a turn)."""
         return self.eos_ids[0]
 
     @property
@@ -102,9 +103,10 @@ class HFTokenizer:
 def load_tokenizer(path: str | Path, *, vocab_size: Optional[int] = None) -> HFTokenizer:
     """The tokenizer in the local directory `path`; with `vocab_size`, checks it fits the embedding.
 
-    EOS ids: the tokenizer's eos_token first, then any other `eos_token_id` of
-    generation_config.json (chat models often stop on both an end-of-turn and an
-    end-of-text token).
+    Its stop ids (`eos_ids`), derived here and nowhere else: the tokenizer's eos_token
+    first, then every `eos_token_id` transformers' `generate` stops on, from
+    generation_config.json or, without one, from config.json (chat models often stop
+    on both an end-of-turn and an end-of-text token).
     """
     import transformers  # imported here: the demo path never needs it
 
@@ -125,11 +127,19 @@ def load_tokenizer(path: str | Path, *, vocab_size: Optional[int] = None) -> HFT
 
 
 def _generation_eos_ids(path: Path) -> list[int]:
-    gen = path / "generation_config.json"
-    if not gen.is_file():
-        return []
-    value: Any = json.loads(gen.read_text()).get("eos_token_id")
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
-
+    """The `eos_token_id`s transformers' `generate` stops on: generation_config.json's, which
+    transformers builds from config.json when the file is absent."""
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            raw = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise HFModelError(f"{file}: malformed JSON") from None
+        value: Any = raw.get("eos_token_id") if isinstance(raw, dict) else None
+        ids = [] if value is None else value if isinstance(value, list) else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise HFModelError(f"{file}: eos_token_id must be a token id or a list of them, got {value!r}")
+        return ids
+    return []

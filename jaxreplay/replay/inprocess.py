@@ -9,11 +9,14 @@ Python 3.12). It serves the same `TableDef`s with the same rules: the selector
 backends admit and block the same calls (tests/test_replay_differential.py checks).
 Like Reverb, the limiter admits one item at a time. Unlike Reverb, rows that a timed-out
 insert had not yet landed are dropped rather than left queued, and the server is
-reachable only from this process (threads included): multi-host runs need Reverb.
+reachable only from this process (threads included): multi-host runs keep one such
+table per process, as shards of one (multiprocess.py).
 
 Checkpoints are plain directories: per table an `.npz` of the items (fields, keys,
-priorities, times sampled; loaded without pickle) and a `tables.json` of settings and
-counters, written under a temporary name and renamed into place.
+priorities, times sampled; loaded without pickle) and a `tables.json` of settings,
+counters and the selectors' RNG state, written under a temporary name and renamed into
+place. A seeded server therefore samples the same items as an uninterrupted one after
+a restore: runs with the same seed are reproducible, resumed or not.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from jaxreplay.replay.tables import (ItemSpec, LimiterQueries, LimiterState, RateLimit, ReplayTimeoutError,
-                                     TableDef)
+from jaxreplay.replay.tables import (WAIT_SLICE_S, Interrupted, ItemSpec, LimiterQueries, LimiterState, RateLimit,
+                                     ReplayTimeoutError, TableDef, check_interrupted)
 
 _DONE = "DONE"  # marks a complete checkpoint, as in Reverb's
-_FORMAT = 1
+_FORMAT = 2  # 2: tables.json holds the selectors' RNG state (format 1 had none)
+_SELECTOR_STREAM = 0x5E1EC7  # keeps the selectors' stream apart from other users of the same seed
 
 
 @dataclasses.dataclass
@@ -121,7 +125,8 @@ class InProcessServer(LimiterQueries):
                  checkpoint_root: Optional[str | os.PathLike] = None,
                  restore_from: Optional[str | os.PathLike] = None, timeout_s: float = 60.0,
                  seed: Optional[int] = None):
-        """As `ReplayServer`; `seed` seeds the uniform and prioritized selectors."""
+        """As `ReplayServer`; `seed` seeds the uniform and prioritized selectors (None: fresh
+        entropy), and a restore continues the RNG the checkpoint saved."""
         tables = [tables] if isinstance(tables, InProcessTable) else list(tables)
         self._tables = {t.name: t for t in tables}
         self._table = tables[0].name
@@ -130,7 +135,7 @@ class InProcessServer(LimiterQueries):
         if self._checkpoint_root is not None:
             os.makedirs(self._checkpoint_root, exist_ok=True)
         self._cond = threading.Condition()
-        self._rng = np.random.default_rng(seed)
+        self._rng = np.random.default_rng(None if seed is None else [_SELECTOR_STREAM, seed])
         self._next_key = 1
         self._stopped = False
         if restore_from is not None:
@@ -157,7 +162,8 @@ class InProcessServer(LimiterQueries):
             raise ValueError("this InProcessServer was started without a checkpoint_root")
         with self._cond:
             staging = tempfile.mkdtemp(prefix=".inprocess-staging-", dir=self._checkpoint_root)
-            meta = {"format": _FORMAT, "next_key": self._next_key, "tables": []}
+            meta = {"format": _FORMAT, "next_key": self._next_key, "rng": self._rng.bit_generator.state,
+                    "tables": []}
             for t in self._tables.values():
                 arrays = {f"field.{k}": (np.stack([it.row[k] for it in t.items]) if t.items
                                          else np.zeros((0, *shape), dtype))
@@ -209,15 +215,17 @@ class InProcessServer(LimiterQueries):
             return {name: t.state() for name, t in self._tables.items()}
 
     def insert(self, rows: Sequence[Mapping[str, np.ndarray]], priorities: Sequence[float],
-               extra_tables: Callable[[int], Sequence[str]], *, table: str, timeout_s: float) -> None:
+               extra_tables: Callable[[int], Sequence[str]], *, table: str, timeout_s: float,
+               interrupted: Interrupted = None) -> None:
         """Inserts `rows` in order, row i into `table` with `priorities[i]` and (priority 1)
         into `extra_tables(i)`, each item once its limiter admits it; raises
-        `ReplayTimeoutError` after `timeout_s` in all, dropping the rows not yet inserted."""
+        `ReplayTimeoutError` after `timeout_s` in all (`ReplayInterrupted` once
+        `interrupted()`), dropping the rows not yet inserted."""
         deadline = time.monotonic() + timeout_s
         for i, row in enumerate(rows):
             for name, priority in [(table, float(priorities[i])), *((t, 1.0) for t in extra_tables(i))]:
                 with self._cond:
-                    t = self._await(name, lambda s: s.can_insert(1), deadline,
+                    t = self._await(name, lambda s: s.can_insert(1), deadline, interrupted,
                                     lambda s: f"insert of {len(rows)} rows timed out after {timeout_s:g}s "
                                     f"with {i} inserted, waiting for the rate limiter to admit them "
                                     f"(no sampler draining the table?): {s.describe()}")
@@ -225,13 +233,14 @@ class InProcessServer(LimiterQueries):
                     self._next_key += 1
                     self._cond.notify_all()
 
-    def sample(self, table: str, n: int, *, timeout_s: float) -> list[tuple[_Item, float, int, int]]:
+    def sample(self, table: str, n: int, *, timeout_s: float,
+               interrupted: Interrupted = None) -> list[tuple[_Item, float, int, int]]:
         """Samples `n` items one at a time, each once the limiter allows it, within
         `timeout_s` in all: [(item, probability, table size, times sampled)]."""
         deadline, out = time.monotonic() + timeout_s, []
         for i in range(n):
             with self._cond:
-                t = self._await(table, lambda s: s.can_sample(1), deadline,
+                t = self._await(table, lambda s: s.can_sample(1), deadline, interrupted,
                                 lambda s: f"sample({n}) timed out after {timeout_s:g}s with {i} items taken, "
                                 f"waiting for the rate limiter (no actor inserting?): {s.describe()}")
                 out.append(t.sample(self._rng))
@@ -245,16 +254,18 @@ class InProcessServer(LimiterQueries):
             raise KeyError(f"no table {table!r} on the in-process server (tables: {', '.join(sorted(self._tables))})")
         return self._tables[table]
 
-    def _await(self, table: str, admitted, deadline: float, message) -> InProcessTable:
-        """Waits (holding the lock between checks) until `admitted(state)`; the table."""
+    def _await(self, table: str, admitted, deadline: float, interrupted: Interrupted, message) -> InProcessTable:
+        """Waits (holding the lock between checks, in slices that let signal handlers run)
+        until `admitted(state)`; the table."""
         t = self._get(table)
         while not admitted(t.state()):
             if self._stopped:
                 raise RuntimeError(f"the in-process replay server was stopped: {t.state().describe()}")
+            check_interrupted(interrupted, f"a replay call on table {table!r} was waiting: {t.state().describe()}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise ReplayTimeoutError(message(t.state()))
-            self._cond.wait(remaining)
+            self._cond.wait(min(remaining, WAIT_SLICE_S))
         return t
 
     def _restore(self, path: str) -> None:
@@ -283,3 +294,5 @@ class InProcessServer(LimiterQueries):
                            for i, (key, pr, ts) in enumerate(zip(z["key"], z["priority"], z["times_sampled"]))]
             t.inserts, t.samples = saved[name]["inserts"], saved[name]["samples"]
         self._next_key = meta["next_key"]
+        if "rng" in meta:  # format 1 checkpoints carry none: sampling continues from `seed`
+            self._rng.bit_generator.state = meta["rng"]

@@ -9,22 +9,89 @@ checkpoint is moved out of it into `checkpoint_root` (where Reverb never deletes
 and a restore names its checkpoint explicitly as the fallback of an empty staging
 directory.
 
-Reverb listens on all interfaces without authentication: who can reach the port is
-the deployment's business.
+Reverb listens on all interfaces without authentication (`reverb.Server` takes no bind
+address): who can reach the port is the deployment's business. gRPC binds it with
+SO_REUSEPORT, so a second server on a port in use would bind too and share its clients
+with the first; a pinned port is therefore claimed first (`PortClaim`).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import socket
 import tempfile
 from typing import Optional, Sequence, Union
 
+from jaxreplay.config import ConfigError
 from jaxreplay.replay.inprocess import InProcessServer, InProcessTable, prune_directories
 from jaxreplay.replay.tables import (LimiterQueries, LimiterState, Snapshot, import_reverb, limiter_state,
                                      limiter_states)
 
 _DONE = "DONE"  # Reverb marks a complete checkpoint with this file.
+
+
+class PortInUseError(ConfigError):
+    """`replay.port` is held by another jaxreplay run, or something else listens on it."""
+
+
+class PortClaim:
+    """This process's claim on a TCP port for one replay server, until `release()`.
+
+    A claim is an exclusive flock on a per-port lock file, which the OS drops with the
+    process (a killed run leaves no stale claim), plus a bind probe without SO_REUSEPORT,
+    which fails if anything listens on the port on any interface.
+    """
+
+    def __init__(self, port: int):
+        import fcntl  # POSIX only, as Reverb is
+        directory = os.path.join(tempfile.gettempdir(), f"jaxreplay-ports-{os.getuid()}")
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._fd: Optional[int] = os.open(os.path.join(directory, f"{port}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            self.release()
+            raise PortInUseError(f"replay.port: {port} is in use by another jaxreplay run (pid {holder}); "
+                                 "choose another port, or 0 for a free one") from None
+        if _listening(port):
+            self.release()
+            raise PortInUseError(f"replay.port: {port} is already in use (something listens on it); "
+                                 "choose another port, or 0 for a free one")
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+
+    def release(self) -> None:
+        """Gives the port up (closing the lock file drops the flock); idempotent."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def check_port(port: int) -> None:
+    """Raises `PortInUseError` now if a server could not claim `port` (0: any free port)."""
+    if port:
+        PortClaim(port).release()
+
+
+def _listening(port: int) -> bool:
+    """Whether a socket listens on `port`: a bind without SO_REUSEPORT then fails, on every
+    interface (SO_REUSEADDR only lets past connections in TIME_WAIT not count)."""
+    for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this host
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return True
+    return False
 
 
 class ReplayServer(LimiterQueries):
@@ -37,7 +104,8 @@ class ReplayServer(LimiterQueries):
         """Starts serving `table` (or tables: the first is the rate-limited one that `info()`
         describes), or the tables saved at `restore_from`.
 
-        port: 0 picks a free port. checkpoint_root: where `checkpoint()` puts its
+        port: 0 picks a free port; a pinned one is claimed first (`PortClaim`), so a
+        port another run serves on is refused with `PortInUseError`. checkpoint_root: where `checkpoint()` puts its
         checkpoints (without one, `checkpoint()` is refused). restore_from: a path
         `checkpoint()` returned; the table is restored from it, items and limiter
         counters, and must have been saved with the same settings as `table`.
@@ -57,14 +125,19 @@ class ReplayServer(LimiterQueries):
         self._checkpoint_root = checkpoint_root
         if checkpoint_root is not None:
             os.makedirs(checkpoint_root, exist_ok=True)
-        # Fresh and empty, so Reverb loads exactly `restore_from` (or nothing).
-        self._staging = tempfile.mkdtemp(prefix=".reverb-staging-", dir=checkpoint_root)
-        checkpointer = reverb.checkpointers.DefaultCheckpointer(
-            self._staging, fallback_checkpoint_path=restore_from)
+        self._claim = PortClaim(port) if port else None
+        self._staging = None
         try:
+            # Fresh and empty, so Reverb loads exactly `restore_from` (or nothing).
+            self._staging = tempfile.mkdtemp(prefix=".reverb-staging-", dir=checkpoint_root)
+            checkpointer = reverb.checkpointers.DefaultCheckpointer(
+                self._staging, fallback_checkpoint_path=restore_from)
             self._server = reverb.Server(tables, port=port or None, checkpointer=checkpointer)
         except BaseException:
-            shutil.rmtree(self._staging, ignore_errors=True)
+            if self._staging is not None:
+                shutil.rmtree(self._staging, ignore_errors=True)
+            if self._claim is not None:
+                self._claim.release()
             raise
         self._port = self._server.port
         self._client = reverb.Client(self.address)
@@ -121,6 +194,8 @@ class ReplayServer(LimiterQueries):
             return
         self._server.stop()
         self._server = None
+        if self._claim is not None:
+            self._claim.release()
         shutil.rmtree(self._staging, ignore_errors=True)
 
     def __enter__(self) -> "ReplayServer":
@@ -153,12 +228,15 @@ class ReplayServer(LimiterQueries):
                              + "; ".join(diffs))
 
 
-def serve(tables: Sequence, **kwargs) -> ReplayServer | InProcessServer:
+def serve(tables: Sequence, *, seed: Optional[int] = None, **kwargs) -> ReplayServer | InProcessServer:
     """The server for `build_tables`' tables, whichever backend built them; `kwargs` as
-    `ReplayServer`'s (an in-process server has no port)."""
+    `ReplayServer`'s (an in-process server has no port).
+
+    seed: seeds the in-process backend's uniform and prioritized selectors. Reverb's
+    cannot be seeded (its fifo and lifo selectors need no seed)."""
     if all(isinstance(t, InProcessTable) for t in tables):
         kwargs.pop("port", None)
-        return InProcessServer(tables, **kwargs)
+        return InProcessServer(tables, seed=seed, **kwargs)
     return ReplayServer(tables, **kwargs)
 
 

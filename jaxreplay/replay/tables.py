@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import os
 import sys
-from typing import Literal, Mapping
-
-import numpy as np
+import tempfile
+import time
+from typing import Callable, Literal, Mapping, Optional
 
 from jaxreplay.config import Config
 from jaxreplay.replay.rows import ItemSpec, RowLayout  # one table row per rollout
@@ -30,6 +31,28 @@ ROW_FIELD = "row"  # a Reverb item's one tensor: the packed rollout row
 
 class ReplayTimeoutError(TimeoutError):
     """A replay call waited past its timeout; the message names the table and limiter state."""
+
+
+class ReplayInterrupted(Exception):
+    """A replay call stopped waiting because its caller's `interrupted()` turned true (SIGTERM)."""
+
+
+class TableSharedError(RuntimeError):
+    """A table changed in ways its only client did not make: another client is using it."""
+
+
+# The longest a replay call waits in native code (or on a lock) before it checks its deadline
+# and `interrupted()`. Python runs signal handlers on the main thread only between bytecodes,
+# so a wait must come back to Python this often for SIGTERM to act.
+WAIT_SLICE_S = 0.1
+
+Interrupted = Optional[Callable[[], bool]]  # true once the caller wants every wait to stop
+
+
+def check_interrupted(interrupted: Interrupted, what: str) -> None:
+    """Raises `ReplayInterrupted` naming `what` (the call that was waiting) if `interrupted()`."""
+    if interrupted is not None and interrupted():
+        raise ReplayInterrupted(what)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,8 +206,7 @@ def table_signature(item_spec: ItemSpec):
 
 def set_tf_cpu_only() -> None:
     """Keeps TensorFlow off GPUs; a no-op once TensorFlow has initialized its devices."""
-    import os
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's INFO and WARNING lines
     import tensorflow as tf
     try:
         tf.config.set_visible_devices([], "GPU")
@@ -192,9 +214,40 @@ def set_tf_cpu_only() -> None:
         pass  # Devices already initialized: too late to hide them, and nothing to do here.
 
 
+NATIVE_LOG_ENV = "JAXREPLAY_NATIVE_LOG"  # where native logs go; "stderr" leaves them there
+
+
+def quiet_native_logs() -> None:
+    """Sends what C++ code writes to file descriptor 2 into a log file, Python's own stderr
+    (tracebacks, warnings, progress bars) staying where it was.
+
+    Reverb's logger writes every line (one per sampler made, so one per batch) to std::clog
+    with no level or variable to turn it down. Nothing happens where stderr is already
+    taken over: the CLI sends it to RUN_DIR/native.log, pytest captures it, notebooks have
+    their own. The file is $JAXREPLAY_NATIVE_LOG, else jaxreplay-native-UID.log in the
+    temporary directory.
+    """
+    target = os.environ.get(NATIVE_LOG_ENV) or os.path.join(tempfile.gettempdir(),
+                                                             f"jaxreplay-native-{os.getuid()}.log")
+    try:
+        taken = sys.stderr is not sys.__stderr__ or sys.__stderr__.fileno() != 2
+    except (AttributeError, ValueError, OSError):  # no real stderr
+        taken = True
+    if taken or target == "stderr":
+        return
+    sys.stderr.flush()
+    log = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    terminal = os.dup(2)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.stderr = os.fdopen(terminal, "w", buffering=1, encoding=sys.__stderr__.encoding, errors="backslashreplace")
+
+
 def import_reverb():
-    """The `reverb` module, TensorFlow hidden from GPUs first (Reverb imports it)."""
+    """The `reverb` module, its native logs quieted and TensorFlow hidden from GPUs first
+    (Reverb imports it)."""
     if "reverb" not in sys.modules:
+        quiet_native_logs()
         set_tf_cpu_only()
     import reverb
     return reverb
@@ -317,7 +370,8 @@ class LimiterQueries:
 Snapshot = Mapping[str, LimiterState]
 
 
-def limiter_states(client, timeout_s: float, asked_for: str = "its tables") -> dict[str, LimiterState]:
+def limiter_states(client, timeout_s: float, asked_for: str = "its tables",
+                   interrupted: Interrupted = None) -> dict[str, LimiterState]:
     """The live state of every table on the server, from one query (bounded by `timeout_s`;
     `asked_for` names what was wanted in the timeout's message)."""
     if hasattr(client, "states"):  # the in-process server is its own client
@@ -325,13 +379,19 @@ def limiter_states(client, timeout_s: float, asked_for: str = "its tables") -> d
     import_reverb()
     from reverb.cc import schema_pb2
     # `reverb.Client.server_info` also decodes every table's signature into TensorFlow
-    # specs, which costs more than the RPC; the limiter needs only the counters.
-    try:
-        protos = client._client.ServerInfo(max(1, int(np.ceil(timeout_s))))
-    except RuntimeError as e:
-        if "Deadline Exceeded" in str(e):
+    # specs, which costs more than the RPC; the limiter needs only the counters. The RPC
+    # takes whole seconds: one at a time, so signal handlers run between attempts.
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            protos = client._client.ServerInfo(1)
+            break
+        except RuntimeError as e:
+            if "Deadline Exceeded" not in str(e):
+                raise
+        check_interrupted(interrupted, f"waiting for the Reverb server to report {asked_for}")
+        if time.monotonic() >= deadline:
             raise ReplayTimeoutError(f"the Reverb server did not report {asked_for} within {timeout_s:g}s") from None
-        raise
     infos = (schema_pb2.TableInfo.FromString(p) for p in protos)
     return {info.name: LimiterState.from_table_info(info) for info in infos}
 
@@ -343,8 +403,21 @@ def table_state(states: Snapshot, table: str) -> LimiterState:
     return states[table]
 
 
-def limiter_state(client, table: str, timeout_s: float) -> LimiterState:
+def limiter_state(client, table: str, timeout_s: float, interrupted: Interrupted = None) -> LimiterState:
     """The live state of `table`, asked of the server (bounded by `timeout_s`)."""
     if hasattr(client, "state"):  # the in-process server is its own client
         return client.state(table)
-    return table_state(limiter_states(client, timeout_s, f"table {table!r}"), table)
+    return table_state(limiter_states(client, timeout_s, f"table {table!r}", interrupted), table)
+
+
+def check_only_client(expected: Snapshot, actual: Snapshot) -> Snapshot:
+    """`actual`, once its insert and sample counters are those of `expected`, which the
+    table's only client derived from its own calls; else `TableSharedError`."""
+    for name, want in expected.items():
+        got = table_state(actual, name)
+        if (got.inserts, got.samples) != (want.inserts, want.samples):
+            raise TableSharedError(
+                f"table {name!r} was changed by another client: this one made inserts={want.inserts}, "
+                f"samples={want.samples}, the server counts inserts={got.inserts}, samples={got.samples}; "
+                "the colocated loop must be the table's only client (is another process using replay.port?)")
+    return actual

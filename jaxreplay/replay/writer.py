@@ -28,7 +28,8 @@ from jaxreplay.replay.rows import RowLayout
 from jaxreplay.replay.server import Source, connect
 from jaxreplay.config import Config
 from jaxreplay.replay.tables import (
-    POSITIVE_TABLE_NAME, TABLE_NAME, ItemSpec, ReplayTimeoutError, import_reverb, limiter_state, positive_split)
+    POSITIVE_TABLE_NAME, TABLE_NAME, WAIT_SLICE_S, Interrupted, ItemSpec, ReplayTimeoutError, check_interrupted,
+    import_reverb, limiter_state, positive_split)
 
 # Reverb warns ("alarmingly high") past ~50 unconfirmed items; flush in slices below that.
 _FLUSH_EVERY = 32
@@ -41,11 +42,14 @@ class RolloutWriter:
 
     def __init__(self, source: Source, item_spec: ItemSpec, *, timeout_s: float, table: str = TABLE_NAME,
                  positive_table: Optional[str] = None,
-                 priority_fn: Optional[Callable[[Mapping[str, np.ndarray]], np.ndarray]] = None):
+                 priority_fn: Optional[Callable[[Mapping[str, np.ndarray]], np.ndarray]] = None,
+                 interrupted: Interrupted = None):
         """positive_table: rows with reward > 0 also get an item there (positive-bias
         sampling); both items reference the same stored row. priority_fn: the priorities
-        of a batch when `insert` is given none (default: 1 for every row)."""
+        of a batch when `insert` is given none (default: 1 for every row). interrupted:
+        polled while an insert waits; once true, it raises `ReplayInterrupted`."""
         self._priority_fn = priority_fn
+        self._interrupted = interrupted
         self._client = connect(source)
         self._table = table
         self._positive_table = positive_table
@@ -79,7 +83,7 @@ class RolloutWriter:
             positive = (lambda i: (self._positive_table,) if arrays["reward"][i] > 0 else ()) \
                 if self._positive_table is not None else (lambda i: ())
             self._client.insert([{k: a[i] for k, a in arrays.items()} for i in range(n)], priorities, positive,
-                                table=self._table, timeout_s=self._timeout_s)
+                                table=self._table, timeout_s=self._timeout_s, interrupted=self._interrupted)
             return
         deadline = time.monotonic() + self._timeout_s
         rows = self._layout.pack(arrays)
@@ -105,16 +109,27 @@ class RolloutWriter:
         self.close()
 
     def _flush(self, deadline: float, n: int) -> None:
-        remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        """Waits for the server to confirm every item sent, in slices that let signal handlers
+        run; a timeout says whether the limiter or the server held them back."""
         reverb = import_reverb()
-        try:
-            self._writer.flush(timeout_ms=remaining_ms)
-        except reverb.errors.DeadlineExceededError:
-            state = limiter_state(self._client, self._table, self._timeout_s)
-            raise ReplayTimeoutError(
-                f"RolloutWriter.insert of {n} rows timed out after {self._timeout_s:g}s "
-                f"waiting for the rate limiter to admit them (no sampler draining the table?): "
-                f"{state.describe()}") from None
+        while True:
+            slice_ms = max(1, int(min(WAIT_SLICE_S, deadline - time.monotonic()) * 1000))
+            try:
+                self._writer.flush(timeout_ms=slice_ms)
+                return
+            except reverb.errors.DeadlineExceededError:
+                pass
+            check_interrupted(self._interrupted, f"RolloutWriter.insert of {n} rows was waiting for the server")
+            if time.monotonic() >= deadline:
+                break
+        state = limiter_state(self._client, self._table, self._timeout_s, self._interrupted)
+        if state.can_insert(1):
+            why = ("waiting for the server to confirm them, although the rate limiter admits inserts "
+                   "(a slow or busy server: raise replay.timeout_s?)")
+        else:
+            why = "waiting for the rate limiter to admit them (no sampler draining the table?)"
+        raise ReplayTimeoutError(f"RolloutWriter.insert of {n} rows timed out after {self._timeout_s:g}s {why}: "
+                                 f"{state.describe()}")
 
     def _validate(self, batch: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
         missing, extra = set(self._spec) - set(batch), set(batch) - set(self._spec)
@@ -135,12 +150,12 @@ class RolloutWriter:
         return arrays, n or 0
 
 
-def writer_for(source: Source, config: Config, item_spec: ItemSpec) -> RolloutWriter:
+def writer_for(source: Source, config: Config, item_spec: ItemSpec, interrupted: Interrupted = None) -> RolloutWriter:
     """The writer `config` asks for: also filling the positives table when positive bias is on."""
     positive = POSITIVE_TABLE_NAME if positive_split(config).positive_size else None
     priority = advantage_priority if config.replay.selector == "prioritized" else None
     return RolloutWriter(source, item_spec, timeout_s=config.replay.timeout_s, positive_table=positive,
-                         priority_fn=priority)
+                         priority_fn=priority, interrupted=interrupted)
 
 
 def advantage_priority(batch: Mapping[str, np.ndarray]) -> np.ndarray:

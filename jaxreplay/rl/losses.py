@@ -22,6 +22,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+# The finite log-prob of a token the sampling filter (top-k/top-p) excludes, as
+# `sampling.policy_logprobs` reports it: a ratio of ~0 with finite gradients.
+LOGPROB_FLOOR = -1e4
+
 Aggregate = Callable[[jax.Array, jax.Array], jax.Array]  # (per-token [B, T], mask [B, T]) -> scalar
 Weigh = Callable[[jax.Array], jax.Array]  # mask [B, T] -> per-token weights [B, T], zero off the mask
 Loss = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
@@ -90,8 +94,9 @@ def weighted(weights: jax.Array) -> Aggregate:
 
 def _drift_metrics(log_ratio: jax.Array, mask: jax.Array, mean: Aggregate) -> dict[str, jax.Array]:
     return {
-        # k3 estimator of KL(behaviour || current), non-negative per token.
-        "approx_kl": mean(jnp.exp(-log_ratio) - 1.0 + log_ratio, mask),
+        # k3 estimator of KL(behaviour || current) on tokens drawn from the behaviour policy:
+        # r - 1 - log r with r = current / behaviour, non-negative per token.
+        "approx_kl": mean(jnp.exp(log_ratio) - 1.0 - log_ratio, mask),
         "ratio_mean": mean(jnp.exp(log_ratio), mask),
     }
 
@@ -155,13 +160,18 @@ def asymre_loss(
     up by |dV|: the asymmetry that keeps REINFORCE on stale data from collapsing.
     """
     adv = advantages[:, None] - asymre_delta_v
-    loss = -aggregate(adv * logprobs, mask)
+    # A token the sampling filter now excludes sits at the constant log-prob floor: it has no
+    # gradient, so it contributes 0 to the reported value too, instead of |A| * 1e4.
+    live = jnp.where(logprobs > LOGPROB_FLOOR, logprobs, 0.0)
+    loss = -aggregate(adv * live, mask)
     return loss, _drift_metrics(logprobs - behaviour_logprobs, mask, mean)
 
 
 def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, mask: jax.Array, *,
                mean: Aggregate = masked_mean) -> jax.Array:
-    """k3 estimate of KL(current || reference), token-mean."""
+    """k3 estimate of KL(current || reference), token-mean: r - 1 - log r with r = reference /
+    current, the direction of GRPO's penalty. Unbiased on tokens drawn from the current
+    policy; on replayed tokens (drawn from the behaviour policy) it is off by the drift."""
     log_ratio = ref_logprobs - logprobs
     return mean(jnp.exp(log_ratio) - 1.0 - log_ratio, mask)
 

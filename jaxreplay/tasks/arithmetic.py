@@ -12,9 +12,41 @@ import operator
 
 import numpy as np
 
-from jaxreplay.config import TaskConfig
+from jaxreplay.config import Config, ConfigError, TaskConfig
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+MAX_DIGITS = 9
+
+
+def validate_config(c: Config) -> None:
+    """The arithmetic task's part of `config.validate` (through tasks.validate_task)."""
+    t = c.task
+
+    def require(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}: {why}")
+
+    require(t.reward is None, "task.reward", "must be null for the arithmetic task (it has its own exact match)")
+    vocab = CharTokenizer().vocab_size
+    require(c.model.vocab_size >= vocab, "model.vocab_size",
+            f"{c.model.vocab_size} is smaller than the task tokenizer's vocabulary ({vocab})")
+    require(t.min_digits >= 1, "task.min_digits", f"must be >= 1, got {t.min_digits}")
+    require(t.max_digits >= t.min_digits, "task.max_digits", f"must be >= task.min_digits ({t.min_digits})")
+    require(t.max_digits <= MAX_DIGITS, "task.max_digits", f"at most {MAX_DIGITS} digits are supported")
+    require(len(t.operations) > 0, "task.operations", "needs at least one operation")
+    for i, op in enumerate(t.operations):
+        require(op in _OPS, f"task.operations[{i}]", f"{op[:20]!r} is not one of {', '.join(_OPS)}")
+    n = problem_count(t)
+    require(t.eval_size < n, "task.eval_size",
+            f"{t.eval_size} held-out problems would take all {n} problems of {t.min_digits} to {t.max_digits} "
+            f"digits with {', '.join(dict.fromkeys(t.operations))}, leaving none to train on: lower task.eval_size "
+            f"below {n} or raise task.max_digits")
+
+
+def problem_count(config: TaskConfig) -> int:
+    """How many distinct problems the settings can produce (operands of min..max digits)."""
+    lowest = 0 if config.min_digits == 1 else 10 ** (config.min_digits - 1)
+    return len(set(config.operations)) * (10 ** config.max_digits - lowest) ** 2
 
 
 def prompt_length(config: TaskConfig) -> int:
@@ -43,6 +75,10 @@ class CharTokenizer:
     @property
     def eos_id(self) -> int:
         return self.EOS
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return (self.EOS,)
 
     def encode(self, text: str) -> list[int]:
         return [self._to_id[c] for c in text]

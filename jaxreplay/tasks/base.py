@@ -27,10 +27,15 @@ class Tokenizer(Protocol):
     @property
     def eos_id(self) -> int: ...
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a completion: the sampler's stop ids, where `decode` ends."""
+        ...
+
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text up to the first EOS."""
+        """Text up to the first of `eos_ids`."""
         ...
 
 
@@ -88,6 +93,10 @@ class ByteTokenizer:
     @property
     def eos_id(self) -> int:
         return self.EOS
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return (self.EOS,)
 
     def encode(self, text: str) -> list[int]:
         return [b + self._OFFSET for b in text.encode("utf-8")]

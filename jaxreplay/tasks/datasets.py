@@ -1,20 +1,26 @@
-"""Prompt datasets with verifiable answers: GSM8K and MATH through TFDS, or local JSONL / Parquet.
+"""Prompt datasets with verifiable answers: local Parquet / JSONL files, or TFDS.
 
-Every source reduces to (prompt, answer) records per split. Prompts go through
-`task.prompt_template` (and the chat template when `task.chat_template`), are
-tokenized once at load time, and are left-padded to the fixed `task.max_prompt_len`
-so sampling compiles once; a longer prompt is skipped and counted, or rejected
-(`task.long_prompts`). Nothing here downloads: TFDS datasets must already be
-prepared in `task.data_dir` (`tfds build gsm8k --data_dir DIR` where the network
-is reachable). TensorFlow Datasets and pyarrow are imported only by the loader
-that needs them.
+Every source reduces to (prompt, answer) records per split. Local files need no
+TensorFlow: `task.path` is a pattern with `{split}` (glob wildcards allowed, so a
+Hugging Face Hub repository's shards `data/{split}-*.parquet` are one pattern) or a
+directory in a Hub repository's layout. GSM8K and MATH without `task.path` are read
+through TFDS, prepared in `task.data_dir` beforehand (the Reverb lane, where
+TensorFlow installs). Prompts go through `task.prompt_template` (and the chat
+template when `task.chat_template`), are tokenized once at load time, and are
+left-padded to the fixed `task.max_prompt_len` so sampling compiles once; a longer
+prompt is skipped and counted, or rejected (`task.long_prompts`). Nothing here
+downloads. TensorFlow Datasets and pyarrow are imported only by the reader that
+needs them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import importlib.util
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Optional, Protocol, Sequence
 
@@ -73,9 +79,14 @@ def validate_task_config(c: Config) -> None:
     require(t.train_split != t.eval_split, "task.eval_split",
             f"{t.eval_split!r} is also task.train_split: the eval set must be held out")
     if t.name in ("jsonl", "parquet"):
-        require(t.path is not None and "{split}" in t.path, "task.path",
-                f"needs a file pattern with {{split}} for the {t.name} task, e.g. data/{{split}}.{t.name}, "
-                f"got {t.path!r}")
+        require(t.path is not None, "task.path", f"the {t.name} task reads local files: set task.path=DIR or a "
+                f"pattern such as data/{{split}}-*.{t.name}")
+    if t.path is not None:
+        require(("{split}" in t.path) == t.path.endswith(FORMATS), "task.path",
+                f"a file pattern with {{split}} ending in {' or '.join(FORMATS)} (e.g. data/{{split}}-*.parquet), "
+                f"or a directory in a Hub dataset's layout; got {t.path!r}")
+        for key in ("data_dir", "tfds_name"):
+            require(getattr(c.task, key) is None, f"task.{key}", "is for TFDS, but task.path reads local files")
     require(c.warmstart.steps == 0, "warmstart.steps",
             f"the {t.name} task has no supervised demonstrations: set warmstart.steps=0")
     if c.model.hf_path is None:  # trained from scratch on bytes; an HF tokenizer is checked against its model on load
@@ -91,15 +102,57 @@ def validate_task_config(c: Config) -> None:
 
 
 def read_records(task: TaskConfig, split: str) -> list[tuple[str, str]]:
-    """The (prompt, answer) records of `split`, in the source's order."""
+    """The (prompt, answer) records of `split`, in the source's order (shards in shard order)."""
     t = resolved(task)
     fields = (t.prompt_field, t.answer_field)
-    if t.name in ("gsm8k", "math"):
+    if t.path is None:  # gsm8k / math without local files
         return _read_tfds(t.tfds_name, t.data_dir, split, fields)
-    path = Path(t.path.replace("{split}", split))
-    if not path.is_file():
-        raise DatasetError(f"{t.name} file for split {split!r} not found: {path}")
-    return _read_jsonl(path, fields) if t.name == "jsonl" else _read_parquet(path, fields)
+    records = []
+    for path in split_files(t.path, split):
+        records += _read_jsonl(path, fields) if path.suffix == ".jsonl" else _read_parquet(path, fields)
+    return records
+
+
+# Local file formats, and where a Hub dataset repository keeps a split's files (the first
+# layout present wins; a repository with several configs has one directory per config).
+FORMATS = (".parquet", ".jsonl")
+HUB_LAYOUTS = ("data/{split}-*.parquet", "{split}-*.parquet", "data/{split}.parquet", "{split}.parquet",
+               "data/{split}-*.jsonl", "{split}-*.jsonl", "data/{split}.jsonl", "{split}.jsonl")
+_SHARD = re.compile(r"-(\d+)-of-(\d+)(?:-[0-9a-f]+)?\.\w+$")  # train-00001-of-00004[-<hash>].parquet
+
+
+def split_files(path: str, split: str) -> list[Path]:
+    """The files of `split`, sorted: `path` with `{split}` filled in and globbed, or a Hub
+    repository's (or one config's) directory. An incomplete set of shards is an error."""
+    pattern = path.replace("{split}", split) if "{split}" in path else _hub_pattern(Path(path), split)
+    files = sorted(Path(f) for f in glob.glob(pattern))
+    if not files:
+        raise DatasetError(f"no file for split {split!r}: {pattern}")
+    for f in files:
+        if f.suffix not in FORMATS:
+            raise DatasetError(f"{f}: not a {' or '.join(FORMATS)} file (task.path {pattern})")
+    shards = [_SHARD.search(f.name) for f in files]
+    totals = {int(m.group(2)) for m in shards if m}
+    found = sorted(int(m.group(1)) for m in shards if m)
+    if len(totals) > 1 or (totals and found != list(range(next(iter(totals))))):
+        raise DatasetError(f"split {split!r}: shards {found} of {sorted(totals)} in {pattern}: an incomplete or "
+                           f"mixed download; fetch the split again")
+    return files
+
+
+def _hub_pattern(root: Path, split: str) -> str:
+    if not root.is_dir():
+        raise DatasetError(f"task.path {root}: no such directory (nor a file pattern with {{split}})")
+    for layout in HUB_LAYOUTS:
+        pattern = str(root / layout.replace("{split}", split))
+        if glob.glob(pattern):
+            return pattern
+    configs = sorted(d.name for d in root.iterdir() if d.is_dir() and glob.glob(str(d / f"{split}-*.parquet")))
+    if configs:
+        raise DatasetError(f"{root} holds the configs {', '.join(configs)}: set task.path to one of them, "
+                           f"e.g. {root / configs[0]}")
+    raise DatasetError(f"no {split!r} split in {root}: no {split}.parquet, {split}-*.parquet, {split}.jsonl or "
+                       f"{split}-*.jsonl there or under data/")
 
 
 def _text(value, where: str) -> str:
@@ -146,6 +199,9 @@ def _read_tfds(name: str, data_dir: Optional[str], split: str, fields: tuple[str
     """Reads a prepared split; never downloads (a missing dataset is an error, not a fetch)."""
     from jaxreplay.replay import set_tf_cpu_only  # TFDS runs TensorFlow: keep it off the GPUs JAX uses
 
+    if importlib.util.find_spec("tensorflow_datasets") is None:
+        raise DatasetError(f"reading {name!r} through TFDS needs tensorflow-datasets (the reverb extra), not installed "
+                           f"here: set task.path to the dataset's Parquet or JSONL files instead")
     set_tf_cpu_only()
     import tensorflow_datasets as tfds
 
@@ -194,8 +250,9 @@ class DatasetTask:
     """A dataset split as a `Task`: a seeded, epoch-shuffled training stream and a fixed eval set."""
 
     def __init__(self, config: TaskConfig, tokenizer: PromptTokenizer, *,
-                 records: Optional[dict[str, Sequence[tuple[str, str]]]] = None):
-        """`records` (split -> (prompt, answer) pairs) replaces reading the configured source."""
+                 records: Optional[dict[str, Sequence[tuple[str, str]]]] = None, train: bool = True):
+        """`records` (split -> (prompt, answer) pairs) replaces reading the configured source.
+        `train=False` reads the eval split alone (for evaluation, which never draws a training problem)."""
         self.config = resolved(config)
         self.tokenizer = tokenizer
         self.prompt_len = self.config.max_prompt_len
@@ -204,7 +261,7 @@ class DatasetTask:
         self._epoch: tuple = (None, None)
         c = self.config
         read = (lambda split: records[split]) if records is not None else (lambda split: read_records(c, split))
-        self.train_examples = self._encode(c.train_split, read(c.train_split))
+        self.train_examples = self._encode(c.train_split, read(c.train_split)) if train else []
         self.eval_problems = self._encode(c.eval_split, read(c.eval_split))[:c.eval_size]
 
     def _encode(self, split: str, records: Sequence[tuple[str, str]]) -> list[Example]:
@@ -241,6 +298,8 @@ class DatasetTask:
         """Batch `index` of the stream: each epoch visits every training example once, in a
         seeded order, so the stream is a pure function of (seed, index)."""
         size = len(self.train_examples)
+        if not size:
+            raise RuntimeError("this task was made for evaluation only (train=False): it has no training split")
         out = []
         for j in range(index * n, (index + 1) * n):
             epoch, position = divmod(j, size)

@@ -1,0 +1,95 @@
+"""Seed statistics for `jaxreplay report`: median and IQR over seeds, curves on a common grid.
+
+Settings are compared by the median over seeds with the interquartile range (25th
+to 75th percentile, numpy's default linear interpolation between seeds), as the
+paper reports them: robust to the one diverging seed a mean and a min-max band
+would follow. Seeds evaluate at different x (tokens, compute, seconds differ per
+seed), so a band first interpolates each seed's curve linearly onto one grid: every
+seed's x inside the range all seeds cover (no extrapolation).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+from jaxreplay.config import ConfigError
+
+Curve = tuple[np.ndarray, np.ndarray]  # (x, y), x non-decreasing
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
+    """(25th percentile, median, 75th percentile) of `values`."""
+    q1, med, q3 = np.percentile(np.asarray(values, np.float64), [25, 50, 75])
+    return float(q1), float(med), float(q3)
+
+
+def fmt(value: float) -> str:
+    """Three significant digits; float noise around zero prints as 0."""
+    return "0" if abs(value) < 1e-12 else f"{value:.3g}"
+
+
+def cell(values: Sequence[float]) -> str:
+    """'median [q25, q75]' over seeds; one value alone; 'n/a' for none."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return fmt(values[0])
+    q1, med, q3 = quartiles(values)
+    return f"{fmt(med)} [{fmt(q1)}, {fmt(q3)}]"
+
+
+def clean(x: np.ndarray, y: np.ndarray) -> Curve:
+    """Finite points only, and one point per x (the last), so `np.interp` sees increasing x."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    keep = np.isfinite(x) & np.isfinite(y)
+    x, y = x[keep], y[keep]
+    last = np.r_[x[1:] != x[:-1], True] if len(x) else np.zeros(0, bool)
+    return x[last], y[last]
+
+
+def common_grid(curves: Sequence[Curve]) -> np.ndarray:
+    """Every curve's x inside [the largest first x, the smallest last x]: the range all curves cover."""
+    curves = [c for c in curves if len(c[0])]
+    if not curves:
+        return np.zeros(0)
+    lo, hi = max(c[0][0] for c in curves), min(c[0][-1] for c in curves)
+    grid = np.unique(np.concatenate([c[0] for c in curves]))
+    return grid[(grid >= lo) & (grid <= hi)]
+
+
+def band(curves: Sequence[Curve]) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """(grid, q25, median, q75) of the curves interpolated onto their common grid; None if empty."""
+    curves = [clean(*c) for c in curves]
+    curves = [c for c in curves if len(c[0])]
+    grid = common_grid(curves)
+    if not len(grid):
+        return None
+    ys = np.array([np.interp(grid, x, y) for x, y in curves])
+    q1, med, q3 = np.percentile(ys, [25, 50, 75], axis=0)
+    return grid, q1, med, q3
+
+
+def first_reach(x: np.ndarray, acc: np.ndarray, target: float) -> Optional[float]:
+    """x at the first evaluation with accuracy >= target; None if none does."""
+    hit = np.nonzero(np.asarray(acc) >= target - 1e-12)[0]
+    return float(np.asarray(x)[hit[0]]) if len(hit) else None
+
+
+def parse_mus(text: Optional[str]) -> tuple[float, ...]:
+    """`--mu 5.28,6.84`: positive finite numbers, or ConfigError naming the bad one."""
+    if text is None:
+        return ()
+    mus = []
+    for part in text.split(","):
+        try:
+            mu = float(part)
+        except ValueError:
+            raise ConfigError(f"--mu: {part.strip()!r} is not a number (expected e.g. --mu 5.28,6.84)") from None
+        if not (math.isfinite(mu) and mu > 0):
+            raise ConfigError(f"--mu must be positive and finite, got {part.strip()}")
+        mus.append(mu)
+    return tuple(mus)
