@@ -36,7 +36,8 @@ from benchmarks.learner import random_batch
 from benchmarks.sampler import compiled_sampler, prompts
 from benchmarks.torch_reference import best_time, generate_fn
 from jaxreplay.config import Config, ModelConfig
-from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
+from jaxreplay.learner import make_optimizer, make_train_step
+from jaxreplay.rollouts import to_device_batch
 from jaxreplay.models import count_params, init_params
 from jaxreplay.sampling import make_sampler
 

@@ -10,7 +10,8 @@ import jax
 import numpy as np
 
 from jaxreplay.config import Config
-from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
+from jaxreplay.learner import make_optimizer, make_train_step
+from jaxreplay.rollouts import to_device_batch
 from jaxreplay.models import init_params
 
 

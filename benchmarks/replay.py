@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxreplay.actor import item_spec
+from jaxreplay.rollouts import row_spec
 from jaxreplay.config import Config, load_config
 from jaxreplay.loop import train
 from jaxreplay.replay import build_tables, reader_for, serve, writer_for
@@ -43,7 +43,7 @@ def throughput(quick: bool = False) -> dict:
     config = Config()
     sampling = dataclasses.replace(config.sampling, max_new_tokens=256)
     config = unlimited(dataclasses.replace(config, sampling=sampling), max_size=4096)
-    spec = item_spec(config, prompt_len=256)  # 512 tokens per item
+    spec = row_spec(config, prompt_len=256)  # 512 tokens per item
     rows, calls = config.rollouts_per_step, (4 if quick else 40)
     items = random_items(spec, rows, np.random.default_rng(0))
     with serve(build_tables(config, spec), timeout_s=30.0) as server:

@@ -22,9 +22,10 @@ import numpy as np
 
 from benchmarks.learner import random_batch
 from benchmarks.replay import random_items, unlimited
-from jaxreplay.actor import item_spec
+from jaxreplay.rollouts import row_spec
 from jaxreplay.config import Config
-from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
+from jaxreplay.learner import make_optimizer, make_train_step
+from jaxreplay.rollouts import to_device_batch
 from jaxreplay.models import init_params
 from jaxreplay.replay import build_tables, reader_for, serve, writer_for
 
@@ -38,7 +39,7 @@ def rss_mib() -> float:
 def run(quick: bool = False) -> dict:
     base = Config()
     sizes, steps = ((100, 1000), 20) if quick else ((100, 1000, 10_000, 100_000), 1000)
-    spec = item_spec(base, prompt_len=base.model.max_seq_len - base.sampling.max_new_tokens)
+    spec = row_spec(base, prompt_len=base.model.max_seq_len - base.sampling.max_new_tokens)
     graphdef, params = init_params(base.model, 0)
     optimizer = make_optimizer(base.train)
     opt_state = optimizer.init(params)

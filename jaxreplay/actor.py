@@ -15,24 +15,11 @@ import numpy as np
 
 from jaxreplay.config import Config
 from jaxreplay.rl import ADVANTAGES
+from jaxreplay.rollouts import make_rows, row_spec
 from jaxreplay.sampling import Rollout, completion_ids
 from jaxreplay.tasks import Task, score
 
 SampleFn = Callable[..., Rollout]
-
-
-def item_spec(config: Config, prompt_len: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Shape and dtype of one replay item (one completion with its prompt)."""
-    t = prompt_len + config.sampling.max_new_tokens
-    return {
-        "tokens": ((t,), np.dtype(np.int32)),
-        "attention_mask": ((t,), np.dtype(np.bool_)),
-        "completion_mask": ((t,), np.dtype(np.bool_)),
-        "logprobs": ((t,), np.dtype(np.float32)),
-        "advantage": ((), np.dtype(np.float32)),
-        "reward": ((), np.dtype(np.float32)),
-        "policy_version": ((), np.dtype(np.int32)),
-    }
 
 
 class Actor:
@@ -44,6 +31,7 @@ class Actor:
         self.sample_fn = sample_fn
         self.shard = shard
         self._base_key = jax.random.PRNGKey(config.run.seed)
+        self.spec = row_spec(config, task.prompt_len)
 
     def act(self, params, policy_version: int, actor_step: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """Rollouts for the `actor_step`-th prompt batch; deterministic given params and step."""
@@ -61,15 +49,10 @@ class Actor:
 
         rewards, reward_errors = score(self.task, problems, completion_ids(rollout), group)
         advantages = ADVANTAGES[c.train.advantage](rewards.reshape(-1, group)).reshape(-1)
-        items = {
-            "tokens": rollout.tokens.astype(np.int32),
-            "attention_mask": rollout.attention_mask.astype(bool),
-            "completion_mask": rollout.completion_mask.astype(bool),
-            "logprobs": rollout.logprobs.astype(np.float32),
-            "advantage": advantages,
-            "reward": rewards,
-            "policy_version": np.full(len(rewards), policy_version, np.int32),
-        }
+        items = make_rows(
+            self.spec, tokens=rollout.tokens, attention_mask=rollout.attention_mask,
+            completion_mask=rollout.completion_mask, logprobs=rollout.logprobs, advantage=advantages,
+            reward=rewards, policy_version=np.full(len(rewards), policy_version))
         stats = {
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),

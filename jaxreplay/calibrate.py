@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxreplay.config import Config, validate
-from jaxreplay.learner import to_device_batch
+from jaxreplay.rollouts import to_device_batch
 from jaxreplay.theory import realised_horizon, replay_ratio
 
 CALIBRATION_FILE = "calibration.json"

@@ -28,14 +28,17 @@ import yaml
 from tqdm import tqdm
 
 from jaxreplay import rundir, sharding
-from jaxreplay.actor import Actor, item_spec
+from jaxreplay.actor import Actor
+from jaxreplay.rollouts import row_spec
 from jaxreplay.config import Config, to_dict
 from jaxreplay.eval import EVAL_BATCH, evaluate
-from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
+from jaxreplay.learner import make_optimizer, make_train_step
+from jaxreplay.rollouts import to_device_batch
 from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import abstract_params, init_params
 from jaxreplay.replay import ReplayServer, ReplayTimeoutError, build_tables, reader_for, serve, writer_for
 from jaxreplay.sampling import make_run_samplers
+from jaxreplay.scheduler import admitted_inserts
 from jaxreplay.tasks import make_task
 from jaxreplay.warmstart import warm_start
 
@@ -118,16 +121,6 @@ def wait_for(probe: Callable[[], T], stop: threading.Event, timeout_s: float, wh
     return None
 
 
-def _admitted(server: ReplayServer, n: int) -> int:
-    """Largest k <= n rows the limiter admits now (admission is monotone in k)."""
-    state = server.info()
-    lo, hi = 0, n + 1  # can_insert(lo) holds (vacuously for 0); hi is past the range
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if state.can_insert(mid) else (lo, mid)
-    return lo
-
-
 def train_disaggregated(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Runs a disaggregated training run (`mesh.actor_devices > 0`); returns the run summary.
 
@@ -167,7 +160,7 @@ def _train_disaggregated(config: Config, run_dir: Path, log: Callable[[str], Non
     ref_params = jax.tree.map(jnp.copy, learner_params) if c.train.kl_coef > 0 else None
     train_step = make_train_step(graphdef, c, optimizer, learner_mesh)
     actor = Actor(c, task, sample_fn)
-    spec = item_spec(c, task.prompt_len)
+    spec = row_spec(c, task.prompt_len)
 
     server = serve(build_tables(c, spec), port=c.replay.port, timeout_s=c.replay.timeout_s)
     metrics = MetricsWriter(run_dir)
@@ -185,7 +178,7 @@ def _train_disaggregated(config: Config, run_dir: Path, log: Callable[[str], Non
                 shared["actor_steps"], shared["generate_s"] = step, shared["generate_s"] + stats["seconds"]
                 shared["actor"] = {k: stats[k] for k in ("reward_mean", "accuracy", "completion_length")}
             rows = len(pending["reward"])
-            n = wait_for(lambda: _admitted(server, rows), stop, timeout,
+            n = wait_for(lambda: admitted_inserts(server.info(), rows), stop, timeout,
                          lambda: f"the limiter to admit rollouts (learner stalled?): {server.describe()}")
             if n is None:
                 return

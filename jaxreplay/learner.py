@@ -29,10 +29,6 @@ from jaxreplay.scoring import sequence_scores
 Batch = dict[str, jax.Array]
 TrainStep = Callable[[Any, Any, Batch, Any], tuple[Any, Any, dict[str, jax.Array]]]
 
-# Replayed fields the update reads; the actor writes these (and more) into the table.
-BATCH_KEYS = ("tokens", "attention_mask", "completion_mask", "logprobs", "advantage")
-
-
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """AdamW with global-norm clipping; a linear warm-up, then a constant learning rate.
 
@@ -188,14 +184,3 @@ def _accumulate(grads_fn, params, batch: Batch, ref_params, count: int, mesh: Op
 
     ((loss, metrics), grads), _ = jax.lax.scan(body, zeros, micro)
     return loss, metrics, grads
-
-
-def to_device_batch(batch: dict[str, Any]) -> Batch:
-    """Host numpy -> device arrays with the dtypes the update expects."""
-    return {
-        "tokens": jnp.asarray(batch["tokens"], jnp.int32),
-        "attention_mask": jnp.asarray(batch["attention_mask"], bool),
-        "completion_mask": jnp.asarray(batch["completion_mask"], bool),
-        "logprobs": jnp.asarray(batch["logprobs"], jnp.float32),
-        "advantage": jnp.asarray(batch["advantage"], jnp.float32),
-    }

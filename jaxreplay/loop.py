@@ -33,13 +33,15 @@ from tqdm import tqdm
 
 from jaxreplay import rundir, sharding
 from jaxreplay.accounting import Accounting, param_count
-from jaxreplay.actor import Actor, item_spec
+from jaxreplay.actor import Actor
+from jaxreplay.rollouts import row_spec
 from jaxreplay.calibrate import calibrated, measure_mu
 from jaxreplay.checkpoint import Checkpointer, Progress
 from jaxreplay.config import Config, to_dict
 from jaxreplay.eval import EVAL_BATCH, evaluate
 from jaxreplay.guards import NonFiniteStreak, Preempted, PreemptionNotice
-from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
+from jaxreplay.learner import make_optimizer, make_train_step
+from jaxreplay.rollouts import to_device_batch
 from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import init_params
 from jaxreplay.models.hf import load_hf_model
@@ -47,24 +49,10 @@ from jaxreplay.replay import (ReplayInterrupted, ReplayServer, build_tables, che
                               resolve_backend, serve, writer_for)
 from jaxreplay.replay.tables import LimiterState, Snapshot
 from jaxreplay.sampling import make_run_samplers
+from jaxreplay.scheduler import SchedulerStuckError, admitted_inserts
 from jaxreplay.models.tokenizer import load_tokenizer
 from jaxreplay.tasks import make_task
 from jaxreplay.warmstart import warm_start
-
-
-class SchedulerStuckError(RuntimeError):
-    """Neither an insert nor a sample is admitted: the limiter settings are inconsistent."""
-
-
-def _insertable(state: LimiterState, n: int) -> int:
-    """Largest k <= n that the limiter admits in `state` (admission is monotone in k)."""
-    if state.can_insert(n):
-        return n
-    lo, hi = 0, n  # can_insert(lo) holds (vacuously for 0), can_insert(hi) does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if state.can_insert(mid) else (lo, mid)
-    return lo
 
 
 def _save_config(run_dir: Path, config: Config) -> None:
@@ -145,7 +133,7 @@ def _train(config: Config, run_dir: Path, log: Callable[[str], None]) -> dict[st
     c = calibrated(c, run_dir, lambda: measure_mu(c, actor, train_step, params, opt_state), log)
     _save_config(run_dir, c)  # with the calibrated samples_per_insert, if any
 
-    spec = item_spec(c, task.prompt_len)
+    spec = row_spec(c, task.prompt_len)
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.checkpoint.keep)
     progress = Progress()
     pending: Optional[dict[str, np.ndarray]] = None  # generated rollouts the limiter has not admitted yet
@@ -203,7 +191,7 @@ def _train(config: Config, run_dir: Path, log: Callable[[str], None]) -> dict[st
                                 "the same command resumes")
             if snapshot is None:
                 snapshot = take_snapshot()
-            if pending is not None and (n := _insertable(snapshot[server.table], len(pending["reward"]))) > 0:
+            if pending is not None and (n := admitted_inserts(snapshot[server.table], len(pending["reward"]))) > 0:
                 t0 = time.perf_counter()
                 writer.insert({k: v[:n] for k, v in pending.items()})
                 progress.time_replay_s += time.perf_counter() - t0

@@ -37,18 +37,19 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxreplay import distributed, rundir, sharding
-from jaxreplay.actor import Actor, item_spec
+from jaxreplay.actor import Actor
+from jaxreplay.rollouts import row_spec
 from jaxreplay.config import Config, ConfigError
 from jaxreplay.eval import EVAL_BATCH, evaluate
-from jaxreplay.learner import BATCH_KEYS, make_optimizer, make_train_step
-from jaxreplay.loop import SchedulerStuckError
+from jaxreplay.learner import make_optimizer, make_train_step
+from jaxreplay.rollouts import TRAINED
 from jaxreplay.metrics import MetricsWriter
 from jaxreplay.models import abstract_params, init_params
 from jaxreplay.models.hf import load_hf_model, read_model_config
 from jaxreplay.models.tokenizer import load_tokenizer
-from jaxreplay.replay import LimiterState
 from jaxreplay.replay.multiprocess import check_multiprocess, open_replay
 from jaxreplay.sampling import make_run_samplers
+from jaxreplay.scheduler import next_move, window_shortfall
 from jaxreplay.tasks import make_task
 from jaxreplay.warmstart import supervised_warm_start
 
@@ -117,7 +118,7 @@ def _train(config: Config, log: Callable[[str], None]) -> dict[str, Any]:
     actor = Actor(c, task, _on_local_rows(sample_fn, mesh), shard=(pid, nproc))
     greedy_all = _on_all_rows(greedy_fn, mesh)
 
-    replay = open_replay(c, item_spec(c, task.prompt_len), coord)
+    replay = open_replay(c, row_spec(c, task.prompt_len), coord)
     metrics = MetricsWriter(run_dir) if coord.is_leader else None
     start = time.perf_counter()
     counts = {"inserted": 0, "sampled": 0, "actor_steps": 0, "learner_steps": 0}
@@ -132,19 +133,18 @@ def _train(config: Config, log: Callable[[str], None]) -> dict[str, Any]:
             mine = 0 if pending is None else len(pending["reward"])
             if view is None:
                 view = replay.view(f"turn/{turn}", mine)
-            move, view = _choose(view.state, view.pending, nproc, c.train.batch_size), None
-            if move["move"] == "stuck":
-                raise SchedulerStuckError(move["why"])
-            if move["move"] == "insert":
-                k = move["rows"]
+            move = next_move(view.state, view.pending, view.state.can_sample_at_once(c.train.batch_size), nproc)
+            view = None
+            if move.kind == "insert":
+                k = move.rows
                 replay.insert({name: v[:k] for name, v in pending.items()})
                 counts["inserted"] += k
                 pending = {name: v[k:] for name, v in pending.items()} if k < mine else None
-            elif move["move"] == "learn":
+            elif move.kind == "learn":
                 local = replay.sample(c.train.batch_size // nproc)
                 counts["sampled"] += len(local["reward"])
                 view = replay.view(f"sampled/{turn}", mine)
-                batch = {k: _global_rows(local[k], rows) for k in BATCH_KEYS}
+                batch = {k: _global_rows(local[k], rows) for k in TRAINED}
                 # Wait for every local device, not just the one device_get reads: a device
                 # that started the next computation early would pair its collectives with a
                 # peer still in this step (gloo matches collectives by order; seen on CPU).
@@ -205,32 +205,8 @@ def check_layout(config: Config, mesh, num_processes: int) -> None:
                           "replay.samples_per_insert and calibrate_steps=0")
     if t.prompts_per_step % num_processes:
         raise ConfigError(f"train.prompts_per_step: {t.prompts_per_step} does not split over {num_processes} processes")
-    if r.mode == "replay" and 2 * config.error_buffer < t.batch_size + num_processes * r.samples_per_insert:
-        raise ConfigError(
-            f"replay.error_buffer: {config.error_buffer} deadlocks with {num_processes} processes, which insert "
-            f"together: raise it to at least {(t.batch_size + num_processes * r.samples_per_insert) / 2}")
-
-
-def _choose(state: LimiterState, pending: int, num_processes: int, batch_size: int) -> dict[str, Any]:
-    """Every process's move for the next turn, from the same global view: each has
-    `pending` rows waiting (a pure function, so all processes take the same move)."""
-    k = _insertable(state, pending, num_processes)
-    if k > 0:
-        return {"move": "insert", "rows": k}
-    if state.can_sample_at_once(batch_size):
-        return {"move": "learn"}
-    if pending == 0:
-        return {"move": "act"}
-    return {"move": "stuck", "why": f"the limiter admits neither an insert nor a sample: {state.describe()}"}
-
-
-def _insertable(state: LimiterState, n: int, num_processes: int) -> int:
-    """Largest k <= n with k rows from each process admitted together (admission is monotone)."""
-    lo, hi = 0, n + 1  # can_insert(0) holds; find the last k that is admitted
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if state.can_insert(mid * num_processes) else (lo, mid)
-    return lo
+    if (why := window_shortfall(config, num_processes)) is not None:
+        raise ConfigError(f"replay.error_buffer: {why}")
 
 
 def _global_rows(local: np.ndarray, rows) -> jax.Array:

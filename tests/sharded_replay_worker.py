@@ -1,7 +1,7 @@
 """One process of tests/test_multihost.py's sharded-replay checks, run as
 `python tests/sharded_replay_worker.py PROCESS_ID NUM_PROCESSES COORDINATOR OUT_DIR [--open] [key=value ...]`.
 
-It drives a `ShardedReplay` through the multi-host scheduler's moves (`multihost._choose`)
+It drives a `ShardedReplay` through the multi-host scheduler's moves (`scheduler.next_move`)
 for `train.steps` learner steps, inserting made-up rows tagged with this process's id,
 then checkpoints its shard and restores it; it writes what it saw to OUT_DIR/process-<id>.json.
 With --open it only opens the view `replay.backend` asks for (`open_replay`) and writes its kind.
@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxreplay import distributed
 from jaxreplay.config import DistributedConfig, load_config
-from jaxreplay.multihost import _choose
+from jaxreplay.scheduler import next_move
 from jaxreplay.replay.multiprocess import ShardedReplay, open_replay
 
 SPEC = {"origin": ((), np.int32), "serial": ((), np.int32), "reward": ((), np.float32)}
@@ -38,21 +38,19 @@ def main(pid: int, nproc: int, address: str, out: Path, overrides: list[str]) ->
     while steps < config.train.steps:
         turn += 1
         view = replay.view(f"turn/{turn}", pending)
-        move = _choose(view.state, view.pending, nproc, b)
-        turns.append({"state": dataclasses.asdict(view.state), "pending": view.pending, "move": move})
-        if move["move"] == "insert":
-            k = move["rows"]
+        move = next_move(view.state, view.pending, view.state.can_sample_at_once(b), nproc)
+        turns.append({"state": dataclasses.asdict(view.state), "pending": view.pending, "move": move._asdict()})
+        if move.kind == "insert":
+            k = move.rows
             replay.insert({"origin": np.full(k, pid, np.int32), "serial": np.arange(serial, serial + k, dtype=np.int32),
                            "reward": np.zeros(k, np.float32)})
             serial, pending = serial + k, pending - k
-        elif move["move"] == "learn":
+        elif move.kind == "learn":
             batch = replay.sample(b // nproc)
             samples.append({"origin": batch["origin"].tolist(), "serial": batch["serial"].tolist()})
             steps += 1
-        elif move["move"] == "act":
-            pending = per_act
         else:
-            raise RuntimeError(move["why"])
+            pending = per_act
     final = replay.view("final")
     local = replay.local()
     restored = ShardedReplay(config, SPEC, coord, restore_from=replay.checkpoint())

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxreplay.actor import item_spec
+from jaxreplay.rollouts import row_spec
 from jaxreplay.checkpoint import Checkpointer
 from jaxreplay.config import load_config
 from jaxreplay.learner import make_optimizer
@@ -60,7 +60,7 @@ def restored_state(run_dir: Path, step: int):
     config = load_config(run_dir / "config.yaml")
     _, params = init_params(config.model, 0)
     like = _state(params, make_optimizer(config.train).init(params), None,
-                  item_spec(config, make_task(config.task).prompt_len), config.rollouts_per_step)
+                  row_spec(config, make_task(config.task).prompt_len), config.rollouts_per_step)
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=config.checkpoint.keep)
     try:
         return checkpointer.restore(like, step=step)[0]
@@ -73,7 +73,7 @@ def assert_every_checkpoint_restores(run_dir: Path) -> list[int]:
     with the counters it was saved with. Returns the steps."""
     config = load_config(run_dir / "config.yaml")
     task = make_task(config.task)
-    spec = item_spec(config, task.prompt_len)
+    spec = row_spec(config, task.prompt_len)
     _, params = init_params(config.model, 0)
     like = _state(params, make_optimizer(config.train).init(params), None, spec, config.rollouts_per_step)
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=config.checkpoint.keep)
@@ -279,7 +279,7 @@ def test_a_dead_reverb_server_ends_inserts_and_samples_within_the_timeout():
     from jaxreplay.replay import ReplayServer, ReplayTimeoutError, reader_for, writer_for
 
     config = load_config(DEMO, ["replay.backend=reverb", "replay.timeout_s=2"])
-    spec = item_spec(config, make_task(config.task).prompt_len)
+    spec = row_spec(config, make_task(config.task).prompt_len)
     server = ReplayServer(build_tables(config, spec), timeout_s=2)
     writer, reader = writer_for(server, config, spec), reader_for(server, config, spec)
     server.stop()

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxreplay.actor import item_spec
+from jaxreplay.rollouts import row_spec
 from jaxreplay.checkpoint import Checkpointer
 from jaxreplay.cli import main
 from jaxreplay.config import load_config
@@ -72,7 +72,7 @@ def test_eval_of_a_checkpoint_equals_eval_of_its_hf_export(tmp_path, capsys):
     # The same weights, restored with the optimizer state and everything else, then exported.
     task = make_task(config.task)
     graphdef, params = init_params(config.model, config.run.seed)
-    like = _state(params, make_optimizer(config.train).init(params), None, item_spec(config, task.prompt_len),
+    like = _state(params, make_optimizer(config.train).init(params), None, row_spec(config, task.prompt_len),
                   config.rollouts_per_step)
     state, _ = Checkpointer(run_dir / "checkpoints", keep=2).restore(like)
     hf_dir = save_hf_model(tmp_path / "hf", config.model, state["params"])

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from jaxreplay.config import load_config
-from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
+from jaxreplay.learner import make_optimizer, make_train_step
+from jaxreplay.rollouts import to_device_batch
 from jaxreplay.models import forward, init_params
 from jaxreplay.sampling import make_sampler, policy_logprobs
 from jaxreplay.tasks import make_task

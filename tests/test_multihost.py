@@ -19,8 +19,6 @@ from typing import Optional
 import pytest
 
 from jaxreplay.config import ConfigError, load_config
-from jaxreplay.multihost import _choose, _insertable
-from jaxreplay.replay import LimiterState
 
 HAVE_REVERB = importlib.util.find_spec("reverb") is not None
 needs_reverb = pytest.mark.skipif(not HAVE_REVERB, reason="needs dm-reverb (the Reverb lane, Python 3.10/3.11)")
@@ -123,32 +121,6 @@ def test_a_process_that_fails_ends_the_job_in_seconds_not_timeouts(tmp_path):
     assert not (tmp_path / "summary.json").exists()
 
 
-def _state(inserts: int, samples: int, size: int, spi: float = 1.0, min_size: int = 8,
-           window: tuple[float, float] = (-20.0, 20.0)) -> LimiterState:
-    return LimiterState(table="rollouts", size=size, max_size=64, max_times_sampled=0, inserts=inserts,
-                        samples=samples, deletes=inserts - size, samples_per_insert=spi, min_size_to_sample=min_size,
-                        min_diff=window[0], max_diff=window[1])
-
-
-def test_inserts_are_admitted_for_all_processes_together():
-    # diff = 30 - 20 = 10; each row per process adds 2: the window (max 20) admits 5 more each.
-    state = _state(inserts=30, samples=20, size=30)
-    assert _insertable(state, 16, num_processes=2) == 5
-    assert _insertable(state, 3, num_processes=2) == 3
-    assert _insertable(state, 16, num_processes=1) == 10
-
-
-def test_process_zero_picks_insert_then_learn_then_act():
-    assert _choose(_state(0, 0, 0), pending=4, num_processes=2, batch_size=16) == {"move": "insert", "rows": 4}
-    full = _state(inserts=40, samples=10, size=40, window=(-20.0, 30.0))  # diff 30: no room for inserts
-    assert _choose(full, pending=4, num_processes=2, batch_size=16) == {"move": "learn"}
-    drained = _state(inserts=16, samples=24, size=16)  # diff -8: a batch of 16 would pass min_diff -20
-    assert _choose(drained, pending=0, num_processes=2, batch_size=16) == {"move": "act"}
-    stuck = _choose(_state(inserts=40, samples=30, size=40, window=(-2.0, 10.0)), pending=4, num_processes=2,
-                    batch_size=16)
-    assert stuck["move"] == "stuck" and "diff=10" in stuck["why"]
-
-
 @pytest.mark.parametrize("override, key", [
     ("distributed.coordinator_address=localhost", "distributed.coordinator_address"),
     ("distributed.replay_address=host:99999", "distributed.replay_address"),
@@ -199,14 +171,14 @@ def test_sharded_replay_decides_alike_on_every_process_from_the_summed_counters(
     turns = reports[0]["turns"]
     # The same global state, hence the same move, on both processes at every turn.
     assert turns == reports[1]["turns"]
-    assert {t["move"]["move"] for t in turns} == {"act", "insert", "learn"}
+    assert {t["move"]["kind"] for t in turns} == {"act", "insert", "learn"}
     # Each turn's counters are both processes' calls so far, not one shard's.
     inserts = samples = 0
     for t in turns:
         assert (t["state"]["inserts"], t["state"]["samples"]) == (inserts, samples)
         assert t["state"]["max_size"] == 16 and t["state"]["samples_per_insert"] == 2.0
         inserts += 2 * t["move"].get("rows", 0)
-        samples += 8 * (t["move"]["move"] == "learn")
+        samples += 8 * (t["move"]["kind"] == "learn")
     final = reports[0]["final"]
     assert (final["inserts"], final["samples"]) == (inserts, samples)
     for report in reports:
@@ -223,7 +195,7 @@ def test_each_process_samples_only_its_own_shard_and_checkpoints_it(sharded_run)
         batches = iter(report["samples"])
         for t in report["turns"]:
             seen += t["move"].get("rows", 0)
-            if t["move"]["move"] == "learn":
+            if t["move"]["kind"] == "learn":
                 batch = next(batches)
                 assert batch["origin"] == [pid] * 4  # B / P rows, all from this process
                 # ... from its shard: its freshest 8 rows (FIFO eviction per shard)

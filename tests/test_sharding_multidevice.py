@@ -13,7 +13,8 @@ import pytest
 from jaxreplay.compat import value_of
 from jaxreplay import sharding
 from jaxreplay.config import ConfigError, MeshConfig, load_config
-from jaxreplay.learner import make_optimizer, make_train_step, to_device_batch
+from jaxreplay.learner import make_optimizer, make_train_step
+from jaxreplay.rollouts import to_device_batch
 from jaxreplay.models import init_params
 from jaxreplay.sampling import make_sampler
 from jaxreplay.tasks import make_task

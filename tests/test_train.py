@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxreplay.actor import item_spec
+from jaxreplay.rollouts import row_spec
 from jaxreplay.checkpoint import Checkpointer
 from jaxreplay.config import load_config
 from jaxreplay.loop import _state, train
@@ -101,7 +101,7 @@ def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path):
     task = make_task(straight_config.task)
     graphdef, params = init_params(straight_config.model, 0)
     like = _state(params, make_optimizer(straight_config.train).init(params), None,
-                  item_spec(straight_config, task.prompt_len), straight_config.rollouts_per_step)
+                  row_spec(straight_config, task.prompt_len), straight_config.rollouts_per_step)
     states = [Checkpointer(Path(c.run.dir) / "checkpoints", keep=2).restore(like) for c in
               (straight_config, resumed_config)]
     (state_a, progress_a), (state_b, progress_b) = states

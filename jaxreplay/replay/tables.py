@@ -21,6 +21,7 @@ import time
 from typing import Callable, Literal, Mapping, Optional
 
 from jaxreplay.config import Config
+from jaxreplay.scheduler import LimiterState
 from jaxreplay.replay.rows import ItemSpec, RowLayout  # one table row per rollout
 
 TABLE_NAME = "rollouts"
@@ -253,94 +254,19 @@ def import_reverb():
     return reverb
 
 
-@dataclasses.dataclass(frozen=True)
-class LimiterState:
-    """A snapshot of one table and its rate limiter, with Reverb's admission rules.
-
-    `diff` = inserts * samples_per_insert - samples. Reverb admits n inserts while
-    the table stays at or below `min_size_to_sample`, else while the diff after them
-    stays <= max_diff; it admits n samples while size >= min_size_to_sample and
-    diff - n >= min_diff (rate_limiter.cc, mirrored operation for operation).
-    """
-
-    table: str
-    size: int
-    max_size: int
-    max_times_sampled: int
-    inserts: int
-    samples: int
-    deletes: int
-    samples_per_insert: float
-    min_size_to_sample: int
-    min_diff: float
-    max_diff: float
-
-    @classmethod
-    def from_table_info(cls, info) -> "LimiterState":
-        """From a `reverb.TableInfo` (or the `TableInfo` proto it is read from). Reverb
-        reports the limiter's own counters as `completed` insert/sample calls (restored
-        with a checkpoint), and every item ever inserted is either still in the table or
-        deleted."""
-        rl = info.rate_limiter_info
-        inserts, samples = int(rl.insert_stats.completed), int(rl.sample_stats.completed)
-        return cls(
-            table=info.name, size=int(info.current_size), max_size=int(info.max_size),
-            max_times_sampled=int(info.max_times_sampled), inserts=inserts, samples=samples,
-            deletes=inserts - int(info.current_size), samples_per_insert=float(rl.samples_per_insert),
-            min_size_to_sample=int(rl.min_size_to_sample), min_diff=float(rl.min_diff),
-            max_diff=float(rl.max_diff))
-
-    @property
-    def diff(self) -> float:
-        return self.inserts * self.samples_per_insert - self.samples
-
-    @property
-    def ratio(self) -> float:
-        """Measured samples per insert so far (nan before the first insert)."""
-        return self.samples / self.inserts if self.inserts else float("nan")
-
-    def can_insert(self, n: int) -> bool:
-        if self.inserts + n - self.deletes <= self.min_size_to_sample:
-            return True
-        return (n + self.inserts) * self.samples_per_insert - self.samples <= self.max_diff
-
-    def can_sample(self, n: int) -> bool:
-        if self.inserts - self.deletes < self.min_size_to_sample:
-            return False
-        return self.inserts * self.samples_per_insert - self.samples - n >= self.min_diff
-
-    def can_sample_at_once(self, n: int) -> bool:
-        """Whether one sampler can take all `n` without blocking midway.
-
-        Reverb admits a batch item by item. With `max_times_sampled` set, items may
-        be deleted as they are sampled, and a table that shrinks below
-        `min_size_to_sample` midway blocks the rest of the batch with no timeout;
-        this holds even if every one of the `n` samples deletes its item.
-        """
-        worst_size = self.size - (n - 1 if self.max_times_sampled > 0 else 0)
-        return self.can_sample(n) and worst_size >= self.min_size_to_sample
-
-    def after_insert(self, n: int) -> "LimiterState":
-        """The state once `n` admitted inserts have landed and no other call has: the FIFO
-        remover evicts the oldest item for each insert into a full table. Exact for a
-        table with no other client (the colocated loop), as Reverb's table.cc counts."""
-        size = min(self.size + n, self.max_size)
-        return dataclasses.replace(self, size=size, inserts=self.inserts + n, deletes=self.inserts + n - size)
-
-    def after_sample(self, n: int) -> "LimiterState":
-        """The state once `n` admitted samples were taken and no other call was made, for a
-        table without `max_times_sampled` (whose samples delete items)."""
-        if self.max_times_sampled > 0:
-            raise ValueError(f"table {self.table!r}: samples may delete items (max_times_sampled="
-                             f"{self.max_times_sampled}); ask the server instead")
-        return dataclasses.replace(self, samples=self.samples + n)
-
-    def describe(self) -> str:
-        return (f"table {self.table!r}: size={self.size}, inserts={self.inserts}, "
-                f"samples={self.samples}, deletes={self.deletes}, "
-                f"samples_per_insert={self.samples_per_insert:g}, "
-                f"min_size_to_sample={self.min_size_to_sample}, "
-                f"window=[{self.min_diff:g}, {self.max_diff:g}], diff={self.diff:g}")
+def limiter_state_from_info(info) -> LimiterState:
+    """From a `reverb.TableInfo` (or the `TableInfo` proto it is read from). Reverb
+    reports the limiter's own counters as `completed` insert/sample calls (restored
+    with a checkpoint), and every item ever inserted is either still in the table or
+    deleted."""
+    rl = info.rate_limiter_info
+    inserts, samples = int(rl.insert_stats.completed), int(rl.sample_stats.completed)
+    return LimiterState(
+        table=info.name, size=int(info.current_size), max_size=int(info.max_size),
+        max_times_sampled=int(info.max_times_sampled), inserts=inserts, samples=samples,
+        deletes=inserts - int(info.current_size), samples_per_insert=float(rl.samples_per_insert),
+        min_size_to_sample=int(rl.min_size_to_sample), min_diff=float(rl.min_diff),
+        max_diff=float(rl.max_diff))
 
 
 class LimiterQueries:
@@ -393,7 +319,7 @@ def limiter_states(client, timeout_s: float, asked_for: str = "its tables",
         if time.monotonic() >= deadline:
             raise ReplayTimeoutError(f"the Reverb server did not report {asked_for} within {timeout_s:g}s") from None
     infos = (schema_pb2.TableInfo.FromString(p) for p in protos)
-    return {info.name: LimiterState.from_table_info(info) for info in infos}
+    return {info.name: limiter_state_from_info(info) for info in infos}
 
 
 def table_state(states: Snapshot, table: str) -> LimiterState:

@@ -1,0 +1,87 @@
+"""The rollout row: one completion with its prompt, as the actor writes it, the table
+stores it, the reader returns it and the learner trains on it. The one list of fields.
+
+A row is fixed at generation time: the behaviour log-probs, the frozen advantage and
+the policy version that made it stay with it however often it is replayed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxreplay.config import Config
+
+Rows = dict[str, np.ndarray]  # field -> [n, *shape]
+RowSpec = Mapping[str, tuple[tuple[int, ...], np.dtype]]  # field -> (per-row shape, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    name: str
+    per_token: bool  # [T] over prompt + completion; else one value per row
+    dtype: type
+    trained: bool  # the learner's update reads it
+    doc: str
+
+
+FIELDS = (
+    Field("tokens", True, np.int32, True, "prompt then completion, right-padded"),
+    Field("attention_mask", True, np.bool_, True, "real tokens of prompt and completion"),
+    Field("completion_mask", True, np.bool_, True, "the completion's tokens: what the loss scores"),
+    Field("logprobs", True, np.float32, True, "behaviour log-probs of each completion token at generation"),
+    Field("advantage", False, np.float32, True, "frozen at generation from the group's rewards"),
+    Field("reward", False, np.float32, False, "the task's reward"),
+    Field("policy_version", False, np.int32, False, "learner steps behind the weights that generated it"),
+)
+TRAINED = tuple(f.name for f in FIELDS if f.trained)
+
+
+def row_spec(config: Config, prompt_len: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Shape and dtype of one row: sequences of the prompt plus `sampling.max_new_tokens`."""
+    t = prompt_len + config.sampling.max_new_tokens
+    return {f.name: ((t,) if f.per_token else (), np.dtype(f.dtype)) for f in FIELDS}
+
+
+def make_rows(spec: RowSpec, **fields: np.ndarray) -> Rows:
+    """Rows with every field of `spec`, each cast to its dtype; a missing or extra field is an error."""
+    if set(fields) != set(spec):
+        raise ValueError(f"rollout rows need fields {sorted(spec)}, got {sorted(fields)}")
+    return {name: np.asarray(fields[name], dtype) for name, (_, dtype) in spec.items()}
+
+
+def count(rows: Optional[Rows]) -> int:
+    return 0 if rows is None else len(rows["reward"])
+
+
+def split(rows: Rows, n: int) -> tuple[Rows, Optional[Rows]]:
+    """The first n rows, and the rest (None when nothing is left)."""
+    head = {k: v[:n] for k, v in rows.items()}
+    return head, ({k: v[n:] for k, v in rows.items()} if n < count(rows) else None)
+
+
+def padded(rows: Optional[Rows], spec: RowSpec, capacity: int) -> tuple[Rows, np.ndarray]:
+    """`rows` zero-padded to `capacity`, with their count: fixed shapes for a checkpoint."""
+    n = count(rows)
+    if n > capacity:
+        raise ValueError(f"{n} rows do not fit a checkpoint slot of {capacity}")
+    out = {}
+    for name, (shape, dtype) in spec.items():
+        out[name] = np.zeros((capacity, *shape), dtype)
+        if n:
+            out[name][:n] = rows[name]
+    return out, np.array(n, np.int32)
+
+
+def unpadded(rows: Mapping[str, np.ndarray], n: int) -> Optional[Rows]:
+    return {k: np.asarray(v)[:n] for k, v in rows.items()} if n else None
+
+
+def to_device_batch(batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    """The fields the update reads, as device arrays of their row dtypes."""
+    dtypes = {f.name: f.dtype for f in FIELDS}
+    return {name: jnp.asarray(batch[name], dtypes[name]) for name in TRAINED}
