@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -23,16 +24,26 @@ def _plain(value: Any) -> Any:
     return value
 
 
-class MetricsWriter:
-    """Appends to metrics.jsonl (resume-safe) and writes TensorBoard events."""
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 
-    def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / "metrics.jsonl"
+
+class MetricsWriter:
+    """Appends to metrics.jsonl and writes TensorBoard events.
+
+    `purge_step`: TensorBoard hides the events of earlier writers at this step and later,
+    so a resumed run (which drops those rows from metrics.jsonl: recorder.py) shows each
+    step once. Each writer gets its own event file: tensorboardX names them by the second,
+    and a second writer within the same second would overwrite the first's."""
+
+    def __init__(self, run_dir: str | Path, purge_step: Optional[int] = None):
+        self.path = Path(run_dir) / METRICS_FILE
         self._file = open(self.path, "a", buffering=1)
         try:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            self._tb = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR), purge_step=purge_step,
+                                     filename_suffix=f".{time.time_ns()}")
         except ImportError:  # TensorBoard is a nicety; metrics.jsonl is the record.
             self._tb = None
 
@@ -68,11 +79,17 @@ class MetricsWriter:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Records of a run, the last one kept when a resumed run rewrote a step."""
+    """Records of a run, the last one kept when a resumed run rewrote a step. A torn last
+    line (a run killed mid-write) is left out."""
     by_step: dict[int, dict[str, Any]] = {}
-    path = Path(run_dir) / "metrics.jsonl"
-    for line in path.read_text().splitlines():
-        if line.strip():
+    path = Path(run_dir) / METRICS_FILE
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        try:
             record = json.loads(line)
-            by_step[record["step"]] = record
+        except ValueError:
+            if i == len(lines) - 1:
+                break
+            raise
+        by_step[record["step"]] = record
     return [by_step[s] for s in sorted(by_step)]
