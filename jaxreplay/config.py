@@ -100,7 +100,8 @@ class TaskConfig:
 
 @dataclass(frozen=True)
 class WarmStartConfig:
-    """Supervised warm start on a sloppy teacher's demonstrations, cached in the run dir.
+    """Supervised warm start on a sloppy teacher's demonstrations, cached by the settings that
+    produce it (warmstart.py), so the runs of a sweep share one.
 
     The teacher forgets its carries with probability `teacher_carry_error`, so the
     warm-started policy prefers the carry-free slip: low but non-zero accuracy, and a
@@ -111,6 +112,7 @@ class WarmStartConfig:
     batch_size: int = 64
     learning_rate: float = 1e-3
     teacher_carry_error: float = 0.75
+    cache_dir: str = ""  # "": RUN_DIR/../.warmstart-cache, shared by the runs under one parent (a sweep's)
 
 
 @dataclass(frozen=True)
