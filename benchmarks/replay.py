@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxreplay.rollouts import row_spec
 from jaxreplay.config import Config, load_config
-from jaxreplay.loop import train
+from jaxreplay.driver import train
 from jaxreplay.replay import build_tables, reader_for, serve, writer_for
 
 

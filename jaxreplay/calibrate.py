@@ -32,13 +32,15 @@ from jaxreplay.theory import realised_horizon, replay_ratio
 CALIBRATION_FILE = "calibration.json"
 
 
-def measure_mu(config: Config, actor, train_step, params, opt_state) -> dict[str, float]:
-    """Seconds per rollout generating and training, over `calibrate_steps` calls each after a compiling one."""
+def measure_mu(config: Config, act: Callable[[int], tuple[dict, dict]], train_step, params,
+               opt_state) -> dict[str, float]:
+    """Seconds per rollout generating and training, over `calibrate_steps` calls each after a compiling one.
+    act(i): the actor's rollouts for prompt batch i (and its stats)."""
     k, b = config.replay.calibrate_steps, config.train.batch_size
     gen_s, items = 0.0, None
     for i in range(k + 1):
         start = time.perf_counter()
-        items, _ = actor.act(params, 0, i)
+        items, _ = act(i)
         jax.block_until_ready(items["tokens"])
         if i:
             gen_s += time.perf_counter() - start

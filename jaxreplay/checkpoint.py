@@ -27,7 +27,11 @@ class Progress:
     learner_step: int = 0
     policy_version: int = 0
     actor_step: int = 0  # index of the next prompt batch in the task's stream
-    replay_checkpoint: Optional[str] = None
+    actor_version: int = 0  # the policy version of the weights the actor generates with
+    replay_counters: dict = dataclasses.field(default_factory=dict)  # the table's at the checkpoint, checked on resume
+    replay_checkpoint: Optional[str] = None  # relative to the run dir; multi-host: a JSON list, one per process
+    rows_inserted: int = 0  # by this process (multi-host: each process its own)
+    rows_sampled: int = 0
     tokens_generated: int = 0
     tokens_trained: int = 0
     nonfinite_steps: int = 0  # learner steps skipped for a non-finite loss, gradient or update

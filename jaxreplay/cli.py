@@ -175,19 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         from jaxreplay import rundir
 
         # One run per directory, refused before any work; a multi-host job's lock is taken by process 0
-        # once it knows its index (multihost.py), so here each process only checks the directory.
+        # once it knows its index (driver.py), so here each process only checks the directory.
         hold = contextlib.nullcontext(rundir.create(config.run.dir)) if config.distributed.enabled else \
             rundir.claim(config.run.dir)
         with hold, _native_logs_to(Path(config.run.dir) / "native.log"):
             from jaxreplay.compat import describe_tier  # imports JAX: after the checks above
 
             print(f"jaxreplay {_own_version()} on {describe_tier()}", flush=True)
-            if config.distributed.enabled:
-                from jaxreplay.multihost import train
-            elif config.mesh.actor_devices > 0:
-                from jaxreplay.disaggregated import train_disaggregated as train
-            else:
-                from jaxreplay.loop import train
+            from jaxreplay.driver import train
 
             train(config)
         return 0

@@ -186,6 +186,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 50  # learner steps between checkpoints (Orbax + Reverb together)
+    every_seconds: float = 0.0  # also checkpoint once this long has passed since the last one (0: off)
     keep: int = 2
 
 
@@ -563,7 +564,7 @@ RANGES: dict[str, Interval] = {
     "train.eps_high": NON_NEGATIVE, "train.kl_coef": NON_NEGATIVE, "train.eval_every": POSITIVE,
     "train.weight_sync_every": POSITIVE, "train.tis_cap": POSITIVE, "train.micro_batch_size": NON_NEGATIVE,
     "train.logits_chunk_size": NON_NEGATIVE,
-    "checkpoint.every": POSITIVE, "checkpoint.keep": POSITIVE,
+    "checkpoint.every": POSITIVE, "checkpoint.every_seconds": NON_NEGATIVE, "checkpoint.keep": POSITIVE,
     "mesh.actor_devices": NON_NEGATIVE, "mesh.actor_tensor": POSITIVE,  # data/fsdp/tensor: _validate_mesh
     "distributed.num_processes": NON_NEGATIVE, "distributed.process_id": Interval(-1),
     "distributed.timeout_s": TIMEOUT,

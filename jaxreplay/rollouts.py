@@ -64,24 +64,31 @@ def split(rows: Rows, n: int) -> tuple[Rows, Optional[Rows]]:
     return head, ({k: v[n:] for k, v in rows.items()} if n < count(rows) else None)
 
 
-def padded(rows: Optional[Rows], spec: RowSpec, capacity: int) -> tuple[Rows, np.ndarray]:
-    """`rows` zero-padded to `capacity`, with their count: fixed shapes for a checkpoint."""
+def padded(rows: Optional[Rows], spec: RowSpec, capacity: int) -> Rows:
+    """`rows` zero-padded to `capacity`, with a `valid` flag per row: fixed shapes for a checkpoint."""
     n = count(rows)
     if n > capacity:
         raise ValueError(f"{n} rows do not fit a checkpoint slot of {capacity}")
-    out = {}
+    out = {"valid": np.arange(capacity) < n}
     for name, (shape, dtype) in spec.items():
         out[name] = np.zeros((capacity, *shape), dtype)
         if n:
             out[name][:n] = rows[name]
-    return out, np.array(n, np.int32)
+    return out
 
 
-def unpadded(rows: Mapping[str, np.ndarray], n: int) -> Optional[Rows]:
-    return {k: np.asarray(v)[:n] for k, v in rows.items()} if n else None
+def unpadded(rows: Mapping[str, np.ndarray]) -> Optional[Rows]:
+    """The valid rows of a `padded` slot (None when there are none)."""
+    n = int(np.asarray(rows["valid"]).sum())
+    return {k: np.asarray(v)[:n] for k, v in rows.items() if k != "valid"} if n else None
 
 
-def to_device_batch(batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-    """The fields the update reads, as device arrays of their row dtypes."""
+def trained(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The fields the update reads, in their row dtypes."""
     dtypes = {f.name: f.dtype for f in FIELDS}
-    return {name: jnp.asarray(batch[name], dtypes[name]) for name in TRAINED}
+    return {name: np.asarray(rows[name], dtypes[name]) for name in TRAINED}
+
+
+def to_device_batch(rows: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    """The fields the update reads, as device arrays."""
+    return {name: jnp.asarray(value) for name, value in trained(rows).items()}

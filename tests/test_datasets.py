@@ -383,7 +383,7 @@ def test_a_hugging_face_tokenizer_and_its_chat_template(tmp_path):
 def test_training_on_a_jsonl_dataset_end_to_end(tmp_path, monkeypatch):
     """A byte-level model trained from scratch on a JSONL dataset through the real loop and Reverb table,
     with a reward function that raises on about half the completions: counted, and the run goes on."""
-    from jaxreplay.loop import train
+    from jaxreplay.driver import train
     from jaxreplay.metrics import read_metrics
 
     def fragile(completion, reference):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxreplay.disaggregated import RoleError, run_roles, wait_for
+from jaxreplay.roles import RoleError, run_roles, wait_for
 from jaxreplay.replay import ReplayTimeoutError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,8 @@ import pytest
 
 from jaxreplay import sharding
 from jaxreplay.config import load_config
-from jaxreplay.disaggregated import RoleError, train_disaggregated
+from jaxreplay.driver import train
+from jaxreplay.roles import RoleError
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 4, reason="needs 4 devices: run through test_disaggregated.py")
 
@@ -32,12 +33,14 @@ def test_meshes_are_disjoint_and_cover_the_devices():
 def test_limiter_holds_the_ratio_and_rollouts_carry_the_pushed_versions(tmp_path):
     config = load_config(None, SMALL + [f"train.steps={STEPS}", f"train.weight_sync_every={K}",
                                         f"replay.samples_per_insert={SPI}", f"run.dir={tmp_path}"])
-    summary = train_disaggregated(config, log=lambda _: None)
+    summary = train(config, log=lambda _: None)
     assert summary["steps"] == STEPS
     assert summary["replay/samples"] == STEPS * config.train.batch_size
     assert summary["replay/ratio"] == pytest.approx(SPI, rel=0.10)
     assert summary["weights/pushes"] == -(-STEPS // K)  # every K steps and after the last
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "eval/accuracy" in rows[0] and rows[0]["step"] == 0  # the policy before any update
+    rows = rows[1:]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:  # the actor only ever holds weights the learner pushed: versions 0, K, 2K, ...
         assert r["batch/version_min"] % K == 0 and r["batch/version_max"] % K == 0
@@ -52,5 +55,5 @@ def test_a_stalled_learner_wait_stops_both_threads_and_reports_the_timeout(tmp_p
                                         "replay.timeout_s=0.3", "train.steps=5", f"run.dir={tmp_path}"])
     start = time.monotonic()
     with pytest.raises(RoleError, match=r"learner thread failed: ReplayTimeoutError: waited 0.3s for a batch of 16"):
-        train_disaggregated(config, log=lambda _: None)
+        train(config, log=lambda _: None)
     assert time.monotonic() - start < 60

@@ -14,7 +14,8 @@ from jaxreplay.cli import main
 from jaxreplay.config import load_config
 from jaxreplay.eval import pass_at_k
 from jaxreplay.learner import make_optimizer
-from jaxreplay.loop import _state, train
+from jaxreplay.driver import train
+from jaxreplay.run import checkpoint_tree
 from jaxreplay.models import init_params
 from jaxreplay.tasks import make_task
 
@@ -72,7 +73,7 @@ def test_eval_of_a_checkpoint_equals_eval_of_its_hf_export(tmp_path, capsys):
     # The same weights, restored with the optimizer state and everything else, then exported.
     task = make_task(config.task)
     graphdef, params = init_params(config.model, config.run.seed)
-    like = _state(params, make_optimizer(config.train).init(params), None, row_spec(config, task.prompt_len),
+    like = checkpoint_tree(params, make_optimizer(config.train).init(params), None, row_spec(config, task.prompt_len),
                   config.rollouts_per_step)
     state, _ = Checkpointer(run_dir / "checkpoints", keep=2).restore(like)
     hf_dir = save_hf_model(tmp_path / "hf", config.model, state["params"])

@@ -372,7 +372,7 @@ def test_training_starts_from_the_hf_weights(tmp_path):
     from jaxreplay.checkpoint import restore_policy_params
     from jaxreplay.cli import main
     from jaxreplay.config import load_config
-    from jaxreplay.loop import train
+    from jaxreplay.driver import train
 
     model = make_hf_model("qwen3", tmp_path / "hf")
     tok = load_tokenizer(tmp_path / "hf")

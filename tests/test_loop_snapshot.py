@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import jaxreplay.loop as loop
+import jaxreplay.driver as driver
 from jaxreplay.config import load_config
 from jaxreplay.replay import reader_for
 from test_train import DEMO, TINY
@@ -52,9 +52,9 @@ def test_every_turn_decides_on_the_servers_current_state(tmp_path, monkeypatch, 
         spies.append(FreshStateCheck(reader_for(server, config, spec, **kwargs), server))
         return spies[-1]
 
-    monkeypatch.setattr(loop, "reader_for", spying_reader_for)
+    monkeypatch.setattr(driver, "reader_for", spying_reader_for)
     config = load_config(DEMO, [*TINY, f"run.dir={tmp_path}", "train.steps=6", "warmstart.steps=0", *overrides])
-    summary = loop.train(config, log=lambda _: None)
+    summary = driver.train(config, log=lambda _: None)
     assert summary["steps"] == 6
     assert spies and spies[0].checked >= 2 * 6  # a can_sample and a sample per step, at least
     assert summary["replay/samples"] == 6 * config.train.batch_size

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxreplay.config import load_config
-from jaxreplay.loop import train
+from jaxreplay.driver import train
 from jaxreplay.metrics import read_metrics
 from jaxreplay.replay import IncrementalReader, build_tables, reader_for, serve, writer_for
 

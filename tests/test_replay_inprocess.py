@@ -37,7 +37,7 @@ def server(*overrides, **kwargs) -> InProcessServer:
 
 
 def test_importing_replay_imports_neither_reverb_nor_tensorflow():
-    code = ("import sys, jaxreplay.replay, jaxreplay.loop; "
+    code = ("import sys, jaxreplay.replay, jaxreplay.driver; "
             "print(sorted(m for m in ('reverb', 'tensorflow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

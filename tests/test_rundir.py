@@ -67,20 +67,17 @@ def test_claims_nest_in_one_process_and_the_lock_goes_with_the_outermost(tmp_pat
     assert subprocess.run(probe, capture_output=True, timeout=60).returncode == 0
 
 
-@pytest.mark.parametrize("driver", ["jaxreplay.loop:train", "jaxreplay.disaggregated:train_disaggregated"])
-def test_the_training_drivers_take_the_lock_before_any_work(tmp_path, driver):
-    """Called in code, not through the CLI, a driver still refuses a directory in use."""
-    import importlib
-
+@pytest.mark.parametrize("placement", [[], ["mesh.actor_devices=1"]], ids=["colocated", "disaggregated"])
+def test_the_driver_takes_the_lock_before_any_work(tmp_path, placement):
+    """Called in code, not through the CLI, the driver still refuses a directory in use."""
     from jaxreplay.config import load_config
+    from jaxreplay.driver import train
     from test_train import DEMO
 
-    module, name = driver.split(":")
-    train = getattr(importlib.import_module(module), name)
     holder = hold_in_another_process(tmp_path)
     try:
         with pytest.raises(rundir.RunDirError, match=f"process {holder.pid}"):
-            train(load_config(DEMO, [f"run.dir={tmp_path}"]), log=lambda _: None)
+            train(load_config(DEMO, [f"run.dir={tmp_path}", *placement]), log=lambda _: None)
         assert sorted(p.name for p in tmp_path.iterdir()) == [rundir.LOCK_FILE]  # nothing written
     finally:
         holder.kill()

@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +14,8 @@ import yaml
 from jaxreplay.rollouts import row_spec
 from jaxreplay.checkpoint import Checkpointer
 from jaxreplay.config import load_config
-from jaxreplay.loop import _state, train
+from jaxreplay.driver import train
+from jaxreplay.run import checkpoint_tree
 from jaxreplay.metrics import read_metrics
 from jaxreplay.models import init_params
 from jaxreplay.learner import make_optimizer
@@ -100,7 +100,7 @@ def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path):
 
     task = make_task(straight_config.task)
     graphdef, params = init_params(straight_config.model, 0)
-    like = _state(params, make_optimizer(straight_config.train).init(params), None,
+    like = checkpoint_tree(params, make_optimizer(straight_config.train).init(params), None,
                   row_spec(straight_config, task.prompt_len), straight_config.rollouts_per_step)
     states = [Checkpointer(Path(c.run.dir) / "checkpoints", keep=2).restore(like) for c in
               (straight_config, resumed_config)]
@@ -129,12 +129,11 @@ NARROW_FIFO = ["replay.selector=fifo", "train.batch_size=4", "replay.samples_per
 def test_two_runs_with_the_same_seed_are_identical(tmp_path, backend, selector):
     """The in-process server's selectors draw from a seed derived from run.seed; Reverb's
     uniform selector cannot be seeded, its fifo one needs no seed. The second run reuses
-    the first one's warm start (deterministic, and not what this tests)."""
+    the first one's warm start from the shared cache (deterministic, and not what this tests)."""
     if backend == "reverb":
         pytest.importorskip("reverb", reason="the reverb extra is not installed")
     settings = [f"replay.backend={backend}", *selector, "train.steps=8", *LEARNING]
     first, _ = run(tmp_path, *settings, name="first")
-    shutil.copytree(Path(first.run.dir) / "warmstart", tmp_path / "second" / "warmstart")
     second, _ = run(tmp_path, *settings, name="second")
     a, b = read_metrics(first.run.dir), read_metrics(second.run.dir)
     assert sum(r["grad_norm"] > 0 for r in a[1:]) >= 3, "the runs must actually learn for this to test anything"
