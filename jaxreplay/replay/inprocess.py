@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import tempfile
 import threading
 import time
