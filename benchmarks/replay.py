@@ -56,7 +56,6 @@ def throughput(quick: bool = False) -> dict:
         for _ in range(calls):
             reader.sample(config.train.batch_size)
         sample_s = time.perf_counter() - t0
-        writer.close()
     item_bytes = sum(a[0].nbytes for a in items.values())
     return {"item_tokens": 512, "item_kib": item_bytes / 1024, "insert_items_s": calls * rows / insert_s,
             "sample_items_s": calls * config.train.batch_size / sample_s,

@@ -66,7 +66,6 @@ def run(quick: bool = False) -> dict:
                     writer.insert(fresh)
                 times.append(time.perf_counter() - t0)
                 rss.append(rss_mib())
-            writer.close()
         tenth, half = max(1, len(rss) // 10), len(rss) // 2
         rows.append({"items": n, "step_ms": 1e3 * float(np.median(times)), "steps": len(times),
                      "rss_mib_midpoint": float(np.median(rss[half:half + tenth])),

@@ -53,7 +53,7 @@ def main(pid: int, nproc: int, address: str, out: Path, overrides: list[str]) ->
             pending = per_act
     final = replay.view("final")
     local = replay.local()
-    restored = ShardedReplay(config, SPEC, coord, restore_from=replay.checkpoint())
+    restored = ShardedReplay(config, SPEC, coord, checkpoint_root=out / "replay", restore_from=replay.checkpoint())
     report = {"turns": turns, "samples": samples, "inserted": serial,
               "final": dataclasses.asdict(final.state), "local": dataclasses.asdict(local),
               "restored_local": dataclasses.asdict(restored.local()),

@@ -82,8 +82,9 @@ def assert_every_checkpoint_restores(run_dir: Path) -> list[int]:
         for step in steps:
             _, progress = checkpointer.restore(like, step=step)
             assert progress.learner_step == progress.policy_version == step
-            with serve(build_tables(config, spec), restore_from=progress.replay_checkpoint) as server:
-                assert server.info().samples == step * config.train.batch_size
+            with serve(build_tables(config, spec), checkpoint_root=run_dir / "replay",
+                       restore_from=progress.replay_checkpoint) as server:
+                assert server.states()[server.table].samples == step * config.train.batch_size
     finally:
         checkpointer.close()
     return steps
@@ -275,16 +276,16 @@ def test_a_dead_reverb_server_ends_inserts_and_samples_within_the_timeout():
     """What a learner or actor sees when the server it talks to is gone (disaggregated
     and multi-host runs): ReplayTimeoutError after the timeout, not a hang."""
     pytest.importorskip("reverb", reason="the reverb extra is not installed")
-    from jaxreplay.replay import ReplayServer, ReplayTimeoutError, reader_for, writer_for
+    from jaxreplay.replay import ReplayTimeoutError, reader_for, writer_for
 
     config = load_config(DEMO, ["replay.backend=reverb", "replay.timeout_s=2"])
     spec = row_spec(config, make_task(config.task).prompt_len)
-    server = ReplayServer(build_tables(config, spec), timeout_s=2)
+    server = serve(build_tables(config, spec), timeout_s=2)
     writer, reader = writer_for(server, config, spec), reader_for(server, config, spec)
     server.stop()
     rows = {k: np.zeros((4, *shape), dtype) for k, (shape, dtype) in spec.items()}
     for call, limit_s in [(lambda: writer.insert(rows), 2 * 2 + 2), (lambda: reader.sample(4), 2 + 2)]:
         start = time.monotonic()
-        with pytest.raises(ReplayTimeoutError, match="did not report table 'rollouts' within 2s"):
+        with pytest.raises(ReplayTimeoutError, match="did not report its tables within 2s"):
             call()
         assert time.monotonic() - start < limit_s

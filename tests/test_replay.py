@@ -21,8 +21,8 @@ pytest.importorskip("reverb", reason="needs dm-reverb (the `reverb` extra; Pytho
 from jaxreplay.config import ConfigError, load_config, validate
 from jaxreplay.guards import PreemptionNotice
 from jaxreplay.replay import (
-    TABLE_NAME, PortInUseError, ReplayInterrupted, ReplayServer, ReplayTimeoutError, RolloutReader, RolloutWriter,
-    TableSharedError, build_table, check_port)
+    TABLE_NAME, PortInUseError, ReplayInterrupted, ReplayTimeoutError, ReverbServer, RolloutReader, RolloutWriter,
+    TableSharedError, build_tables, check_port)
 
 # A regression here tends to hang inside Reverb's C++ (no Python signal gets in):
 # the thread method ends the run instead of waiting for the global timeout.
@@ -65,21 +65,25 @@ def config(*overrides: str):
 
 @dataclasses.dataclass
 class Replay:
-    server: ReplayServer
+    server: ReverbServer
     table: object  # the reverb.Table the server was built from
     writer: RolloutWriter
     reader: RolloutReader
 
+    def state(self):
+        """The rollout table's state, asked of the server."""
+        return self.server.states()[TABLE_NAME]
+
+
+def reverb_server(cfg, spec=SPEC, **server_kwargs) -> ReverbServer:
+    return ReverbServer(build_tables(cfg, spec, "reverb"), **server_kwargs)
+
 
 @contextlib.contextmanager
 def serve(cfg, timeout_s: float = 2.0, **server_kwargs):
-    table = build_table(cfg, SPEC)
-    with ReplayServer(table, **server_kwargs) as server:
+    with reverb_server(cfg, **server_kwargs) as server:
         writer = RolloutWriter(server, SPEC, timeout_s=timeout_s)
-        try:
-            yield Replay(server, table, writer, RolloutReader(server, SPEC, timeout_s=timeout_s))
-        finally:
-            writer.close()
+        yield Replay(server, server.reverb_tables[0], writer, RolloutReader(server, timeout_s=timeout_s))
 
 
 def assert_rows_equal(batch, ids):
@@ -125,7 +129,7 @@ def test_writer_rejects_rows_that_do_not_match_the_spec():
             r.writer.insert({**good, "advantage": good["advantage"][:2]})
         with pytest.raises(ValueError, match="priorities"):
             r.writer.insert(good, priorities=np.ones(2))
-        assert r.server.info().inserts == 0
+        assert r.state().inserts == 0
 
 
 # 2. The rate limiter ----------------------------------------------------------------
@@ -137,7 +141,7 @@ def test_limiter_holds_samples_per_insert():
                  "replay.max_size=64", "replay.error_buffer=12")  # 2 * 12 >= b + 2 * chunk
     with serve(cfg) as r:
         next_id = 0
-        while (state := r.server.info()).inserts < 400:
+        while (state := r.state()).inserts < 400:
             if state.size >= 16:
                 assert state.min_diff <= state.diff <= state.max_diff, state.describe()
             if state.can_sample(b):
@@ -157,8 +161,8 @@ def test_insert_past_the_window_times_out_naming_the_limiter_state():
             r.writer.insert(rollouts(range(100)))  # no sampler: the window fills
         assert 0.4 < time.monotonic() - start < 3.0
         message = str(e.value)
-        assert "\n" not in message and "RolloutWriter.insert" in message
-        state = r.server.info()
+        assert "\n" not in message and "insert of 100 rows timed out" in message
+        state = r.state()
         assert f"table '{TABLE_NAME}'" in message and f"samples={state.samples}" in message
         assert "inserts=" in message and "window=[" in message
         assert not state.can_insert(1)
@@ -167,7 +171,7 @@ def test_insert_past_the_window_times_out_naming_the_limiter_state():
 def test_sample_from_an_empty_table_times_out():
     with serve(config(*LOOSE), timeout_s=0.5) as r:
         start = time.monotonic()
-        with pytest.raises(ReplayTimeoutError, match=f"RolloutReader.sample\\(4\\).*table '{TABLE_NAME}': size=0"):
+        with pytest.raises(ReplayTimeoutError, match=f"sample\\(4\\).*table '{TABLE_NAME}': size=0"):
             r.reader.sample(4)
         assert 0.4 < time.monotonic() - start < 3.0
 
@@ -180,7 +184,7 @@ def test_sample_times_out_instead_of_hanging_when_sampled_items_expire():
     cfg = dataclasses.replace(cfg, replay=dataclasses.replace(cfg.replay, max_times_sampled=1))
     with serve(cfg, timeout_s=0.5) as r:
         r.writer.insert(rollouts(range(4)))
-        assert r.server.can_sample(4)
+        assert r.state().can_sample(4)
         with pytest.raises(ReplayTimeoutError, match="with 1 of 4 items taken"):
             r.reader.sample(4)
 
@@ -191,7 +195,7 @@ def test_an_insert_the_limiter_admitted_times_out_naming_the_server_not_the_limi
     limiter. A third or so of the attempts time out; 40 make missing one implausible."""
     spec = {"tokens": ((10,), np.int32)}
     unlimited = config(*LOOSE, "replay.error_buffer=1e12")
-    with ReplayServer(build_table(unlimited, spec)) as server:
+    with reverb_server(unlimited, spec) as server:
         for _ in range(40):
             writer = RolloutWriter(server, spec, timeout_s=0.001)
             try:
@@ -199,13 +203,11 @@ def test_an_insert_the_limiter_admitted_times_out_naming_the_server_not_the_limi
             except ReplayTimeoutError as e:
                 message = str(e)
                 break
-            finally:
-                writer.close()
         else:
             pytest.fail("no insert timed out")
         assert "waiting for the server to confirm them, although the rate limiter admits inserts" in message
         assert "waiting for the rate limiter" not in message
-        assert server.info().can_insert(1)
+        assert server.states()[TABLE_NAME].can_insert(1)
 
 
 def test_a_sample_another_client_took_ends_at_once_naming_it():
@@ -216,9 +218,9 @@ def test_a_sample_another_client_took_ends_at_once_naming_it():
                  "replay.error_buffer=4", "replay.max_size=64")
     with serve(cfg, timeout_s=30) as r:
         r.writer.insert(rollouts(range(4)))
-        snapshot = r.server.snapshot()
+        snapshot = r.server.states()
         assert snapshot[TABLE_NAME].can_sample_at_once(4) and not snapshot[TABLE_NAME].can_sample(5)
-        RolloutReader(r.server, SPEC, timeout_s=2).sample(2)  # the other client
+        RolloutReader(r.server, timeout_s=2).sample(2)  # the other client
         start = time.monotonic()
         with pytest.raises(TableSharedError, match=r"changed by another client .* replay\.port"):
             r.reader.sample(4, snapshot)
@@ -233,11 +235,11 @@ def test_sigterm_ends_a_wait_within_a_slice(stage):
     notice = PreemptionNotice()  # this test runs on the main thread
     try:
         with serve(config(*LOOSE), timeout_s=30) as r:
-            reader = RolloutReader(r.server, SPEC, timeout_s=30, interrupted=notice.is_set)
+            reader = RolloutReader(r.server, timeout_s=30, interrupted=notice.is_set)
             snapshot = None
             if stage == "waiting for Reverb's sampler":  # a snapshot that wrongly admits 4 samples of 2 items
                 r.writer.insert(rollouts(range(2)))
-                snapshot = {TABLE_NAME: dataclasses.replace(r.server.info(), size=4, deletes=-2)}
+                snapshot = {TABLE_NAME: dataclasses.replace(r.state(), size=4, deletes=-2)}
             threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
             start = time.monotonic()
             with pytest.raises(ReplayInterrupted):
@@ -257,7 +259,7 @@ def test_a_pinned_port_is_claimed_by_one_server_at_a_time():
         assert r.server.port == port
         with pytest.raises(PortInUseError, match=f"^replay.port: {port} is in use by another jaxreplay run "
                                                  f"\\(pid {os.getpid()}\\)"):
-            ReplayServer(build_table(config(*LOOSE), SPEC), port=port)
+            reverb_server(config(*LOOSE), port=port)
         with pytest.raises(PortInUseError, match=f"replay.port: {port}"):
             check_port(port)
     with serve(config(*LOOSE), port=port) as r:  # free again once the first server stopped
@@ -267,7 +269,7 @@ def test_a_pinned_port_is_claimed_by_one_server_at_a_time():
         other.bind(("127.0.0.1", port))
         other.listen()
         with pytest.raises(PortInUseError, match=f"replay.port: {port} is already in use"):
-            ReplayServer(build_table(config(*LOOSE), SPEC), port=port)
+            reverb_server(config(*LOOSE), port=port)
 
 
 def test_reverb_logs_go_to_a_file_not_the_terminal(tmp_path):
@@ -284,7 +286,7 @@ def test_reverb_logs_go_to_a_file_not_the_terminal(tmp_path):
         "with serve(build_tables(c, spec), timeout_s=5) as s:\n"
         "    RolloutWriter(s, spec, timeout_s=5).insert({'tokens': np.zeros((4, 3), np.int32),\n"
         "                                                'reward': np.zeros(4, np.float32)})\n"
-        "    RolloutReader(s, spec, timeout_s=5).sample(2)\n"
+        "    RolloutReader(s, timeout_s=5).sample(2)\n"
         "print('python stderr', file=sys.stderr)\n")
     log = tmp_path / "native.log"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
@@ -304,7 +306,7 @@ def test_fifo_lifo_selectors_and_fifo_eviction(selector, expected_id):
                  "replay.min_size_to_sample=4", "replay.error_buffer=1000")
     with serve(cfg) as r:
         r.writer.insert(rollouts(range(12)))  # ids 0..3 are evicted, oldest first
-        state = r.server.info()
+        state = r.state()
         assert (state.size, state.inserts, state.deletes) == (8, 12, 4)
         batch, _ = r.reader.sample(2)
         np.testing.assert_array_equal(batch["policy_version"], [expected_id] * 2)
@@ -335,12 +337,12 @@ def test_on_policy_trains_on_each_rollout_once_newest_first():
         for step in range(2):
             ids = range(8 * step, 8 * step + 8)
             r.writer.insert(rollouts(ids))
-            assert not r.server.can_insert(1)  # the queue holds exactly max(B, R)
+            assert not r.state().can_insert(1)  # the queue holds exactly max(B, R)
             for newest in (ids[-1], ids[-1] - 4):
                 batch, info = r.reader.sample(4)
                 np.testing.assert_array_equal(batch["policy_version"], np.arange(newest, newest - 4, -1))
                 np.testing.assert_array_equal(info.times_sampled, 1)
-            assert r.server.info().size == 0
+            assert r.state().size == 0
         with pytest.raises(ReplayTimeoutError):
             r.reader.sample(4)
 
@@ -354,25 +356,24 @@ def test_restore_gives_back_the_named_checkpoint_even_when_a_newer_one_exists(tm
     with serve(cfg, checkpoint_root=root) as r:
         r.writer.insert(rollouts(range(10)))
         r.reader.sample(4)
-        path_a, state_a = r.server.checkpoint(), r.server.info()
+        path_a, state_a = r.server.checkpoint(), r.state()
         r.writer.insert(rollouts(range(10, 20)))
         r.reader.sample(4)
-        path_b, state_b = r.server.checkpoint(), r.server.info()
-    assert os.path.isdir(path_a) and os.path.isdir(path_b) and path_a < path_b
-    assert os.path.dirname(path_a) == root
+        path_b, state_b = r.server.checkpoint(), r.state()
+    assert not os.path.isabs(path_a) and path_a < path_b  # names relative to the root
+    assert os.path.isdir(os.path.join(root, path_a)) and os.path.isdir(os.path.join(root, path_b))
 
-    table = build_table(cfg, SPEC)
-    with ReplayServer(table, checkpoint_root=root, restore_from=path_a) as server:
-        assert server.info() == state_a  # size, inserts, samples, deletes, window
+    with reverb_server(cfg, checkpoint_root=root, restore_from=path_a) as server:
+        assert server.states()[TABLE_NAME] == state_a  # size, inserts, samples, deletes, window
         # Reverb swapped in the restored table: the object we built is stale, so the
         # server answers from its live counters instead.
-        assert server.can_sample(4) and not table.can_sample(4)
-        batch, _ = RolloutReader(server, SPEC, timeout_s=2.0).sample(300)
+        assert server.states()[TABLE_NAME].can_sample(4) and not server.reverb_tables[0].can_sample(4)
+        batch, _ = RolloutReader(server, timeout_s=2.0).sample(300)
     assert set(batch["policy_version"]) == set(range(10))
     assert_rows_equal(batch, batch["policy_version"])
 
-    with ReplayServer(build_table(cfg, SPEC), checkpoint_root=root, restore_from=path_b) as server:
-        assert server.info() == state_b
+    with reverb_server(cfg, checkpoint_root=root, restore_from=path_b) as server:
+        assert server.states()[TABLE_NAME] == state_b
 
 
 def test_restore_refuses_a_missing_or_mismatched_checkpoint(tmp_path):
@@ -382,17 +383,17 @@ def test_restore_refuses_a_missing_or_mismatched_checkpoint(tmp_path):
         r.writer.insert(rollouts(range(4)))
         path = r.server.checkpoint()
     with pytest.raises(FileNotFoundError):  # Reverb itself would start empty
-        ReplayServer(build_table(cfg, SPEC), checkpoint_root=root, restore_from=path + "-nope")
+        reverb_server(cfg, checkpoint_root=root, restore_from=path + "-nope")
     other = config(*LOOSE, "replay.samples_per_insert=3")
     with pytest.raises(ValueError, match="samples_per_insert: checkpoint 2.0 vs config 3.0"):
-        ReplayServer(build_table(other, SPEC), checkpoint_root=root, restore_from=path)
+        reverb_server(other, checkpoint_root=root, restore_from=path)
     # Same bytes per row, other fields: rows would be misread, so the layout is part of the signature.
     same_size = {**SPEC, "logprobs": ((T,), np.int32)}
     with pytest.raises(ValueError, match="signature: checkpoint .*logprobs:<f4.* vs config .*logprobs:<i4"):
-        ReplayServer(build_table(cfg, same_size), checkpoint_root=root, restore_from=path)
+        reverb_server(cfg, same_size, checkpoint_root=root, restore_from=path)
 
 
-# 5. build_table agrees with config validation ----------------------------------------
+# 5. build_tables agrees with config validation ----------------------------------------
 
 
 def random_run(r: Replay, batch_size: int, steps: int, seed: int):
@@ -402,10 +403,10 @@ def random_run(r: Replay, batch_size: int, steps: int, seed: int):
     Checks at every step that `LimiterState` answers exactly as Reverb's table does.
     """
     rng, next_id, blocked = random.Random(seed), 0, set()
-    spi = r.server.info().samples_per_insert
+    spi = r.state().samples_per_insert
     p_insert = batch_size / (batch_size + spi)  # no drift: both window edges get visited
     for _ in range(steps):
-        state = r.server.info()
+        state = r.state()
         can_insert, can_sample = state.can_insert(1), state.can_sample(batch_size)
         assert (can_insert, can_sample) == (r.table.can_insert(1), r.table.can_sample(batch_size))
         moves = [m for m, ok in (("insert", can_insert), ("sample", can_sample)) if ok]
@@ -440,7 +441,7 @@ def test_validated_configs_never_stall_the_limiter(batch_size, spi, error_buffer
         stuck, blocked = random_run(r, batch_size, steps=600, seed=batch_size)
         assert stuck is None, stuck.describe()
         assert blocked == {"insert", "sample"}  # the walk pressed both edges of the window
-        assert r.server.info().deletes > 0  # and the FIFO window slid
+        assert r.state().deletes > 0  # and the FIFO window slid
 
 
 @pytest.mark.parametrize("batch_size, spi, error_buffer", [

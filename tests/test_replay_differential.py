@@ -19,8 +19,7 @@ from scipy import stats  # noqa: E402
 from jaxreplay.config import load_config  # noqa: E402
 from jaxreplay.replay import (  # noqa: E402
     ReplayTimeoutError, RolloutReader, RolloutWriter, TableDef, build_tables, serve)
-from jaxreplay.replay.inprocess import InProcessServer, InProcessTable  # noqa: E402
-from jaxreplay.replay.tables import min_size_limit, reverb_table  # noqa: E402
+from jaxreplay.replay.tables import Tables, min_size_limit  # noqa: E402
 from test_replay import SPEC, rollouts  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120, method="thread")
@@ -40,11 +39,11 @@ SMALL = ("train.batch_size=4", "train.prompts_per_step=2", "train.group_size=2",
 @contextlib.contextmanager
 def both(cfg, checkpoint_root, restore=(None, None)):
     """(reverb server, its live tables, in-process server) for `cfg`."""
-    reverb_tables = build_tables(cfg, SPEC, "reverb")
-    with serve(reverb_tables, checkpoint_root=checkpoint_root / "reverb", restore_from=restore[0]) as rv, \
+    with serve(build_tables(cfg, SPEC, "reverb"), checkpoint_root=checkpoint_root / "reverb",
+               restore_from=restore[0]) as rv, \
             serve(build_tables(cfg, SPEC, "inprocess"), checkpoint_root=checkpoint_root / "inprocess",
                   restore_from=restore[1]) as ip:
-        yield rv, reverb_tables[0], ip
+        yield rv, rv.reverb_tables[0], ip
 
 
 @pytest.mark.parametrize("name", sorted(SEQUENCES))
@@ -56,9 +55,9 @@ def test_same_operations_same_decisions_counters_and_fifo_lifo_contents(name, tm
         with both(cfg, tmp_path, restore) as (rv, live, ip):
             servers = (rv, ip)
             writers = [RolloutWriter(s, SPEC, timeout_s=5) for s in servers]
-            readers = [RolloutReader(s, SPEC, timeout_s=5) for s in servers]
+            readers = [RolloutReader(s, timeout_s=5) for s in servers]
             for step in range(60):
-                states = [s.info() for s in servers]
+                states = [s.states()[s.table] for s in servers]
                 assert _counters(states[0]) == _counters(states[1]), (phase, step)
                 op, k = ("insert", "sample")[int(rng.integers(2))], int(rng.integers(1, 5))
                 admitted = [st.can_insert(k) if op == "insert" else st.can_sample_at_once(k) for st in states]
@@ -86,8 +85,6 @@ def test_same_operations_same_decisions_counters_and_fifo_lifo_contents(name, tm
                         for field in ("times_sampled", "probabilities", "table_size"):
                             np.testing.assert_array_equal(getattr(got[0][1], field), getattr(got[1][1], field))
             restore = (rv.checkpoint(), ip.checkpoint())
-            for w in writers:
-                w.close()
     assert all(min(v) > 0 for v in decisions.values()), decisions  # both branches exercised
 
 
@@ -103,11 +100,10 @@ def test_sampling_frequencies_agree_with_reverb(selector, exponent, tmp_path):
     expected = priorities ** (exponent if selector == "prioritized" else 0.0)
     expected = expected / expected.sum()
     counts = []
-    for server in (serve([reverb_table(definition, SPEC)]), InProcessServer([InProcessTable(definition, SPEC)], seed=0)):
-        with server:
-            with RolloutWriter(server, SPEC, timeout_s=5) as writer:
-                writer.insert(rollouts(range(n)), priorities=priorities)
-            reader = RolloutReader(server, SPEC, timeout_s=5)
+    for backend in ("reverb", "inprocess"):
+        with serve(Tables(backend, (definition,), SPEC), seed=0) as server:
+            RolloutWriter(server, SPEC, timeout_s=5).insert(rollouts(range(n)), priorities=priorities)
+            reader = RolloutReader(server, timeout_s=5)
             batches = [reader.sample(300) for _ in range(draws // 300)]
             ids = np.concatenate([b["policy_version"] for b, _ in batches])
             probs = np.concatenate([info.probabilities for _, info in batches])
@@ -129,8 +125,8 @@ def test_a_snapshot_advanced_by_the_callers_own_moves_is_what_the_server_reports
                              "replay.error_buffer=6"])
     with both(cfg, tmp_path) as (rv, _, ip):
         for server in (rv, ip):
-            writer, reader = RolloutWriter(server, SPEC, timeout_s=5), RolloutReader(server, SPEC, timeout_s=5)
-            derived, next_id = server.snapshot()[server.table], 0
+            writer, reader = RolloutWriter(server, SPEC, timeout_s=5), RolloutReader(server, timeout_s=5)
+            derived, next_id = server.states()[server.table], 0
             for step in range(40):
                 snapshot = {server.table: derived}
                 assert reader.can_sample(4, snapshot) == reader.can_sample(4), step
@@ -143,13 +139,12 @@ def test_a_snapshot_advanced_by_the_callers_own_moves_is_what_the_server_reports
                     writer.insert(rollouts(range(next_id, next_id + n)))
                     next_id += n
                     derived = derived.after_insert(n)
-                assert derived == server.info(), (step, derived.describe(), server.info().describe())
+                assert derived == server.states()[server.table], (step, derived.describe(), server.describe())
             assert derived.deletes > 0 and derived.samples > 0  # the window slid and was sampled
-            writer.close()
 
 
 def test_samples_that_may_delete_items_are_not_derived_locally():
     cfg = load_config(None, [*SMALL, "replay.max_times_sampled=2"])
     with serve(build_tables(cfg, SPEC, "inprocess")) as server:
         with pytest.raises(ValueError, match="max_times_sampled"):
-            server.info().after_sample(1)
+            server.states()[server.table].after_sample(1)

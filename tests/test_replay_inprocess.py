@@ -52,7 +52,7 @@ def test_auto_backend_without_reverb_is_inprocess(monkeypatch):
 
 def test_blocked_calls_time_out_with_the_limiter_state():
     with server(timeout_s=1) as s:
-        reader, writer = RolloutReader(s, SPEC, timeout_s=0.2), RolloutWriter(s, SPEC, timeout_s=0.2)
+        reader, writer = RolloutReader(s, timeout_s=0.2), RolloutWriter(s, SPEC, timeout_s=0.2)
         t0 = time.monotonic()
         with pytest.raises(ReplayTimeoutError, match=r"size=0, inserts=0"):
             reader.sample(1)  # below min_size_to_sample
@@ -60,12 +60,12 @@ def test_blocked_calls_time_out_with_the_limiter_state():
         with pytest.raises(ReplayTimeoutError, match=r"insert of 1 rows timed out .* inserts=4"):
             writer.insert(rollouts([4]))
         assert time.monotonic() - t0 < 1.5
-        assert s.info().inserts == 4
+        assert s.states()["rollouts"].inserts == 4
 
 
 def test_a_blocked_sample_is_woken_by_an_insert_from_another_thread():
     with server() as s:
-        reader = RolloutReader(s, SPEC, timeout_s=10)
+        reader = RolloutReader(s, timeout_s=10)
         threading.Timer(0.2, lambda: RolloutWriter(s, SPEC, timeout_s=5).insert(rollouts(range(2)))).start()
         batch, info = reader.sample(2)
         assert sorted(batch["tokens"][:, 0]) == sorted(batch["policy_version"])
@@ -75,42 +75,40 @@ def test_a_blocked_sample_is_woken_by_an_insert_from_another_thread():
 def test_checkpoint_restores_items_and_counters_exactly(tmp_path):
     with server("replay.positive_fraction=0.5", checkpoint_root=tmp_path) as s:
         RolloutWriter(s, SPEC, timeout_s=5, positive_table="positives").insert(rollouts(range(5)))
-        RolloutReader(s, SPEC, timeout_s=5).sample(3)
-        path = s.checkpoint()
-        before = {t: s.state(t) for t in ("rollouts", "positives")}
+        RolloutReader(s, timeout_s=5).sample(3)
+        name = s.checkpoint()
+        before = s.states()
         rows_before = {t: [(it.key, it.times_sampled, it.row["policy_version"].item()) for it in tab.items]
                        for t, tab in s._tables.items()}
+    assert not os.path.isabs(name)  # relative to checkpoint_root: run dirs can move
+    path = tmp_path / name
     assert sorted(os.listdir(path)) == ["DONE", "positives.npz", "rollouts.npz", "tables.json"]
     json.load(open(os.path.join(path, "tables.json")))
     with np.load(os.path.join(path, "rollouts.npz"), allow_pickle=False) as z:
         assert z["field.tokens"].shape == (3, 3)  # the main table holds N - dN = 3
-    with server("replay.positive_fraction=0.5", checkpoint_root=tmp_path, restore_from=path) as s:
-        assert {t: s.state(t) for t in before} == before
+    with server("replay.positive_fraction=0.5", checkpoint_root=tmp_path, restore_from=name) as s:
+        assert s.states() == before
         assert {t: [(it.key, it.times_sampled, it.row["policy_version"].item()) for it in tab.items]
                 for t, tab in s._tables.items()} == rows_before
-        assert s.prune_checkpoints(keep={path}) == []
+        assert s.prune(keep={name}) == []
 
 
 def test_restore_refuses_other_settings_and_incomplete_checkpoints(tmp_path):
     with server(checkpoint_root=tmp_path) as s:
-        path = s.checkpoint()
+        name = s.checkpoint()
     with pytest.raises(ValueError, match=r"different table settings: rate_limit"):
-        server("replay.samples_per_insert=3", restore_from=path)
+        server("replay.samples_per_insert=3", checkpoint_root=tmp_path, restore_from=name)
     with pytest.raises(FileNotFoundError, match="no complete in-process replay checkpoint"):
-        server(restore_from=str(tmp_path / "nope"))
-
-
-def test_a_reverb_server_refuses_in_process_tables():
-    from jaxreplay.replay import ReplayServer
-    with pytest.raises(TypeError, match="in-process ones .* replay.serve"):
-        ReplayServer(build_tables(load_config(None, list(CFG)), SPEC, "inprocess"))
+        server(checkpoint_root=tmp_path, restore_from="nope")
+    with pytest.raises(ValueError, match="relative to a checkpoint_root; none was given"):
+        server(restore_from=name)
 
 
 def test_seeded_servers_sample_alike_and_a_restore_continues_the_same_draws(tmp_path):
     """The uniform selector draws from the server's RNG: the same seed gives the same samples,
     and a restored checkpoint carries the RNG on where the saved server left it."""
     def keys(s, n=6):
-        return list(RolloutReader(s, SPEC, timeout_s=1).sample(n)[1].keys)
+        return list(RolloutReader(s, timeout_s=1).sample(n)[1].keys)
 
     with server("replay.max_size=64", "replay.error_buffer=40", seed=3, checkpoint_root=tmp_path) as a, \
             server("replay.max_size=64", "replay.error_buffer=40", seed=3) as b, \
@@ -120,7 +118,8 @@ def test_seeded_servers_sample_alike_and_a_restore_continues_the_same_draws(tmp_
         assert keys(a) == keys(b) != keys(other)
         path = a.checkpoint()
         after = keys(a)
-    with server("replay.max_size=64", "replay.error_buffer=40", seed=3, restore_from=path) as restored:
+    with server("replay.max_size=64", "replay.error_buffer=40", seed=3, checkpoint_root=tmp_path,
+                restore_from=path) as restored:
         assert keys(restored) == after
 
 
@@ -134,7 +133,7 @@ def test_sigterm_ends_a_blocked_call_within_a_slice(call):
     notice = PreemptionNotice()  # this test runs on the main thread
     try:
         with server(timeout_s=30) as s:
-            reader = RolloutReader(s, SPEC, timeout_s=30, interrupted=notice.is_set)
+            reader = RolloutReader(s, timeout_s=30, interrupted=notice.is_set)
             writer = RolloutWriter(s, SPEC, timeout_s=30, interrupted=notice.is_set)
             if call == "insert":
                 writer.insert(rollouts(range(4)))  # the window is full: the next insert waits for a sample

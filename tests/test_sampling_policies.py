@@ -8,10 +8,9 @@ reverb = pytest.importorskip("reverb", reason="needs dm-reverb (the `reverb` ext
 
 from jaxreplay.config import ConfigError, load_config
 from jaxreplay.replay import (
-    POSITIVE_TABLE_NAME, TABLE_NAME, PositiveBiasReader, ReplayServer, build_tables, positive_split, reader_for,
+    POSITIVE_TABLE_NAME, TABLE_NAME, PositiveBiasReader, ReverbServer, build_tables, positive_split, reader_for,
     writer_for)
 from jaxreplay.replay.rows import RowLayout
-from jaxreplay.replay.tables import limiter_state
 
 pytestmark = pytest.mark.timeout(60, method="thread")
 
@@ -59,9 +58,9 @@ def test_split_divides_window_and_batch_in_proportion_and_keeps_the_overall_rati
 
 def test_positives_table_keeps_the_freshest_correct_rollouts():
     c = _config()
-    with ReplayServer(build_tables(c, SPEC), timeout_s=10) as server:
+    with ReverbServer(build_tables(c, SPEC, "reverb"), timeout_s=10) as server:
         writer_for(server, c, SPEC).insert(_rows(range(40), correct=lambda i: i % 3 == 0))
-        assert limiter_state(reverb.Client(server.address), POSITIVE_TABLE_NAME, 10).max_size == 10
+        assert server.states()[POSITIVE_TABLE_NAME].max_size == 10
         # Rollout table: the freshest 30 - 10 = 20 of all rows. Positives: the freshest 10 correct ones.
         assert _ids_in(server, TABLE_NAME) == set(range(20, 40))
         assert _ids_in(server, POSITIVE_TABLE_NAME) == set(range(12, 40, 3))
@@ -69,7 +68,7 @@ def test_positives_table_keeps_the_freshest_correct_rollouts():
 
 def test_batches_take_their_positive_share_once_a_correct_rollout_exists():
     c = _config()
-    with ReplayServer(build_tables(c, SPEC), timeout_s=10) as server:
+    with ReverbServer(build_tables(c, SPEC, "reverb"), timeout_s=10) as server:
         writer, reader = writer_for(server, c, SPEC), reader_for(server, c, SPEC)
         assert isinstance(reader, PositiveBiasReader)
         writer.insert(_rows(range(10), correct=lambda i: False))
@@ -94,7 +93,7 @@ def test_prioritized_selector_samples_in_proportion_to_absolute_advantage():
                            "replay.max_size=64", "train.batch_size=8", "replay.error_buffer=1000"])
     rows = _rows([0, 1, 2], correct=lambda i: False)
     rows["advantage"] = np.array([0.0, 1.0, -3.0], np.float32)  # priorities 0.001, 1.001, 3.001
-    with ReplayServer(build_tables(c, SPEC), timeout_s=10) as server:
+    with ReverbServer(build_tables(c, SPEC, "reverb"), timeout_s=10) as server:
         writer_for(server, c, SPEC).insert(rows)
         samples = list(reverb.Client(server.address).sample(TABLE_NAME, 1000, emit_timesteps=False))
     ids = np.array([_row_id(s) for s in samples])

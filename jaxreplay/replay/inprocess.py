@@ -24,16 +24,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import tempfile
 import threading
 import time
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Mapping, Optional
 
 import numpy as np
 
-from jaxreplay.replay.tables import (WAIT_SLICE_S, Interrupted, ItemSpec, LimiterQueries, LimiterState, RateLimit,
-                                     ReplayTimeoutError, TableDef, check_interrupted)
+from jaxreplay.replay.backend import DriverNames, SampleInfo, checkpoint_path, prune_directories
+from jaxreplay.replay.tables import (WAIT_SLICE_S, Interrupted, ItemSpec, LimiterState, RateLimit,
+                                     ReplayTimeoutError, TableDef, Tables, check_interrupted)
 
 _DONE = "DONE"  # marks a complete checkpoint, as in Reverb's
 _FORMAT = 2  # 2: tables.json holds the selectors' RNG state (format 1 had none)
@@ -103,33 +103,17 @@ class InProcessTable:
         return item, p, n, item.times_sampled
 
 
-def prune_directories(root: str, keep: set[str], skip: Callable[[str, str], bool]) -> list[str]:
-    """Deletes each directory in `root` unless it is in `keep` or `skip(name, abspath)` is
-    true; returns the deleted paths. Both replay servers prune their checkpoints with it."""
-    keep = {os.path.abspath(p) for p in keep}
-    removed = []
-    for name in sorted(os.listdir(root)):
-        path = os.path.abspath(os.path.join(root, name))
-        if path in keep or not os.path.isdir(path) or skip(name, path):
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
+class InProcessServer(DriverNames):
+    """The `Backend` protocol (backend.py) for `Tables` in this process: server and client
+    in one object, shared by this process's threads."""
 
-
-class InProcessServer(LimiterQueries):
-    """Hosts `InProcessTable`s in this process with `ReplayServer`'s interface, and is its
-    own client: readers and writers call `state`, `insert` and `sample` directly."""
-
-    def __init__(self, tables: InProcessTable | Sequence[InProcessTable], *,
-                 checkpoint_root: Optional[str | os.PathLike] = None,
+    def __init__(self, tables: Tables, *, checkpoint_root: Optional[str | os.PathLike] = None,
                  restore_from: Optional[str | os.PathLike] = None, timeout_s: float = 60.0,
                  seed: Optional[int] = None):
-        """As `ReplayServer`; `seed` seeds the uniform and prioritized selectors (None: fresh
-        entropy), and a restore continues the RNG the checkpoint saved."""
-        tables = [tables] if isinstance(tables, InProcessTable) else list(tables)
-        self._tables = {t.name: t for t in tables}
-        self._table = tables[0].name
+        """As `ReverbServer` (no port); `seed` seeds the uniform and prioritized selectors
+        (None: fresh entropy), and a restore continues the RNG the checkpoint saved."""
+        self._tables = {d.name: InProcessTable(d, tables.item_spec) for d in tables.defs}
+        self._table = tables.defs[0].name
         self._timeout_s = timeout_s
         self._checkpoint_root = None if checkpoint_root is None else os.fspath(checkpoint_root)
         if self._checkpoint_root is not None:
@@ -139,25 +123,61 @@ class InProcessServer(LimiterQueries):
         self._next_key = 1
         self._stopped = False
         if restore_from is not None:
-            self._restore(os.fspath(restore_from))
-
-    address = "inprocess"
-    port = 0
+            self._restore(checkpoint_path(self._checkpoint_root, restore_from))
 
     @property
     def table(self) -> str:
         return self._table
 
-    # --- ReplayServer's interface -------------------------------------------------
+    def describe(self) -> str:
+        return self.states()[self._table].describe()
 
-    def info(self) -> LimiterState:
-        return self.state(self._table)
+    def states(self, interrupted: Interrupted = None) -> dict[str, LimiterState]:
+        with self._cond:
+            return {name: t.state() for name, t in self._tables.items()}
 
-    def snapshot(self) -> dict[str, LimiterState]:
-        return self.states()
+    def insert(self, table: str, rows: Mapping[str, np.ndarray], priorities: np.ndarray, *,
+               also: Optional[Mapping[str, np.ndarray]] = None, timeout_s: float,
+               interrupted: Interrupted = None) -> None:
+        """As `Client.insert`; a timeout drops the rows not yet inserted."""
+        deadline, n = time.monotonic() + timeout_s, len(priorities)
+        also = also or {}
+        for i in range(n):
+            row = {k: a[i] for k, a in rows.items()}
+            for name, priority in [(table, float(priorities[i])), *((t, 1.0) for t, m in also.items() if m[i])]:
+                with self._cond:
+                    t = self._await(name, lambda s: s.can_insert(1), deadline, interrupted,
+                                    lambda s: f"insert of {n} rows timed out after {timeout_s:g}s "
+                                    f"with {i} inserted, waiting for the rate limiter to admit them "
+                                    f"(no sampler draining the table?): {s.describe()}")
+                    t.insert(_Item(self._next_key, row, priority))
+                    self._next_key += 1
+                    self._cond.notify_all()
+
+    def sample(self, table: str, n: int, *, timeout_s: float, interrupted: Interrupted = None,
+               known: Optional[LimiterState] = None) -> tuple[dict[str, np.ndarray], SampleInfo]:
+        """As `Client.sample`: waits until the limiter admits all `n`, then takes them one at
+        a time (each once admitted: samples may delete items). `known` changes nothing here."""
+        deadline, taken = time.monotonic() + timeout_s, []
+        with self._cond:
+            t = self._await(table, lambda s: s.can_sample(n), deadline, interrupted,
+                            lambda s: f"sample({n}) timed out after {timeout_s:g}s waiting for the rate limiter "
+                            f"to allow {n} samples (no actor inserting?): {s.describe()}")
+            for i in range(n):
+                t = self._await(table, lambda s: s.can_sample(1), deadline, interrupted,
+                                lambda s: f"sample({n}) timed out after {timeout_s:g}s with {i} of {n} items taken, "
+                                f"waiting for the rate limiter (no actor inserting?): {s.describe()}")
+                taken.append(t.sample(self._rng))
+                self._cond.notify_all()
+        batch = {k: np.stack([item.row[k] for item, *_ in taken]) for k in sorted(t.item_spec)}
+        return batch, SampleInfo(
+            keys=np.array([item.key for item, *_ in taken], np.uint64),
+            times_sampled=np.array([ts for *_, ts in taken], np.int32),
+            probabilities=np.array([p for _, p, _, _ in taken], np.float64),
+            table_size=np.array([size for _, _, size, _ in taken], np.int64))
 
     def checkpoint(self) -> str:
-        """Saves items and counters of every table; returns the path for `restore_from`."""
+        """As `Backend.checkpoint`: every table's items and counters, and the selectors' RNG."""
         if self._checkpoint_root is None:
             raise ValueError("this InProcessServer was started without a checkpoint_root")
         with self._cond:
@@ -177,14 +197,13 @@ class InProcessServer(LimiterQueries):
             with open(os.path.join(staging, "tables.json"), "w") as f:
                 json.dump(meta, f)
             open(os.path.join(staging, _DONE), "w").close()
-            path = os.path.join(self._checkpoint_root, f"{time.strftime('%Y%m%dT%H%M%S')}-{self._next_key}-"
-                                f"{os.urandom(4).hex()}")
-            os.replace(staging, path)
-            return path
+            name = f"{time.strftime('%Y%m%dT%H%M%S')}-{self._next_key}-{os.urandom(4).hex()}"
+            os.replace(staging, os.path.join(self._checkpoint_root, name))
+            return name
 
-    def prune_checkpoints(self, keep: set[str]) -> list[str]:
-        """Deletes the checkpoints in `checkpoint_root` not named in `keep`, and the staging
-        directories of checkpoints a killed process left unfinished; returns them."""
+    def prune(self, keep: set[str]) -> list[str]:
+        """As `Backend.prune`, also deleting the staging directories of checkpoints a killed
+        process left unfinished."""
         if self._checkpoint_root is None:
             return []
         # This server stages only inside checkpoint(): any staging directory is stale.
@@ -202,50 +221,6 @@ class InProcessServer(LimiterQueries):
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-    # --- the client side ----------------------------------------------------------
-
-    def state(self, table: str) -> LimiterState:
-        with self._cond:
-            return self._get(table).state()
-
-    def states(self) -> dict[str, LimiterState]:
-        """Every table's state, taken together."""
-        with self._cond:
-            return {name: t.state() for name, t in self._tables.items()}
-
-    def insert(self, rows: Sequence[Mapping[str, np.ndarray]], priorities: Sequence[float],
-               extra_tables: Callable[[int], Sequence[str]], *, table: str, timeout_s: float,
-               interrupted: Interrupted = None) -> None:
-        """Inserts `rows` in order, row i into `table` with `priorities[i]` and (priority 1)
-        into `extra_tables(i)`, each item once its limiter admits it; raises
-        `ReplayTimeoutError` after `timeout_s` in all (`ReplayInterrupted` once
-        `interrupted()`), dropping the rows not yet inserted."""
-        deadline = time.monotonic() + timeout_s
-        for i, row in enumerate(rows):
-            for name, priority in [(table, float(priorities[i])), *((t, 1.0) for t in extra_tables(i))]:
-                with self._cond:
-                    t = self._await(name, lambda s: s.can_insert(1), deadline, interrupted,
-                                    lambda s: f"insert of {len(rows)} rows timed out after {timeout_s:g}s "
-                                    f"with {i} inserted, waiting for the rate limiter to admit them "
-                                    f"(no sampler draining the table?): {s.describe()}")
-                    t.insert(_Item(self._next_key, row, priority))
-                    self._next_key += 1
-                    self._cond.notify_all()
-
-    def sample(self, table: str, n: int, *, timeout_s: float,
-               interrupted: Interrupted = None) -> list[tuple[_Item, float, int, int]]:
-        """Samples `n` items one at a time, each once the limiter allows it, within
-        `timeout_s` in all: [(item, probability, table size, times sampled)]."""
-        deadline, out = time.monotonic() + timeout_s, []
-        for i in range(n):
-            with self._cond:
-                t = self._await(table, lambda s: s.can_sample(1), deadline, interrupted,
-                                lambda s: f"sample({n}) timed out after {timeout_s:g}s with {i} items taken, "
-                                f"waiting for the rate limiter (no actor inserting?): {s.describe()}")
-                out.append(t.sample(self._rng))
-                self._cond.notify_all()
-        return out
 
     # --- internals ----------------------------------------------------------------
 

@@ -43,10 +43,10 @@ from typing import NamedTuple, Optional, Protocol, Sequence
 import numpy as np
 
 from jaxreplay.config import Config, ConfigError, owner_check
-from jaxreplay.replay.inprocess import InProcessServer, InProcessTable
 from jaxreplay.replay.reader import RolloutReader
-from jaxreplay.replay.server import ReplayServer
-from jaxreplay.replay.tables import (ItemSpec, LimiterState, TableDef, build_tables, min_size_limit,
+from jaxreplay.replay.reverb_backend import ReverbClient
+from jaxreplay.replay.server import serve
+from jaxreplay.replay.tables import (ItemSpec, LimiterState, TableDef, Tables, build_tables, min_size_limit,
                                      resolve_backend, table_defs)
 from jaxreplay.replay.writer import writer_for
 
@@ -157,22 +157,22 @@ class ShardedReplay:
                  checkpoint_root: Optional[str | os.PathLike] = None,
                  restore_from: Optional[str | os.PathLike] = None):
         """checkpoint_root: where `checkpoint` writes (a `shard-<id>` directory in it);
-        restore_from: a path `checkpoint` returned on this process."""
+        restore_from: a name `checkpoint` returned on this process (relative to that directory)."""
         p, i = coordinator.num_processes, coordinator.process_id
         check_sharded(config, p)
         self.definition = table_defs(config)[0]
         self._coord = coordinator
         seed = int(np.random.SeedSequence([config.run.seed, i]).generate_state(1)[0])  # other draws per shard
-        self.server = InProcessServer(
-            InProcessTable(shard_table(self.definition, p), item_spec), timeout_s=config.replay.timeout_s,
+        self.server = serve(
+            Tables("inprocess", (shard_table(self.definition, p),), item_spec), timeout_s=config.replay.timeout_s,
             checkpoint_root=None if checkpoint_root is None else os.path.join(checkpoint_root, f"shard-{i}"),
             restore_from=restore_from, seed=seed)
         self._writer = writer_for(self.server, config, item_spec)
-        self._reader = RolloutReader(self.server, item_spec, timeout_s=config.replay.timeout_s)
+        self._reader = RolloutReader(self.server, timeout_s=config.replay.timeout_s)
 
     def view(self, key: str, pending: int = 0) -> GlobalView:
         """Every process's counters, summed (a collective: all processes call it with the same `key`)."""
-        local = self.server.info()
+        local = self.local()
         mine = json.dumps([local.size, local.inserts, local.samples, local.deletes, pending])
         rows = [json.loads(v) for v in self._coord.gather(f"replay/{key}", mine)]
         shards = [dataclasses.replace(local, size=size, inserts=inserts, samples=samples, deletes=deletes)
@@ -181,7 +181,7 @@ class ShardedReplay:
 
     def local(self) -> LimiterState:
         """This process's shard alone."""
-        return self.server.info()
+        return self.server.states()[self.server.table]
 
     def insert(self, rows: dict[str, np.ndarray]) -> None:
         """Into this process's shard only (the global view has admitted them)."""
@@ -192,7 +192,7 @@ class ShardedReplay:
         return self._reader.sample(n)[0]
 
     def checkpoint(self) -> str:
-        """This shard's items and counters; the path for `restore_from`."""
+        """This shard's items and counters; the name for `restore_from`."""
         return self.server.checkpoint()
 
     def stop(self) -> None:
@@ -206,14 +206,16 @@ class CentralReplay:
         c, self._coord = config, coordinator
         self._server = None
         if coordinator.process_id == 0:
-            self._server = ReplayServer(build_tables(c, item_spec, "reverb"), port=c.replay.port,
-                                        timeout_s=c.replay.timeout_s)
+            self._server = serve(build_tables(c, item_spec, "reverb"), port=c.replay.port,
+                                 timeout_s=c.replay.timeout_s)
+        self._client = self._server
         try:
             port = coordinator.broadcast("replay_port", None if self._server is None else str(self._server.port))
-            address = (self._server.address if self._server is not None else
-                       c.distributed.replay_address or f"{coordinator.coordinator_host}:{port}")
-            self._writer = writer_for(address, c, item_spec)
-            self._reader = RolloutReader(address, item_spec, timeout_s=c.replay.timeout_s)
+            if self._client is None:
+                self._client = ReverbClient(c.distributed.replay_address or f"{coordinator.coordinator_host}:{port}",
+                                            item_spec, timeout_s=c.replay.timeout_s)
+            self._writer = writer_for(self._client, c, item_spec)
+            self._reader = RolloutReader(self._client, timeout_s=c.replay.timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -221,7 +223,7 @@ class CentralReplay:
     def view(self, key: str, pending: int = 0) -> GlobalView:
         """Process 0's reading of the table once every process's calls have landed (a collective)."""
         self._coord.barrier(f"replay/{key}")
-        state = None if self._server is None else dataclasses.asdict(self._server.info())
+        state = None if self._server is None else dataclasses.asdict(self._server.states()[self._server.table])
         values = [json.loads(v) for v in self._coord.gather(f"replay/{key}", json.dumps([state, pending]))]
         return GlobalView(LimiterState(**values[0][0]), min(v[1] for v in values))
 
@@ -232,9 +234,12 @@ class CentralReplay:
         return self._reader.sample(n)[0]
 
     def stop(self) -> None:
-        """Stops process 0's server; call it once no process will touch the table again."""
+        """Stops process 0's server (others close their client); call it once no process will
+        touch the table again."""
         if self._server is not None:
             self._server.stop()
+        elif self._client is not None:
+            self._client.close()
 
 
 def _require(ok: bool, key: str, why: str) -> None:

@@ -1,12 +1,8 @@
-"""The rollout tables from a `Config`, backend-neutral (`TableDef`), and their limiter state.
+"""The rollout tables from a `Config`, backend-neutral (`TableDef`, `Tables`), the
+limiter state readers and writers decide on, and the errors every backend raises.
 
-`LimiterState` re-derives Reverb's rate-limiter decisions from `server_info()`
-counters. That matters because the `reverb.Table` object handed to a server goes
-stale once the server restores a checkpoint (Reverb swaps in a new table built from
-the checkpoint), so `Table.can_sample` would answer for an empty, dead table. The
-in-process backend (inprocess.py) runs on the same `LimiterState` rules.
-
-Reverb (and TensorFlow) are imported only when a Reverb table is built or asked.
+`LimiterState` (jaxreplay/scheduler.py, re-exported here) re-derives the rate limiter's
+decisions from the server's counters, the same rules on both backends.
 """
 
 from __future__ import annotations
@@ -14,20 +10,15 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
-import os
 import sys
-import tempfile
-import time
 from typing import Callable, Literal, Mapping, Optional
 
 from jaxreplay.config import Config
-from jaxreplay.scheduler import LimiterState
-from jaxreplay.replay.rows import ItemSpec, RowLayout  # one table row per rollout
+from jaxreplay.scheduler import LimiterState  # re-exported: readers and writers decide on it
+from jaxreplay.replay.rows import ItemSpec  # one table row per rollout
 
 TABLE_NAME = "rollouts"
 POSITIVE_TABLE_NAME = "positives"  # positive-bias sampling: the freshest correct rollouts
-
-ROW_FIELD = "row"  # a Reverb item's one tensor: the packed rollout row
 
 
 class ReplayTimeoutError(TimeoutError):
@@ -168,158 +159,24 @@ def resolve_backend(name: str) -> str:
     return backend
 
 
-def build_tables(config: Config, item_spec: ItemSpec, backend: str | None = None) -> list:
-    """The tables of `table_defs(config)` for `backend` (default: `config.replay.backend`):
-    `reverb.Table`s or `InProcessTable`s; pass them to `serve`."""
-    backend = resolve_backend(backend or config.replay.backend)
-    if backend == "inprocess":
-        from jaxreplay.replay.inprocess import InProcessTable
-        return [InProcessTable(d, item_spec) for d in table_defs(config)]
-    return [reverb_table(d, item_spec) for d in table_defs(config)]
+@dataclasses.dataclass(frozen=True)
+class Tables:
+    """A server's tables, backend-neutral: what `serve` starts. `backend` ("reverb" or
+    "inprocess") picks the server; the first of `defs` is the rate-limited one."""
+
+    backend: str
+    defs: tuple[TableDef, ...]
+    item_spec: ItemSpec
 
 
-def build_table(config: Config, item_spec: ItemSpec, backend: str | None = None):
-    """The rollout table alone (see `table_defs`)."""
-    return build_tables(config, item_spec, backend)[0]
+def build_tables(config: Config, item_spec: ItemSpec, backend: str | None = None) -> Tables:
+    """The tables of `table_defs(config)` for `backend` (default: `config.replay.backend`);
+    pass them to `serve`."""
+    return Tables(resolve_backend(backend or config.replay.backend), tuple(table_defs(config)), item_spec)
 
 
-def reverb_table(d: TableDef, item_spec: ItemSpec):
-    """`d` as a `reverb.Table` with a signature matching `item_spec`."""
-    reverb = import_reverb()
-    rl = d.rate_limit
-    limiter = reverb.rate_limiters.RateLimiter(rl.samples_per_insert, rl.min_size_to_sample, rl.min_diff,
-                                               rl.max_diff)
-    selectors = {"uniform": reverb.selectors.Uniform, "fifo": reverb.selectors.Fifo, "lifo": reverb.selectors.Lifo,
-                 "prioritized": lambda: reverb.selectors.Prioritized(d.priority_exponent)}
-    if d.selector not in selectors:
-        raise ValueError(f"replay.selector: unknown selector {d.selector!r}")
-    return reverb.Table(name=d.name, sampler=selectors[d.selector](), remover=reverb.selectors.Fifo(),
-                        max_size=d.max_size, max_times_sampled=d.max_times_sampled, rate_limiter=limiter,
-                        signature=table_signature(item_spec))
-
-
-def table_signature(item_spec: ItemSpec):
-    """One packed-row tensor (rows.py), named by its layout so checkpoints can be checked."""
-    import tensorflow as tf
-    layout = RowLayout(item_spec)
-    return {ROW_FIELD: tf.TensorSpec((layout.nbytes,), tf.uint8, name=layout.describe())}
-
-
-def set_tf_cpu_only() -> None:
-    """Keeps TensorFlow off GPUs; a no-op once TensorFlow has initialized its devices."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's INFO and WARNING lines
-    import tensorflow as tf
-    try:
-        tf.config.set_visible_devices([], "GPU")
-    except RuntimeError:
-        pass  # Devices already initialized: too late to hide them, and nothing to do here.
-
-
-NATIVE_LOG_ENV = "JAXREPLAY_NATIVE_LOG"  # where native logs go; "stderr" leaves them there
-
-
-def quiet_native_logs() -> None:
-    """Sends what C++ code writes to file descriptor 2 into a log file, Python's own stderr
-    (tracebacks, warnings, progress bars) staying where it was.
-
-    Reverb's logger writes every line (one per sampler made, so one per batch) to std::clog
-    with no level or variable to turn it down. Nothing happens where stderr is already
-    taken over: the CLI sends it to RUN_DIR/native.log, pytest captures it, notebooks have
-    their own. The file is $JAXREPLAY_NATIVE_LOG, else jaxreplay-native-UID.log in the
-    temporary directory.
-    """
-    target = os.environ.get(NATIVE_LOG_ENV) or os.path.join(tempfile.gettempdir(),
-                                                             f"jaxreplay-native-{os.getuid()}.log")
-    try:
-        taken = sys.stderr is not sys.__stderr__ or sys.__stderr__.fileno() != 2
-    except (AttributeError, ValueError, OSError):  # no real stderr
-        taken = True
-    if taken or target == "stderr":
-        return
-    sys.stderr.flush()
-    log = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    terminal = os.dup(2)
-    os.dup2(log, 2)
-    os.close(log)
-    sys.stderr = os.fdopen(terminal, "w", buffering=1, encoding=sys.__stderr__.encoding, errors="backslashreplace")
-
-
-def import_reverb():
-    """The `reverb` module, its native logs quieted and TensorFlow hidden from GPUs first
-    (Reverb imports it)."""
-    if "reverb" not in sys.modules:
-        quiet_native_logs()
-        set_tf_cpu_only()
-    import reverb
-    return reverb
-
-
-def limiter_state_from_info(info) -> LimiterState:
-    """From a `reverb.TableInfo` (or the `TableInfo` proto it is read from). Reverb
-    reports the limiter's own counters as `completed` insert/sample calls (restored
-    with a checkpoint), and every item ever inserted is either still in the table or
-    deleted."""
-    rl = info.rate_limiter_info
-    inserts, samples = int(rl.insert_stats.completed), int(rl.sample_stats.completed)
-    return LimiterState(
-        table=info.name, size=int(info.current_size), max_size=int(info.max_size),
-        max_times_sampled=int(info.max_times_sampled), inserts=inserts, samples=samples,
-        deletes=inserts - int(info.current_size), samples_per_insert=float(rl.samples_per_insert),
-        min_size_to_sample=int(rl.min_size_to_sample), min_diff=float(rl.min_diff),
-        max_diff=float(rl.max_diff))
-
-
-class LimiterQueries:
-    """The limiter questions both server backends answer, in terms of their `info()`."""
-
-    def info(self) -> LimiterState:
-        raise NotImplementedError
-
-    def describe(self) -> str:
-        """One line for error messages and logs: size, counters, window, diff."""
-        return self.info().describe()
-
-    def can_insert(self, n: int) -> bool:
-        return self.info().can_insert(n)
-
-    def can_sample(self, n: int) -> bool:
-        return self.info().can_sample(n)
-
-    def snapshot(self) -> Snapshot:
-        """Every table's state from one query (one RPC on Reverb). It stays exact for as long
-        as no one inserts or samples: a colocated loop, the table's only client, reuses it
-        for every decision until its own next insert or sample."""
-        raise NotImplementedError
-
-
-# table name -> its state, all taken at once (`LimiterQueries.snapshot`).
+# table name -> its state, all taken at once (`Client.states`).
 Snapshot = Mapping[str, LimiterState]
-
-
-def limiter_states(client, timeout_s: float, asked_for: str = "its tables",
-                   interrupted: Interrupted = None) -> dict[str, LimiterState]:
-    """The live state of every table on the server, from one query (bounded by `timeout_s`;
-    `asked_for` names what was wanted in the timeout's message)."""
-    if hasattr(client, "states"):  # the in-process server is its own client
-        return client.states()
-    import_reverb()
-    from reverb.cc import schema_pb2
-    # `reverb.Client.server_info` also decodes every table's signature into TensorFlow
-    # specs, which costs more than the RPC; the limiter needs only the counters. The RPC
-    # takes whole seconds: one at a time, so signal handlers run between attempts.
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            protos = client._client.ServerInfo(1)
-            break
-        except RuntimeError as e:
-            if "Deadline Exceeded" not in str(e):
-                raise
-        check_interrupted(interrupted, f"waiting for the Reverb server to report {asked_for}")
-        if time.monotonic() >= deadline:
-            raise ReplayTimeoutError(f"the Reverb server did not report {asked_for} within {timeout_s:g}s") from None
-    infos = (schema_pb2.TableInfo.FromString(p) for p in protos)
-    return {info.name: limiter_state_from_info(info) for info in infos}
 
 
 def table_state(states: Snapshot, table: str) -> LimiterState:
@@ -327,13 +184,6 @@ def table_state(states: Snapshot, table: str) -> LimiterState:
     if table not in states:
         raise KeyError(f"no table {table!r} on the replay server (tables: {', '.join(sorted(states))})")
     return states[table]
-
-
-def limiter_state(client, table: str, timeout_s: float, interrupted: Interrupted = None) -> LimiterState:
-    """The live state of `table`, asked of the server (bounded by `timeout_s`)."""
-    if hasattr(client, "state"):  # the in-process server is its own client
-        return client.state(table)
-    return table_state(limiter_states(client, timeout_s, f"table {table!r}", interrupted), table)
 
 
 def check_only_client(expected: Snapshot, actual: Snapshot) -> Snapshot:
