@@ -47,7 +47,7 @@ def throughput(quick: bool = False) -> dict:
     rows, calls = config.rollouts_per_step, (4 if quick else 40)
     items = random_items(spec, rows, np.random.default_rng(0))
     with serve(build_tables(config, spec), timeout_s=30.0) as server:
-        writer, reader = writer_for(server, config, spec), reader_for(server, config, spec)
+        writer, reader = writer_for(server, config, spec), reader_for(server, config)
         t0 = time.perf_counter()
         for _ in range(calls):
             writer.insert(items)

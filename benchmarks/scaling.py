@@ -51,7 +51,7 @@ def run(quick: bool = False) -> dict:
     for n in sizes:
         config = unlimited(base, max_size=n)
         with serve(build_tables(config, spec), timeout_s=60.0) as server:
-            writer, reader = writer_for(server, config, spec), reader_for(server, config, spec)
+            writer, reader = writer_for(server, config, spec), reader_for(server, config)
             fill = random_items(spec, n, rng)
             fill["tokens"] %= base.model.vocab_size
             writer.insert(fill)

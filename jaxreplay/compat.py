@@ -84,16 +84,33 @@ def flops_of(compiled: Any) -> Optional[float]:
     return None if flops is None else float(flops)
 
 
+def _version(name: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
 def describe_tier() -> str:
     """The versions this process runs on, in one line: what a bug report or a run log needs."""
-    import importlib.metadata
     import platform
 
-    def version(name: str) -> str:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return "absent"
-
     names = ["jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "dm-reverb"]
-    return ", ".join([f"python {platform.python_version()}"] + [f"{n} {version(n)}" for n in names])
+    return ", ".join([f"python {platform.python_version()}"] + [f"{n} {_version(n)}" for n in names])
+
+
+def multiprocess_checkpoint_gap() -> Optional[str]:
+    """Why Orbax cannot save one checkpoint from several processes on this tier, or None.
+    orbax-checkpoint 0.11 (the Reverb tier) asks the coordination client for
+    `key_value_try_get`, which jax 0.4.34's client does not have (measured: AttributeError
+    in every multi-process save)."""
+    if jax.process_count() == 1:
+        return None
+    from jax._src import distributed
+
+    if hasattr(distributed.global_state.client, "key_value_try_get"):
+        return None
+    return (f"orbax-checkpoint {_version('orbax-checkpoint')} cannot save from several processes with jax "
+            f"{jax.__version__} (its coordination client lacks key_value_try_get); use the default tier")

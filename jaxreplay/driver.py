@@ -26,6 +26,7 @@ from jaxreplay import distributed, rollouts, rundir
 from jaxreplay.accounting import Accounting, param_count
 from jaxreplay.calibrate import calibrated, measure_mu
 from jaxreplay.checkpoint import CheckpointError, Checkpointer, Progress
+from jaxreplay.compat import multiprocess_checkpoint_gap
 from jaxreplay.config import Config, ConfigError
 from jaxreplay.guards import Preempted, PreemptionNotice
 from jaxreplay.placement import Placement, params_digest, placement_for
@@ -95,6 +96,9 @@ def _train(config: Config, run_dir: Path, log: Callable[[str], None]) -> dict[st
         run = _run_state(stack, placement, recorder, run_dir, resume, start, log)
         if placement.kind == "multihost":  # every process checks it trained the same params
             run.digest_start = params_digest(run.params)
+            if why := multiprocess_checkpoint_gap():
+                log(f"checkpoints off: {why}")
+                run.checkpoints = False
         try:
             run.config = c = stack.config = _calibrated(run, run_dir, log)
             if recorder:
@@ -195,10 +199,10 @@ def _tables(run: Run, placement: Placement, run_dir: Path) -> Iterator[Callable[
     server = serve(build_tables(c, spec), checkpoint_root=root, restore_from=progress.replay_checkpoint,
                    port=c.replay.port, timeout_s=c.replay.timeout_s, seed=c.run.seed)
     try:
-        _check_restored(run, server.info)
+        _check_restored(run, lambda: server.states()[server.table])
         interrupted = run.notice.is_set
         writer = writer_for(server, c, spec, interrupted=interrupted)
-        reader = reader_for(server, c, spec, interrupted=interrupted)
+        reader = reader_for(server, c, interrupted=interrupted)
         if placement.concurrent:
             yield lambda: run_concurrent(run, server, reader, writer)
         else:
@@ -223,6 +227,7 @@ def _summary(run: Run, recorder: RunRecorder, run_dir: Path, log: Callable[[str]
     c, p, placement = run.config, run.progress, run.placement
     summary = {
         "placement": placement.kind,
+        "replay/backend": c.replay.backend,
         "steps": p.learner_step,
         "seconds": round(time.perf_counter() - run.start, 1),
         "eval/accuracy_start": p.warmstart_accuracy,

@@ -31,7 +31,7 @@ from jaxreplay import rollouts
 from jaxreplay.guards import Preempted
 from jaxreplay.replay import ReplayTimeoutError
 from jaxreplay.run import Run, replay_record
-from jaxreplay.scheduler import admitted_inserts
+from jaxreplay.scheduler import LimiterState, admitted_inserts
 
 T = TypeVar("T")
 _MAX_POLL_S = 0.02
@@ -130,7 +130,7 @@ def run_concurrent(run: Run, server, reader, writer) -> PolicyWeights:
                 generated = run.generate(params, version)  # decoding: the learner may checkpoint meanwhile
                 with run.actor_lock:
                     run.commit(*generated)
-            n = wait_for(lambda: admitted_inserts(server.info(), rollouts.count(run.pending)), stop, timeout,
+            n = wait_for(lambda: admitted_inserts(_state(server), rollouts.count(run.pending)), stop, timeout,
                          lambda: f"the limiter to admit rollouts (learner stalled?): {server.describe()}")
             if n is None:
                 return
@@ -162,11 +162,15 @@ def run_concurrent(run: Run, server, reader, writer) -> PolicyWeights:
                 _save(run, server)
 
     run_roles({"actor": actor_role, "learner": learner_role}, join_timeout_s=timeout + 30)
-    run.final_table = {**replay_record(server.info()), "weights/pushes": weights.pushes}
+    run.final_table = {**replay_record(_state(server)), "weights/pushes": weights.pushes}
     return weights
+
+
+def _state(server) -> LimiterState:
+    return server.states()[server.table]
 
 
 def _save(run: Run, server) -> None:
     """Under the actor's lock: the table, the waiting rollouts and the actor's position agree."""
     with run.actor_lock:
-        run.save(server.info, server.checkpoint, lambda keep: server.prune_checkpoints(keep=keep))
+        run.save(lambda: _state(server), server.checkpoint, server.prune)

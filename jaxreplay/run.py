@@ -59,6 +59,7 @@ class Run:
     actor_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     final_table: dict = dataclasses.field(default_factory=dict)  # `replay_record` once the schedule ends
     digest_start: str = ""  # multi-host: params_digest at this invocation's start
+    checkpoints: bool = True  # False only where the tier cannot save this placement (compat.py)
     _bar: Any = None
 
     def __post_init__(self):
@@ -160,7 +161,7 @@ class Run:
     def checkpoint_due(self) -> bool:
         """After a learner step: every `checkpoint.every` steps, or `every_seconds` since the last."""
         c, step = self.config.checkpoint, self.progress.learner_step
-        if step == self.last_saved[0]:
+        if step == self.last_saved[0] or not self.checkpoints:
             return False
         if step % c.every == 0 or self.done:
             return True

@@ -86,7 +86,7 @@ def run_turns(run: Run, tables: TurnTables) -> None:
 
 
 def _save(run: Run, tables: TurnTables) -> None:
-    if run.progress.learner_step != run.last_saved[0]:
+    if run.checkpoints and run.progress.learner_step != run.last_saved[0]:
         run.save(lambda: tables.state(rollouts.count(run.pending)), tables.checkpoint, tables.prune)
 
 
@@ -109,7 +109,7 @@ class LocalTables:
 
     def _states(self) -> Snapshot:
         if self._snapshot is None:
-            self._snapshot = _timed(self._run, self._server.snapshot)
+            self._snapshot = _timed(self._run, self._server.states)
         return self._snapshot
 
     def state(self, pending: int) -> LimiterState:
@@ -143,11 +143,11 @@ class LocalTables:
 
     def checkpoint(self) -> str:
         if self._snapshot is not None:  # the loop's own count must match the server's: no other client
-            self._snapshot = check_only_client(self._snapshot, self._server.snapshot())
+            self._snapshot = check_only_client(self._snapshot, self._server.states())
         return self._server.checkpoint()
 
     def prune(self, keep: set[str]) -> Any:
-        return self._server.prune_checkpoints(keep=keep)
+        return self._server.prune(keep)
 
 
 class GlobalTables:

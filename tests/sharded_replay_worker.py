@@ -46,7 +46,7 @@ def main(pid: int, nproc: int, address: str, out: Path, overrides: list[str]) ->
                            "reward": np.zeros(k, np.float32)})
             serial, pending = serial + k, pending - k
         elif move.kind == "learn":
-            batch = replay.sample(b // nproc)
+            batch, _ = replay.sample(b // nproc)
             samples.append({"origin": batch["origin"].tolist(), "serial": batch["serial"].tolist()})
             steps += 1
         else:

@@ -281,7 +281,7 @@ def test_a_dead_reverb_server_ends_inserts_and_samples_within_the_timeout():
     config = load_config(DEMO, ["replay.backend=reverb", "replay.timeout_s=2"])
     spec = row_spec(config, make_task(config.task).prompt_len)
     server = serve(build_tables(config, spec), timeout_s=2)
-    writer, reader = writer_for(server, config, spec), reader_for(server, config, spec)
+    writer, reader = writer_for(server, config, spec), reader_for(server, config)
     server.stop()
     rows = {k: np.zeros((4, *shape), dtype) for k, (shape, dtype) in spec.items()}
     for call, limit_s in [(lambda: writer.insert(rows), 2 * 2 + 2), (lambda: reader.sample(4), 2 + 2)]:

@@ -22,7 +22,7 @@ class FreshStateCheck:
         self._reader, self._server, self.checked = reader, server, 0
 
     def _check(self, snapshot):
-        fresh = self._server.snapshot()
+        fresh = self._server.states()
         assert snapshot is not None
         for name, state in snapshot.items():
             assert state == fresh[name], (state.describe(), fresh[name].describe())
@@ -48,8 +48,8 @@ class FreshStateCheck:
 def test_every_turn_decides_on_the_servers_current_state(tmp_path, monkeypatch, overrides):
     spies = []
 
-    def spying_reader_for(server, config, spec, **kwargs):
-        spies.append(FreshStateCheck(reader_for(server, config, spec, **kwargs), server))
+    def spying_reader_for(server, config, **kwargs):
+        spies.append(FreshStateCheck(reader_for(server, config, **kwargs), server))
         return spies[-1]
 
     monkeypatch.setattr(driver, "reader_for", spying_reader_for)

@@ -29,7 +29,7 @@ def test_a_batch_is_assembled_from_what_can_be_taken_without_blocking():
     c = load_config(None, ["replay.max_times_sampled=1", "replay.min_size_to_sample=4", "replay.max_size=64",
                            "train.batch_size=8", "replay.samples_per_insert=1", "replay.timeout_s=10"])
     with serve(build_tables(c, SPEC), timeout_s=10) as server:
-        writer, reader = writer_for(server, c, SPEC), reader_for(server, c, SPEC)
+        writer, reader = writer_for(server, c, SPEC), reader_for(server, c)
         assert isinstance(reader, IncrementalReader)
         writer.insert(_rows(range(6)))
         # 6 rows, each deleted when sampled: at most 6 - 4 + 1 = 3 can go before the table dips below 4.

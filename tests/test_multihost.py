@@ -77,8 +77,8 @@ SHARDED = [] if not HAVE_REVERB else ["replay.backend=inprocess"]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, overrides", [
-    ("ShardedReplay", SHARDED),
-    pytest.param("CentralReplay", ["replay.backend=reverb"], marks=needs_reverb),
+    ("inprocess", SHARDED),  # ShardedReplay
+    pytest.param("reverb", ["replay.backend=reverb"], marks=needs_reverb),  # CentralReplay
 ])
 def test_two_processes_train_the_same_params_at_the_target_replay_ratio(tmp_path, backend, overrides):
     results = _launch(tmp_path, num_processes=2, timeout_s=400,
@@ -94,7 +94,7 @@ def test_two_processes_train_the_same_params_at_the_target_replay_ratio(tmp_path
     assert processes[0]["params_sha256"] == processes[1]["params_sha256"]
     assert processes[0]["params_sha256"] != processes[0]["params_sha256_start"]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert any(m["grad_norm"] > 0 for m in metrics)
+    assert any(m["grad_norm"] > 0 for m in metrics if m["step"] > 0)  # step 0: the evaluation at the start
     # The table holds the rollouts of both: each inserted its own, as many as the other,
     # and sampled half of every batch of 16; the limiter counted both.
     inserted = [p["rows_inserted"] for p in processes]

@@ -29,7 +29,7 @@ FOUR_DEVICES = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_
 TWO_DEVICES = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 SMALL = [*TINY, "warmstart.steps=0", "train.eval_every=1000", "run.progress_bar=false"]
 DISAGGREGATED = [*SMALL, "mesh.actor_devices=2", "mesh.data=-1", "train.batch_size=16", "train.prompts_per_step=2",
-                 "replay.max_size=128", "replay.min_size_to_sample=32", "replay.samples_per_insert=2",
+                 "replay.max_size=128", "replay.min_size_to_sample=16", "replay.samples_per_insert=2",
                  "train.weight_sync_every=2", "replay.backend=inprocess"]
 MULTIHOST = [*SMALL, "mesh.data=-1", "train.batch_size=16", "train.prompts_per_step=4", "train.group_size=8",
              "replay.max_size=64", "replay.min_size_to_sample=8", "replay.samples_per_insert=2",
@@ -75,8 +75,8 @@ def resumed_from(log: str) -> int:
 
 
 def test_a_disaggregated_run_killed_three_times_resumes_each_time_and_records_each_step_once(tmp_path):
-    run, steps = tmp_path / "run", 24
-    args = cli(run, *DISAGGREGATED, f"train.steps={steps}", "checkpoint.every=3")
+    run, steps = tmp_path / "run", 48  # long enough for the ratio to settle within 10% of its target
+    args = cli(run, *DISAGGREGATED, f"train.steps={steps}", "checkpoint.every=4")
     rng = np.random.default_rng(14)
     for _ in range(3):
         before = max(checkpoint_steps(run), default=0)

@@ -69,7 +69,7 @@ def test_positives_table_keeps_the_freshest_correct_rollouts():
 def test_batches_take_their_positive_share_once_a_correct_rollout_exists():
     c = _config()
     with ReverbServer(build_tables(c, SPEC, "reverb"), timeout_s=10) as server:
-        writer, reader = writer_for(server, c, SPEC), reader_for(server, c, SPEC)
+        writer, reader = writer_for(server, c, SPEC), reader_for(server, c)
         assert isinstance(reader, PositiveBiasReader)
         writer.insert(_rows(range(10), correct=lambda i: False))
         batch, info = reader.sample(8)  # no correct rollout yet: all 8 from the rollout table

@@ -30,12 +30,11 @@ from jaxreplay.replay.tables import (
     resolve_backend, table_defs)
 from jaxreplay.replay.writer import RolloutWriter, writer_for
 
-ReplayServer = Backend  # the name loop.py and disaggregated.py still import; drop with them
 
 __all__ = [
     "POSITIVE_TABLE_NAME", "TABLE_NAME", "Backend", "Client", "InProcessServer", "IncrementalReader", "ItemSpec",
     "LimiterState", "PortInUseError", "PositiveBiasReader", "PositiveSplit", "RateLimit", "ReplayInterrupted",
-    "ReplayServer", "ReplayTimeoutError", "ReverbClient", "ReverbServer", "RolloutReader", "RolloutWriter",
+    "ReplayTimeoutError", "ReverbClient", "ReverbServer", "RolloutReader", "RolloutWriter",
     "SampleInfo", "TableDef", "TableSharedError", "Tables", "build_tables", "check_only_client", "check_port",
     "positive_split", "reader_for", "resolve_backend", "serve", "set_tf_cpu_only", "table_defs", "writer_for",
 ]

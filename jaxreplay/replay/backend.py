@@ -21,7 +21,7 @@ from typing import Callable, Mapping, NamedTuple, Optional, Protocol, runtime_ch
 
 import numpy as np
 
-from jaxreplay.replay.tables import Interrupted, LimiterState, Snapshot
+from jaxreplay.replay.tables import Interrupted, LimiterState
 
 
 class SampleInfo(NamedTuple):
@@ -102,17 +102,3 @@ def prune_directories(root: str, keep: set[str], skip: Callable[[str, str], bool
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
-
-
-class DriverNames:
-    """The names loop.py and disaggregated.py still call on a server, until the one driver
-    replaces them (then delete this class): each is one protocol call."""
-
-    def snapshot(self) -> Snapshot:
-        return self.states()
-
-    def info(self) -> LimiterState:
-        return self.states()[self.table]
-
-    def prune_checkpoints(self, keep: set[str]) -> list[str]:
-        return self.prune(keep)

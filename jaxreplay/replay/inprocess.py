@@ -31,7 +31,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from jaxreplay.replay.backend import DriverNames, SampleInfo, checkpoint_path, prune_directories
+from jaxreplay.replay.backend import SampleInfo, checkpoint_path, prune_directories
 from jaxreplay.replay.tables import (WAIT_SLICE_S, Interrupted, ItemSpec, LimiterState, RateLimit,
                                      ReplayTimeoutError, TableDef, Tables, check_interrupted)
 
@@ -103,7 +103,7 @@ class InProcessTable:
         return item, p, n, item.times_sampled
 
 
-class InProcessServer(DriverNames):
+class InProcessServer:
     """The `Backend` protocol (backend.py) for `Tables` in this process: server and client
     in one object, shared by this process's threads."""
 

@@ -26,8 +26,8 @@ What sharding means for each table setting (`check_sharded` rejects the rest):
                                     assemble batches row by row, so deleting samples can stall it
   positive_fraction               rejected: the freshest dN / P positives of each process are
                                     not the freshest dN overall
-A shard is checkpointed on its own (`ShardedReplay.checkpoint`); multi-host runs do not
-resume yet.
+A shard is checkpointed on its own (`ShardedReplay.checkpoint`), each process its own; a
+multi-host checkpoint names every process's.
 
 `CentralReplay` (replay.backend reverb): one Reverb table on process 0 for every process;
 the view is process 0's reading of it, taken once every process's calls have landed.
@@ -120,16 +120,20 @@ def check_distributed_replay(config: Config) -> None:
         check_multiprocess(config, config.distributed.num_processes or None)
 
 
-def open_replay(config: Config, item_spec: ItemSpec, coordinator: Coordinator) -> "ShardedReplay | CentralReplay":
-    """The view `replay.backend` asks for; every process of the job calls this together."""
+def open_replay(config: Config, item_spec: ItemSpec, coordinator: Coordinator, *,
+                checkpoint_root: Optional[str | os.PathLike] = None,
+                restore_from: Optional[str] = None) -> "ShardedReplay | CentralReplay":
+    """The view `replay.backend` asks for; every process of the job calls this together.
+    restore_from: the name this process's `checkpoint` returned (relative to checkpoint_root)."""
     backend = resolve_backend(config.replay.backend)
     chosen = coordinator.gather("replay/backend", backend)  # `auto` differs where only some hosts have Reverb
     _require(len(set(chosen)) == 1, "replay.backend", "the processes use different backends: "
              f"{', '.join(f'{b} on process {i}' for i, b in enumerate(chosen))} (auto picks reverb only where it "
              "is installed); set one explicitly on all")
+    where = dict(checkpoint_root=checkpoint_root, restore_from=restore_from)
     if backend == "inprocess":
-        return ShardedReplay(config, item_spec, coordinator)
-    return CentralReplay(config, item_spec, coordinator)
+        return ShardedReplay(config, item_spec, coordinator, **where)
+    return CentralReplay(config, item_spec, coordinator, **where)
 
 
 def shard_table(definition: TableDef, num_processes: int) -> TableDef:
@@ -187,13 +191,18 @@ class ShardedReplay:
         """Into this process's shard only (the global view has admitted them)."""
         self._writer.insert(rows)
 
-    def sample(self, n: int) -> dict[str, np.ndarray]:
-        """`n` rows from this process's shard only."""
-        return self._reader.sample(n)[0]
+    def sample(self, n: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """`n` rows from this process's shard only, and how often each has been sampled."""
+        rows, info = self._reader.sample(n)
+        return rows, info.times_sampled
 
     def checkpoint(self) -> str:
         """This shard's items and counters; the name for `restore_from`."""
         return self.server.checkpoint()
+
+    def prune(self, keep: set[str]) -> list[str]:
+        """This shard's checkpoints but those named in `keep`."""
+        return self.server.prune(keep)
 
     def stop(self) -> None:
         self.server.stop()
@@ -202,12 +211,15 @@ class ShardedReplay:
 class CentralReplay:
     """One Reverb table served by process 0 (replay.backend reverb), shared by every process."""
 
-    def __init__(self, config: Config, item_spec: ItemSpec, coordinator: Coordinator):
+    def __init__(self, config: Config, item_spec: ItemSpec, coordinator: Coordinator, *,
+                 checkpoint_root: Optional[str | os.PathLike] = None, restore_from: Optional[str] = None):
+        """checkpoint_root, restore_from: process 0's server's (the other processes hold clients)."""
         c, self._coord = config, coordinator
         self._server = None
         if coordinator.process_id == 0:
             self._server = serve(build_tables(c, item_spec, "reverb"), port=c.replay.port,
-                                 timeout_s=c.replay.timeout_s)
+                                 timeout_s=c.replay.timeout_s, checkpoint_root=checkpoint_root,
+                                 restore_from=restore_from)
         self._client = self._server
         try:
             port = coordinator.broadcast("replay_port", None if self._server is None else str(self._server.port))
@@ -230,8 +242,16 @@ class CentralReplay:
     def insert(self, rows: dict[str, np.ndarray]) -> None:
         self._writer.insert(rows)
 
-    def sample(self, n: int) -> dict[str, np.ndarray]:
-        return self._reader.sample(n)[0]
+    def sample(self, n: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        rows, info = self._reader.sample(n)
+        return rows, info.times_sampled
+
+    def checkpoint(self) -> str:
+        """The table's checkpoint, taken by process 0 ("" on the others, which hold none)."""
+        return "" if self._server is None else self._server.checkpoint()
+
+    def prune(self, keep: set[str]) -> list[str]:
+        return [] if self._server is None else self._server.prune(keep)
 
     def stop(self) -> None:
         """Stops process 0's server (others close their client); call it once no process will

@@ -15,7 +15,7 @@ import numpy as np
 from jaxreplay.config import Config
 from jaxreplay.replay.backend import Client, SampleInfo
 from jaxreplay.replay.tables import (
-    POSITIVE_TABLE_NAME, TABLE_NAME, Interrupted, ItemSpec, LimiterState, Snapshot, positive_split, table_state)
+    POSITIVE_TABLE_NAME, TABLE_NAME, Interrupted, LimiterState, Snapshot, positive_split, table_state)
 from jaxreplay.scheduler import sample_room
 
 
@@ -140,12 +140,11 @@ class IncrementalReader:
         return batch, SampleInfo(*(np.concatenate([getattr(p[1], f) for p in parts]) for f in SampleInfo._fields))
 
 
-def reader_for(client: Client, config: Config, item_spec: Optional[ItemSpec] = None,
+def reader_for(client: Client, config: Config,
                interrupted: Interrupted = None) -> RolloutReader | PositiveBiasReader | IncrementalReader:
     """The reader `config` asks for: incremental with `replay.max_times_sampled`, positive-bias
-    when `replay.positive_fraction` > 0. item_spec: unused (the backend knows its rows); the
-    drivers still pass it. interrupted: polled while a call waits; once true, the call raises
-    `ReplayInterrupted`."""
+    when `replay.positive_fraction` > 0. interrupted: polled while a call waits; once true, the
+    call raises `ReplayInterrupted`."""
     split = positive_split(config)
     timeout_s = config.replay.timeout_s
     if config.replay.mode == "replay" and config.replay.max_times_sampled:

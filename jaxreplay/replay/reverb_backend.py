@@ -51,7 +51,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from jaxreplay.replay.backend import DriverNames, SampleInfo, checkpoint_path, prune_directories
+from jaxreplay.replay.backend import SampleInfo, checkpoint_path, prune_directories
 from jaxreplay.replay.ports import PortClaim
 from jaxreplay.replay.rows import ItemSpec, RowLayout
 from jaxreplay.replay.tables import (
@@ -402,7 +402,7 @@ class ReverbClient:
 
 # --- the server ---------------------------------------------------------------------
 
-class ReverbServer(ReverbClient, DriverNames):
+class ReverbServer(ReverbClient):
     """The `Backend` protocol: a `reverb.Server` in this process hosting `tables`, and
     the client to it. Stop it explicitly (or use `with`)."""
 
