@@ -106,11 +106,11 @@ def multiprocess_checkpoint_gap() -> Optional[str]:
     orbax-checkpoint 0.11 (the Reverb tier) asks the coordination client for
     `key_value_try_get`, which jax 0.4.34's client does not have (measured: AttributeError
     in every multi-process save)."""
-    if jax.process_count() == 1:
-        return None
-    from jax._src import distributed
-
-    if hasattr(distributed.global_state.client, "key_value_try_get"):
+    try:
+        from jax._src.lib import _jax as xla_client
+    except ImportError:  # jax < 0.6
+        from jax._src.lib import xla_extension as xla_client
+    if hasattr(xla_client.DistributedRuntimeClient, "key_value_try_get"):
         return None
     return (f"orbax-checkpoint {_version('orbax-checkpoint')} cannot save from several processes with jax "
             f"{jax.__version__} (its coordination client lacks key_value_try_get); use the default tier")

@@ -34,6 +34,8 @@ SUMMARY_FILE = "summary.json"
 MAY_CHANGE_ON_RESUME: dict[str, str] = {
     "train.steps": "how far to train: raising it trains further",
     "train.eval_every": "when to evaluate the policy; evaluation does not touch training",
+    "train.learning_rate": "lowering it is how a run recovers from non-finite updates (guards.NonFiniteError)",
+    "train.max_nonfinite_steps": "how many skipped updates in a row stop the run",
     "run.progress_bar": "terminal display only",
     "run.dir": "where the run dir is: a copied or moved run dir resumes",
     "*.timeout_s": "how long to wait on the table or other processes before giving up",

@@ -154,7 +154,7 @@ def run_concurrent(run: Run, server, reader, writer) -> PolicyWeights:
                     return
                 batch, info = reader.sample(b)
             run.progress.rows_sampled += b
-            run.learn(batch, info.times_sampled, server.info, time.perf_counter() - t0)
+            run.learn(batch, info.times_sampled, lambda: _state(server), time.perf_counter() - t0)
             step = run.progress.learner_step
             if step % k == 0 or run.done:  # version = learner steps behind these weights
                 weights.publish(run.stack.to_actor(run.params), version=step)

@@ -65,7 +65,7 @@ def test_allow_list_says_why_and_refuses_what_changes_the_run():
                 "distributed.coordinator_address", "run.dir"]:
         assert may_change(key), key
     for key in ["run.seed", "model.d_model", "task.name", "warmstart.steps", "replay.selector",
-                "replay.samples_per_insert", "train.loss", "train.learning_rate", "mesh.actor_devices"]:
+                "replay.samples_per_insert", "train.loss", "train.kl_coef", "mesh.actor_devices"]:
         assert not may_change(key), key
 
 

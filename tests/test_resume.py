@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxreplay.compat import multiprocess_checkpoint_gap
 from test_train import DEMO, ROOT, TINY
 
 pytestmark = pytest.mark.slow
@@ -51,13 +52,23 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.exists() else []
 
 
-def wait_for_checkpoint(procs: list[subprocess.Popen], run_dir: Path, after: int, timeout_s: float = 300) -> None:
+def logged_step(run_dir: Path) -> int:
+    return max(metric_steps(run_dir), default=0) if (run_dir / "metrics.jsonl").exists() else 0
+
+
+def kill_moment(procs: list[subprocess.Popen], run_dir: Path, rng: np.random.Generator, every: int,
+                timeout_s: float = 300) -> None:
+    """Returns at a moment drawn from `rng` after the run's next checkpoint: once it logged a
+    step 1 to 2 checkpoint intervals past where it started, and then 0 to 50 ms later."""
+    start = max(checkpoint_steps(run_dir), default=0)
+    target = start + every + int(rng.integers(0, every + 1))
     deadline = time.monotonic() + timeout_s
-    while max(checkpoint_steps(run_dir), default=-1) <= after:
+    while logged_step(run_dir) < target or max(checkpoint_steps(run_dir), default=0) <= start:
         for p in procs:
-            assert p.poll() is None, f"the run ended (rc {p.returncode}) before a checkpoint past step {after}"
-        assert time.monotonic() < deadline, f"no checkpoint past step {after} within {timeout_s}s"
-        time.sleep(0.05)
+            assert p.poll() is None, f"the run ended (rc {p.returncode}) before step {target}"
+        assert time.monotonic() < deadline, f"no step {target} within {timeout_s}s"
+        time.sleep(0.01)
+    time.sleep(rng.uniform(0.0, 0.05))
 
 
 def assert_records_true(run_dir: Path, steps: int, target_ratio: float) -> dict:
@@ -79,11 +90,9 @@ def test_a_disaggregated_run_killed_three_times_resumes_each_time_and_records_ea
     args = cli(run, *DISAGGREGATED, f"train.steps={steps}", "checkpoint.every=4")
     rng = np.random.default_rng(14)
     for _ in range(3):
-        before = max(checkpoint_steps(run), default=0)
         proc = subprocess.Popen(args, cwd=ROOT, env=FOUR_DEVICES, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            wait_for_checkpoint([proc], run, after=before)
-            time.sleep(rng.uniform(0.0, 1.5))
+            kill_moment([proc], run, rng, every=4)
         finally:
             proc.kill()
             proc.wait(timeout=60)
@@ -123,6 +132,11 @@ def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, 
     return results
 
 
+needs_multiprocess_checkpoints = pytest.mark.skipif(
+    multiprocess_checkpoint_gap() is not None, reason=f"this tier: {multiprocess_checkpoint_gap()}")
+
+
+@needs_multiprocess_checkpoints
 def test_a_multihost_job_with_a_process_killed_three_times_stops_in_seconds_and_resumes(tmp_path):
     """SIGKILL one process of two after a checkpoint: the other stops within seconds (not at
     the 600 s coordination timeout); the relaunched job resumes from the last checkpoint."""
@@ -130,11 +144,9 @@ def test_a_multihost_job_with_a_process_killed_three_times_stops_in_seconds_and_
     overrides = [f"train.steps={steps}", "checkpoint.every=2", "distributed.timeout_s=600"]
     rng = np.random.default_rng(15)
     for victim in (1, 0, 1):
-        before = max(checkpoint_steps(run), default=0)
         procs = _job(run, *overrides)
         try:
-            wait_for_checkpoint(procs, run, after=before)
-            time.sleep(rng.uniform(0.0, 1.0))
+            kill_moment(procs, run, rng, every=2)
             procs[victim].kill()
             killed_at = time.monotonic()
             survivor = procs[1 - victim]
@@ -156,7 +168,7 @@ def test_a_multihost_job_with_a_process_killed_three_times_stops_in_seconds_and_
 
 @pytest.mark.parametrize("placement, env, overrides", [
     ("disaggregated", FOUR_DEVICES, DISAGGREGATED),
-    ("multihost", TWO_DEVICES, MULTIHOST),
+    pytest.param("multihost", TWO_DEVICES, MULTIHOST, marks=needs_multiprocess_checkpoints),
 ])
 def test_sigterm_saves_a_final_checkpoint_in_every_placement(tmp_path, placement, env, overrides):
     run = tmp_path / "run"
