@@ -8,7 +8,7 @@ made the rollout. A rollout replayed many steps later keeps all three.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import numpy as np
@@ -53,13 +53,12 @@ class Actor:
             self.spec, tokens=rollout.tokens, attention_mask=rollout.attention_mask,
             completion_mask=rollout.completion_mask, logprobs=rollout.logprobs, advantage=advantages,
             reward=rewards, policy_version=np.full(len(rewards), policy_version))
-        stats = {
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "accuracy": float((rewards == 1.0).mean()),
-            "completion_length": float(rollout.completion_mask.sum(axis=1).mean()),
-            "reward/errors": reward_errors,
-            "tokens": int(rollout.completion_mask.sum()),
-            "seconds": time.perf_counter() - start,
-        }
-        return items, stats
+        return items, {**rollout_stats(items), "reward/errors": reward_errors, "seconds": time.perf_counter() - start}
+
+
+def rollout_stats(rows: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """What a batch of rollouts says about the policy that generated it."""
+    rewards, lengths = rows["reward"], rows["completion_mask"].sum(axis=1)
+    return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+            "accuracy": float((rewards == 1.0).mean()), "completion_length": float(lengths.mean()),
+            "tokens": int(lengths.sum())}

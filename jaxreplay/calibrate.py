@@ -75,8 +75,9 @@ def horizon_mismatch(config: Config, samples_per_insert: float, tolerance: float
 
 
 def calibrated(config: Config, run_dir: Path, measure: Callable[[], dict[str, float]],
-               log: Callable[[str], None] = print) -> Config:
-    """`config` with `samples_per_insert` set from mu (measured now, or read back on resume)."""
+               log: Callable[[str], None] = print, write: bool = True) -> Config:
+    """`config` with `samples_per_insert` set from mu (measured now, or read back on resume).
+    write: write calibration.json (multi-host: the leader only; every process measures alike)."""
     r = config.replay
     if r.mode != "replay" or r.calibrate_steps == 0:
         return config
@@ -87,7 +88,8 @@ def calibrated(config: Config, run_dir: Path, measure: Callable[[], dict[str, fl
         record = measure()
         x = r.max_size / config.rollouts_per_step
         record.update(rho=r.cost_rho, horizon=x, samples_per_insert=round(replay_ratio(record["mu"], r.cost_rho, x), 3))
-        path.write_text(json.dumps(record, indent=2) + "\n")
+        if write:
+            path.write_text(json.dumps(record, indent=2) + "\n")
     spi = record["samples_per_insert"]
     log(f"calibration: mu {record['mu']:.3g} (generate {record['generate_s_per_rollout'] * 1e3:.3g} ms, "
         f"train {record['train_s_per_rollout'] * 1e3:.3g} ms per rollout) -> samples_per_insert {spi:g} "

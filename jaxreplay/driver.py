@@ -84,6 +84,7 @@ def _train(config: Config, run_dir: Path, log: Callable[[str], None]) -> dict[st
             f"step {resume} >= train.steps={config.train.steps}; raise train.steps to train further")
         return {**last_summary(run_dir), "steps": resume, "steps_run": 0}
     placement = placement_for(config)
+    coord = distributed.Coordinator(config.distributed.timeout_s) if placement.kind == "multihost" else None
     c = resolved_model(_with_backend(config, placement, log))
     if resume is None and (run_dir / "config.yaml").exists():
         log(f"no checkpoint to resume in {run_dir}: starting from step 0")
@@ -100,10 +101,10 @@ def _train(config: Config, run_dir: Path, log: Callable[[str], None]) -> dict[st
                 log(f"checkpoints off: {why}")
                 run.checkpoints = False
         try:
-            run.config = c = stack.config = _calibrated(run, run_dir, log)
+            run.config = c = stack.config = _calibrated(run, run_dir, coord, log)
             if recorder:
                 recorder.update_config(c)
-            with _tables(run, placement, run_dir) as schedule:
+            with _tables(run, placement, run_dir, coord) as schedule:
                 try:
                     schedule()
                 except ReplayInterrupted as e:  # SIGTERM within a replay call: the table may hold part of `pending`
@@ -167,24 +168,29 @@ def _run_state(stack, placement: Placement, recorder: Optional[RunRecorder], run
     return run
 
 
-def _calibrated(run: Run, run_dir: Path, log: Callable[[str], None]) -> Config:
-    """The config with the measured replay ratio (replay.calibrate_steps), before any table exists."""
+def _calibrated(run: Run, run_dir: Path, coord: Optional[distributed.Coordinator],
+                log: Callable[[str], None]) -> Config:
+    """The config with the measured replay ratio (replay.calibrate_steps), before any table exists.
+    Multi-host, every process measures (the calls are collective) and all take the leader's figures."""
     actor_params = run.actor_params if run.actor_params is not None else run.params
 
     def measure() -> dict[str, float]:
-        return measure_mu(run.config, lambda i: run.stack.actor.act(actor_params, 0, i), run.stack.train_step,
-                          run.params, run.opt_state)
+        record = measure_mu(run.config, lambda i: run.stack.actor.act(actor_params, 0, i), run.stack.train_step,
+                            run.params, run.opt_state)
+        if coord is None:
+            return record
+        return json.loads(coord.broadcast("calibration", json.dumps(record) if coord.is_leader else None))
 
-    return calibrated(run.config, run_dir, measure, log)
+    return calibrated(run.config, run_dir, measure, log, write=run.placement.is_leader)
 
 
 @contextlib.contextmanager
-def _tables(run: Run, placement: Placement, run_dir: Path) -> Iterator[Callable[[], None]]:
+def _tables(run: Run, placement: Placement, run_dir: Path,
+            coord: Optional[distributed.Coordinator]) -> Iterator[Callable[[], None]]:
     """The placement's tables, restored from the checkpoint's, and the schedule that runs on them."""
     c, spec, progress = run.config, run.stack.spec, run.progress
     root = run_dir / "replay"
-    if placement.kind == "multihost":
-        coord = distributed.Coordinator(c.distributed.timeout_s)
+    if coord is not None:
         names = json.loads(progress.replay_checkpoint) if progress.replay_checkpoint else None
         replay = open_replay(c, spec, coord, checkpoint_root=root,
                              restore_from=names[placement.process_id] if names else None)

@@ -78,6 +78,13 @@ class Placement:
         return {k: np.asarray(multihost_utils.global_array_to_host_local_array(v, self.learner_mesh, spec))
                 for k, v in rows.items()}
 
+    def every_process(self, rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every process's rows, concatenated in process order (a collective multi-host), so the
+        leader's records describe the whole batch, not its own share."""
+        if self.kind != "multihost":
+            return dict(rows)
+        return {k: np.asarray(v) for k, v in multihost_utils.process_allgather(dict(rows), tiled=True).items()}
+
     def rollout_sampler(self, sample_fn: Callable) -> Callable:
         """`sample_fn` as the actor calls it: on this process's prompts, returning its rows."""
         return _on_local_rows(sample_fn, self.actor_mesh) if self.kind == "multihost" else sample_fn

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from jaxreplay import rollouts
 from jaxreplay.accounting import Accounting
+from jaxreplay.actor import rollout_stats
 from jaxreplay.checkpoint import Checkpointer, Progress
 from jaxreplay.config import Config
 from jaxreplay.guards import NonFiniteStreak, PreemptionNotice
@@ -93,12 +94,15 @@ class Run:
         return self.stack.actor.act(params, version, self.progress.actor_step)
 
     def commit(self, items: rollouts.Rows, stats: dict[str, Any]) -> None:
-        """The generated batch becomes `pending`, and the actor moves to the next prompts."""
-        p = self.progress
+        """The generated batch becomes `pending`, and the actor moves to the next prompts.
+        Counters and statistics are of every process's rollouts (multi-host: each holds its share)."""
+        p, every = self.progress, self.placement.every_process(
+            {**items, "reward/errors": np.array([stats["reward/errors"]])})
+        stats = {**stats, **rollout_stats(every), "reward/errors": int(every.pop("reward/errors").sum())}
         p.actor_step += 1
         p.tokens_generated += stats["tokens"]
         p.time_generate_s += stats["seconds"]
-        self.accounting.on_generate(items, stats["seconds"])
+        self.accounting.on_generate(every, stats["seconds"])
         self.actor_stats = {k: stats[k] for k in ACTOR_STATS}
         self.pending = items
 
@@ -114,6 +118,9 @@ class Run:
             self.params, self.opt_state, self.placement.learner_batch(batch), self.stack.ref_params)
         step_metrics = jax.device_get(jax.block_until_ready(step_metrics))
         seconds = time.perf_counter() - t0
+        # The records describe the whole batch (multi-host: every process's rows).
+        batch = self.placement.every_process({**batch, "times_sampled": np.asarray(times_sampled)})
+        times_sampled = batch.pop("times_sampled")
         staleness = p.policy_version - batch["policy_version"]
         p.learner_step += 1
         p.policy_version += 1

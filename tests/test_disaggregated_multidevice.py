@@ -57,3 +57,30 @@ def test_a_stalled_learner_wait_stops_both_threads_and_reports_the_timeout(tmp_p
     with pytest.raises(RoleError, match=r"learner thread failed: ReplayTimeoutError: waited 0.3s for a batch of 16"):
         train(config, log=lambda _: None)
     assert time.monotonic() - start < 60
+
+
+def test_released_weights_and_a_calibrated_ratio_train_on_the_disaggregated_meshes(tmp_path):
+    """model.hf_path and replay.calibrate_steps work here as colocated: the run trains the HF
+    model's architecture and weights, and its limiter runs at the measured ratio."""
+    import yaml
+    from tiny_hf import write_model
+
+    write_model(tmp_path / "hf")
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text(
+            "".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(8)))
+    config = load_config(None, [
+        f"model.hf_path={tmp_path / 'hf'}", "model.max_seq_len=48", "task.name=jsonl",
+        f"task.path={tmp_path}/{{split}}.jsonl", "task.reward=exact_match", "task.chat_template=true",
+        "task.max_prompt_len=40", "sampling.max_new_tokens=2", "warmstart.steps=0", "run.progress_bar=false",
+        "mesh.actor_devices=2", "mesh.data=-1", "train.batch_size=16", "train.prompts_per_step=2",
+        "replay.max_size=64", "replay.min_size_to_sample=16", "replay.calibrate_steps=1", "train.steps=3",
+        f"run.dir={tmp_path / 'run'}"])
+    lines = []
+    assert train(config, log=lines.append)["steps"] == 3
+    assert any(line.startswith(f"loaded {tmp_path / 'hf'}") for line in lines)
+    assert any(line.startswith("calibration: mu ") for line in lines)
+    recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    calibration = json.loads((tmp_path / "run" / "calibration.json").read_text())
+    assert recorded["model"]["d_model"] == 32 and recorded["model"]["hf_path"] == str(tmp_path / "hf")
+    assert recorded["replay"]["samples_per_insert"] == calibration["samples_per_insert"]

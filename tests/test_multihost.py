@@ -259,3 +259,43 @@ def test_processes_that_resolve_the_backend_differently_stop_with_a_config_error
         assert result.returncode != 0
         assert "ConfigError: replay.backend: " in result.stdout, result.stdout[-2000:]
         assert "different backends: inprocess on process 0, reverb on process 1" in result.stdout
+
+
+@pytest.mark.slow
+def test_every_process_takes_the_leaders_calibrated_ratio(tmp_path):
+    """replay.calibrate_steps multi-host: all processes measure together (the calls are collective),
+    the leader's figures set one samples_per_insert for the whole job, recorded once."""
+    results = _launch(tmp_path, num_processes=2, timeout_s=400,
+                      per_process={i: ["replay.calibrate_steps=1", *SHARDED] for i in range(2)})
+    for i, r in enumerate(results):
+        assert r.returncode == 0, f"process {i} failed:\n{r.stdout[-3000:]}"
+    calibration = json.loads((tmp_path / "calibration.json").read_text())
+    targets = [json.loads((tmp_path / f"process-{i}.json").read_text())["replay/samples_per_insert_target"]
+               for i in range(2)]
+    assert targets == [calibration["samples_per_insert"]] * 2
+    assert "calibration: mu" in results[0].stdout
+
+
+@pytest.mark.slow
+def test_two_processes_train_released_weights(tmp_path):
+    """model.hf_path multi-host: every process reads its shards of the HF weights onto the global mesh."""
+    import yaml
+    from tiny_hf import write_model
+
+    write_model(tmp_path / "hf")
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text(
+            "".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(8)))
+    hf = [f"model.hf_path={tmp_path / 'hf'}", "model.max_seq_len=48", "task.name=jsonl",
+          f"task.path={tmp_path}/{{split}}.jsonl", "task.reward=exact_match", "task.chat_template=true",
+          "task.max_prompt_len=40", "sampling.max_new_tokens=2", "warmstart.steps=0", *SHARDED]
+    run = tmp_path / "run"
+    results = _launch(run, num_processes=2, timeout_s=400, per_process={i: hf for i in range(2)})
+    for i, r in enumerate(results):
+        assert r.returncode == 0, f"process {i} failed:\n{r.stdout[-3000:]}"
+    assert f"loaded {tmp_path / 'hf'}" in results[0].stdout
+    processes = [json.loads((run / f"process-{i}.json").read_text()) for i in range(2)]
+    assert [p["steps"] for p in processes] == [4, 4]
+    assert processes[0]["params_sha256"] == processes[1]["params_sha256"]
+    recorded = yaml.safe_load((run / "config.yaml").read_text())["model"]
+    assert recorded["d_model"] == 32 and recorded["hf_path"] == str(tmp_path / "hf")  # the architecture it ran
