@@ -153,6 +153,7 @@ def test_a_run_killed_five_times_ends_like_a_straight_run(tmp_path, backend):
     a, b = (json.loads((d / "summary.json").read_text()) for d in (straight, killed))
     for key in ("steps", "replay/inserts", "replay/samples", "tokens/generated", "tokens/trained"):
         assert a[key] == b[key], key
+    assert [r["step"] for r in read_metrics(killed)] == list(range(STEPS + 1))  # each step once, in order
     ra, rb = read_metrics(straight)[-1], read_metrics(killed)[-1]
     assert ra["policy_version"] == rb["policy_version"] == STEPS
     assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6)  # same params, same batch

@@ -84,3 +84,12 @@ def test_released_weights_and_a_calibrated_ratio_train_on_the_disaggregated_mesh
     calibration = json.loads((tmp_path / "run" / "calibration.json").read_text())
     assert recorded["model"]["d_model"] == 32 and recorded["model"]["hf_path"] == str(tmp_path / "hf")
     assert recorded["replay"]["samples_per_insert"] == calibration["samples_per_insert"]
+
+
+@pytest.mark.parametrize("overrides", [["replay.positive_fraction=0.25"],
+                                       ["replay.max_times_sampled=2", "replay.samples_per_insert=1"]],
+                         ids=["positive_bias", "max_times_sampled"])
+def test_the_replay_policies_run_on_the_disaggregated_meshes(tmp_path, overrides):
+    config = load_config(None, SMALL + ["train.steps=6", f"run.dir={tmp_path}", *overrides])
+    summary = train(config, log=lambda _: None)
+    assert summary["steps"] == 6 and summary["replay/samples"] >= 6 * config.train.batch_size

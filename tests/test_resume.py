@@ -233,3 +233,19 @@ def test_a_restart_with_nothing_to_resume_says_so(tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"no checkpoint to resume in {run}" in result.stdout
+
+
+def test_a_resume_on_another_mesh_reshards_the_checkpoint(tmp_path):
+    """Moving to another slice size is routine: a run saved on a 4-way data-parallel mesh resumes
+    on a 2x2 data x fsdp mesh, its params and optimizer state resharded by the restore."""
+    run = tmp_path / "run"
+    common = [*SMALL, "replay.backend=inprocess", "checkpoint.every=2"]
+    subprocess.run(cli(run, *common, "train.steps=2", "mesh.data=4"), cwd=ROOT, env=FOUR_DEVICES, check=True,
+                   capture_output=True, timeout=600)
+    result = subprocess.run(cli(run, *common, "train.steps=4", "mesh.data=2", "mesh.fsdp=2"), cwd=ROOT,
+                            env=FOUR_DEVICES, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert resumed_from(result.stdout) == 2
+    assert "mesh data=2 fsdp=2 tensor=1" in result.stdout
+    assert "mesh.fsdp: 1 -> 2" in result.stdout  # an allowed change, said and recorded
+    assert metric_steps(run) == [1, 2, 3, 4]
