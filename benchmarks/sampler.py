@@ -89,6 +89,28 @@ def run(quick: bool = False, torch_python: Optional[str] = None) -> list[dict]:
     return rows
 
 
+def main(argv=None) -> None:
+    """`python -m benchmarks.sampler [--runs N] [--torch-python PATH]`: only this benchmark, N
+    times (each side by side), then each batch's median ratio: one run on a shared machine
+    is noise."""
+    import argparse
+    import statistics
+
+    from jaxreplay.xla_cpu import tune_cpu_compiler
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--torch-python", help="interpreter with torch + transformers (as benchmarks.run)")
+    args = parser.parse_args(argv)
+    tune_cpu_compiler()  # as benchmarks.run and the CLI do
+    runs = []
+    for k in range(args.runs):
+        runs.append(run(torch_python=args.torch_python))
+        print(f"run {k + 1}:", ", ".join(f"batch {r['batch']} {r['ratio']:.2f}x ({r['ours_tok_s']:.0f} / "
+                                          f"{r['generate_tok_s']:.0f} tok/s)" for r in runs[-1]), flush=True)
+    for i, row in enumerate(runs[0]):
+        print(f"batch {row['batch']}: median {statistics.median(r[i]['ratio'] for r in runs):.2f}x")
+
+
 if __name__ == "__main__":
-    for row in run():
-        print(row)
+    main()

@@ -14,6 +14,7 @@ from jaxreplay.config import ModelConfig
 from jaxreplay.models import (
     KVCache, Transformer, apply, count_params, forward, init_cache, init_params, positions_from_mask, split,
 )
+from jaxreplay.models.transformer import stacked_projection
 
 TINY = ModelConfig(vocab_size=24, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
                    max_seq_len=32)
@@ -168,6 +169,20 @@ def test_cache_decode_matches_full_forward(cfg):
     got = jnp.concatenate(chunks, axis=1)
     real = np.asarray(mask)
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5)
+
+
+def test_stacked_projections_compute_what_the_separate_ones_do():
+    """The decode path's one matmul for keys and values (and for the MLP's gate and up)
+    gives each projection's output, biases included."""
+    graphdef, params = perturbed(FULL)
+    layer = nnx.merge(graphdef, params).layers[0]
+    x = jax.random.normal(jax.random.key(3), (3, 1, FULL.d_model))
+    for a, b in [(layer.attn.k_proj, layer.attn.v_proj), (layer.mlp.gate_proj, layer.mlp.up_proj)]:
+        got = stacked_projection(x, a, b)
+        for g, want in zip(got, (a(x), b(x))):
+            assert g.shape == want.shape
+            np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(layer.mlp(x, stacked=True), layer.mlp(x), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
