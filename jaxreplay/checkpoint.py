@@ -41,6 +41,7 @@ class Progress:
     time_total_s: float = 0.0  # wall-clock seconds of the run up to this checkpoint, every invocation counted
     warmstart_accuracy: Optional[float] = None
     eval_accuracy: Optional[float] = None  # the latest evaluation
+    eval_tokens: int = 0  # tokens generated at the latest evaluation (train.eval_every_tokens)
     accounting: dict = dataclasses.field(default_factory=dict)  # jaxreplay.accounting counters
 
 

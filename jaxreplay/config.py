@@ -157,6 +157,10 @@ class TrainConfig:
     """Learner and actor shapes and the GRPO/PPO update."""
 
     steps: int = 300
+    # Equal-budget comparisons: also stop at the first learner step once the actor generated this many
+    # completion tokens (0: off), and evaluate after the first step past each multiple of eval_every_tokens.
+    max_generated_tokens: float = 0.0  # a float, so budgets past 2**31 tokens can be written (2e9)
+    eval_every_tokens: float = 0.0
     batch_size: int = 64  # rollouts per learner step (B)
     prompts_per_step: int = 8  # prompts per actor step; R = prompts_per_step * group_size
     group_size: int = 8  # G completions per prompt
@@ -556,7 +560,7 @@ RANGES: dict[str, Interval] = {
     "replay.min_size_to_sample": POSITIVE, "replay.error_buffer": Interval(1),
     "replay.positive_fraction": Interval(0, 1, hi_open=True), "replay.calibrate_steps": NON_NEGATIVE,
     "replay.cost_rho": POSITIVE, "replay.timeout_s": TIMEOUT, "replay.port": Interval(0, 65535),
-    "train.steps": POSITIVE, "train.batch_size": POSITIVE, "train.prompts_per_step": POSITIVE,
+    "train.steps": POSITIVE, "train.max_generated_tokens": NON_NEGATIVE, "train.eval_every_tokens": NON_NEGATIVE, "train.batch_size": POSITIVE, "train.prompts_per_step": POSITIVE,
     "train.group_size": Interval(2), "train.learning_rate": POSITIVE, "train.warmup_steps": NON_NEGATIVE,
     "train.weight_decay": NON_NEGATIVE, "train.adam_b1": Interval(0, 1, hi_open=True),
     "train.adam_b2": Interval(0, 1, hi_open=True), "train.grad_clip": POSITIVE,

@@ -160,6 +160,7 @@ def _run_state(stack, placement: Placement, recorder: Optional[RunRecorder], run
     run.pending = rollouts.unpadded(placement.local_rows(state["pending"]))
     run.actor_params, run.actor_version = state.get("actor_params"), progress.actor_version
     run.progress, run.accounting = progress, Accounting(param_count(run.params), progress.accounting)
+    run.tokens_at_step = progress.tokens_generated
     run.start = start - progress.time_total_s  # the run's seconds count every invocation
     run.last_saved = (progress.learner_step, time.perf_counter())
     log(f"resumed from step {progress.learner_step} (policy version {progress.policy_version})")
@@ -235,6 +236,7 @@ def _summary(run: Run, recorder: RunRecorder, run_dir: Path, log: Callable[[str]
         "placement": placement.kind,
         "replay/backend": c.replay.backend,
         "steps": p.learner_step,
+        "stopped_by": "train.steps" if p.learner_step >= c.train.steps else "train.max_generated_tokens",
         "seconds": round(time.perf_counter() - run.start, 1),
         "eval/accuracy_start": p.warmstart_accuracy,
         "eval/accuracy_end": p.eval_accuracy,

@@ -247,3 +247,15 @@ def test_asking_for_no_more_steps_than_done_runs_nothing_and_says_why(tmp_path):
             f"nothing to run: no step ran, because the checkpoint in {run_dir / 'checkpoints'} is already at "
             f"step 4 >= train.steps={steps}; raise train.steps to train further"]
     assert {name: (run_dir / name).read_bytes() for name in kept} == before
+
+
+def test_a_generated_token_budget_stops_the_run_and_sets_the_evaluation_cadence(tmp_path):
+    """train.max_generated_tokens: settings compared at one inference budget stop at the first learner
+    step once the actor has generated that many tokens; eval_every_tokens evaluates past each multiple."""
+    config, summary = run(tmp_path, "train.steps=1000", "train.eval_every=1000", "train.max_generated_tokens=3000",
+                          "train.eval_every_tokens=1000", "warmstart.steps=0")
+    rows = read_metrics(config.run.dir)[1:]
+    assert summary["stopped_by"] == "train.max_generated_tokens" and summary["steps"] < 1000
+    assert rows[-1]["tokens/generated"] >= 3000 > rows[-2]["tokens/generated"]
+    evaluated = [r["tokens/generated"] for r in rows if "eval/accuracy" in r]
+    assert len(evaluated) == len({int(t // 1000) for t in evaluated}) >= 3  # once past each multiple, and at the end
