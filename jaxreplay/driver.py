@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -66,14 +67,16 @@ def _as_job_process(config: Config, log: Callable[[str], None]) -> dict[str, Any
         with rundir.claim(config.run.dir) if pid == 0 else contextlib.nullcontext(Path(config.run.dir)) as run_dir:
             return _train(config, Path(run_dir), log if pid == 0 else (lambda _: None))
     except BaseException as e:
-        with contextlib.suppress(OSError):  # run.dir itself may be what is wrong
-            Path(config.run.dir).mkdir(parents=True, exist_ok=True)
-            (Path(config.run.dir) / f"process-{pid}.error").write_text(traceback.format_exc())
-        kind = "config error" if isinstance(e, ConfigError) else f"error: {type(e).__name__}"
+        if not isinstance(e, Preempted):
+            with contextlib.suppress(OSError):  # run.dir itself may be what is wrong
+                Path(config.run.dir).mkdir(parents=True, exist_ok=True)
+                (Path(config.run.dir) / f"process-{pid}.error").write_text(traceback.format_exc())
+        kind = ("config error" if isinstance(e, ConfigError) else "stopped" if isinstance(e, Preempted)
+                else f"error: {type(e).__name__}")
         sys.stdout.flush()
         print(f"jaxreplay: process {pid}: {kind}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr,
               flush=True)
-        os._exit(2 if isinstance(e, ConfigError) else 143 if type(e).__name__ == "Preempted" else 1)
+        os._exit(2 if isinstance(e, ConfigError) else 128 + signal.SIGTERM if isinstance(e, Preempted) else 1)
 
 
 def _train(config: Config, run_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
@@ -113,8 +116,6 @@ def _train(config: Config, run_dir: Path, log: Callable[[str], None]) -> dict[st
             return _summary(run, recorder, run_dir, log)
         finally:
             run.close()
-            run.notice.close()
-            run.checkpointer.close()
     finally:
         if recorder:
             recorder.close()

@@ -216,6 +216,8 @@ class Run:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+        self.notice.close()
+        self.checkpointer.close()
 
 
 def checkpoint_tree(params: Any, opt_state: Any, pending: Optional[rollouts.Rows], spec: rollouts.RowSpec,
