@@ -82,6 +82,7 @@ class TaskConfig:
     max_digits: int = 2
     operations: tuple[str, ...] = ("+",)
     reverse_answer: bool = True  # least significant digit first: the order carries flow
+    scratchpad: bool = False  # arithmetic, '+' only: work the columns (digits, carry in, sum) before the answer
     eval_size: int = 256
     data_seed: int = 1234
     path: Optional[str] = None  # e.g. data/{split}-*.parquet, data/{split}.jsonl or a Hub repository's directory

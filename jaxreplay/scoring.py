@@ -6,8 +6,9 @@ that is a [B, T, V] float32 array, and autodiff keeps it for the backward pass: 
 the 7B config 60 x 2,560 x 152,064 x 4 bytes = 93 GB. Here the final hidden states
 are unembedded `chunk` positions at a time inside a rematerialised `lax.map`, so one
 chunk's logits exist at a time, in the forward pass and again in the backward pass;
-what the scan keeps per chunk is its hidden states and targets. The numbers are those
-of `sampling.policy_logprobs` and `sampling.token_entropy` on the full logits.
+what the scan keeps per chunk is its hidden states and targets. The log-probs are those
+of `sampling.policy_logprobs` on the full logits; the entropy is `sampling_entropy`'s,
+that of the distribution the actor samples from.
 """
 
 from __future__ import annotations
@@ -17,9 +18,20 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxreplay.sampling import entropy, picked_logprobs
+from jaxreplay.sampling import filter_logits, picked_logprobs
 
 Unembed = Callable[[jax.Array], jax.Array]  # hidden [B, c, D] -> float32 logits [B, c, V]
+
+
+def sampling_entropy(logits: jax.Array, *, temperature: float, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """[...]: entropy of the distribution the actor samples from at `logits` [..., V]:
+    softmax(logits / temperature) truncated to top-k / top-p and renormalised
+    (`sampling.filter_logits`). With both filters off, that of softmax(logits / temperature).
+    Reporting the full softmax's entropy instead would count mass the actor never draws."""
+    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    logp = jax.nn.log_softmax(filtered, axis=-1)
+    logp = jnp.where(jnp.isfinite(filtered), logp, 0.0)  # a dropped token's p = 0 adds 0, not 0 * -inf
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
 def sequence_scores(h: jax.Array, tokens: jax.Array, unembed: Unembed, *, temperature: float, top_k: int = 0,
@@ -27,8 +39,8 @@ def sequence_scores(h: jax.Array, tokens: jax.Array, unembed: Unembed, *, temper
                     with_entropy: bool = True) -> tuple[jax.Array, Optional[jax.Array]]:
     """(log-probs [B, T], entropy [B, T] or None): entry t scores tokens[t] under the
     distribution from h[:, t - 1]; entry 0 is 0. The log-probs are under the sampling
-    distribution (temperature, top-k, top-p), the entropy under softmax(logits /
-    temperature) and carries no gradient. `chunk` positions are unembedded at a time
+    distribution (temperature, top-k, top-p), and so is the entropy (`sampling_entropy`),
+    which carries no gradient. `chunk` positions are unembedded at a time
     (0: all at once, as `forward` does)."""
     b, t, d = h.shape
     n = t - 1
@@ -37,7 +49,9 @@ def sequence_scores(h: jax.Array, tokens: jax.Array, unembed: Unembed, *, temper
     def score(h_c, targets_c):
         logits = unembed(h_c)
         lp = picked_logprobs(logits, targets_c, temperature=temperature, top_k=top_k, top_p=top_p)
-        ent = entropy(jax.lax.stop_gradient(logits), temperature) if with_entropy else None
+        ent = None
+        if with_entropy:
+            ent = sampling_entropy(jax.lax.stop_gradient(logits), temperature=temperature, top_k=top_k, top_p=top_p)
         return lp, ent
 
     if chunk <= 0 or n == 0:

@@ -42,6 +42,36 @@ def test_fresh_rollouts_have_ratio_one(sampling):
     assert np.isfinite(float(m["grad_norm"])) and float(m["grad_norm"]) > 0
 
 
+def numpy_entropy_metric(logits, completion_mask, temperature, top_k):
+    """The token mean over completion tokens of the entropy of softmax(logits[t-1] / T),
+    restricted to its top_k largest entries and renormalised (0: all), by hand."""
+    z = np.asarray(logits, np.float64)[:, :-1] / temperature
+    if top_k:
+        kth = np.sort(z, axis=-1)[..., -top_k][..., None]
+        z = np.where(z >= kth, z, -np.inf)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ent = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=-1)
+    mask = np.asarray(completion_mask)[:, 1:]
+    return float((ent * mask).sum() / mask.sum())
+
+
+@pytest.mark.parametrize("top_k, temperature", [(0, 1.0), (0, 0.7), (2, 1.0), (2, 0.7)])
+def test_the_entropy_metric_is_that_of_the_distribution_the_actor_samples_from(top_k, temperature):
+    """Under top-k the actor draws from the renormalised top-k distribution at the sampling
+    temperature: the reported entropy is that one's (at most log k), not the full softmax's."""
+    config = load_config(None, SMALL + [f"sampling.top_k={top_k}", f"sampling.temperature={temperature}"])
+    graphdef, params, batch = rollout_batch(config, advantage=1.0)
+    logits = forward(graphdef, params, batch["tokens"], batch["attention_mask"])
+    want = numpy_entropy_metric(logits, batch["completion_mask"], temperature, top_k)
+    optimizer = make_optimizer(config.train)
+    _, _, m = make_train_step(graphdef, config, optimizer)(params, optimizer.init(params), batch, None)
+    assert float(m["entropy"]) == pytest.approx(want, abs=1e-5)
+    if top_k:
+        assert float(m["entropy"]) <= np.log(top_k) + 1e-6
+        assert numpy_entropy_metric(logits, batch["completion_mask"], temperature, 0) > want + 0.1
+
+
 @pytest.mark.parametrize("advantage, direction", [(1.0, 1), (-1.0, -1)])
 def test_update_moves_sampled_tokens_with_the_sign_of_the_advantage(advantage, direction):
     config = load_config(None, SMALL + ["train.learning_rate=1e-3"])

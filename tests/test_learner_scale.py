@@ -15,8 +15,8 @@ import pytest
 from jaxreplay.config import ConfigError, load_config
 from jaxreplay.learner import make_loss_and_grad, make_optimizer, make_train_step
 from jaxreplay.models import forward, init_params, score_hidden
-from jaxreplay.sampling import policy_logprobs, token_entropy
-from jaxreplay.scoring import sequence_scores
+from jaxreplay.sampling import policy_logprobs
+from jaxreplay.scoring import sampling_entropy, sequence_scores
 
 SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
          "model.d_ff=64", "model.vocab_size=40", "model.max_seq_len=24", "train.batch_size=8",
@@ -57,7 +57,7 @@ def test_chunked_logprobs_and_entropy_equal_the_full_logits_ones(model, chunk, s
     b = synthetic_batch()
     logits = forward(graphdef, params, b["tokens"], b["attention_mask"])
     want_lp = policy_logprobs(logits, b["tokens"], **sampling)
-    want_ent = token_entropy(logits, sampling["temperature"])
+    want_ent = jnp.pad(sampling_entropy(logits[:, :-1], **sampling), ((0, 0), (1, 0)))
 
     @jax.jit
     def chunked(params):

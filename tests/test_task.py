@@ -95,3 +95,55 @@ def test_teacher_error_rate_applies_to_carry_problems_only():
     assert slipped / carried == pytest.approx(0.75, abs=0.05)
     exact, _, mask = t.supervised_batch(seed=1, index=0, n=50, max_new_tokens=5)
     assert all(t.tokenizer.decode(exact[i][mask[i]]) == p.answer for i, p in enumerate(t.train_problems(1, 0, 50)))
+
+
+def test_the_scratchpad_works_every_column_with_its_carry_then_answers():
+    p = Problem(456, "+", 789, width=3, reverse=True, scratchpad=True)
+    assert p.completion == "6+9+0=15,5+8+1=14,4+7+1=12:5421"
+    assert p.carry_free_completion == "6+9+0=15,5+8+0=13,4+7+0=11:531"  # every carry in written as 0
+    assert Problem(456, "+", 789, width=3, scratchpad=True).completion.endswith(":1245")
+    assert Problem(12, "+", 3, width=3, reverse=True, scratchpad=True).completion == "2+3+0=05,1+0+0=01,0+0+0=00:51"
+    assert Problem(12, "+", 34).completion == "46"  # no scratchpad: the answer alone
+
+
+def test_the_scratchpad_reward_reads_the_answer_after_the_last_colon():
+    t = task(min_digits=3, max_digits=3, scratchpad=True)
+    tok = t.tokenizer
+    p = Problem(456, "+", 789, width=3, reverse=True, scratchpad=True)
+    reward = lambda text, eos=True: t.reward(p, tok.encode(text) + [tok.EOS] * eos)
+    assert reward(p.completion) == 1.0
+    assert reward("1+1+1=11:5421") == 1.0  # a wrong scratchpad with the right answer still scores
+    assert reward(p.carry_free_completion) == 0.0
+    assert reward("5421") == 0.0  # no ':': no answer
+    assert reward(p.completion, eos=False) == 0.0
+    assert t.answer_len == 32 and len(p.completion) + 1 == 32  # 10 tokens a digit + 2
+
+
+def test_the_scratchpad_warm_start_teaches_the_format_with_the_teachers_slips():
+    t = task(min_digits=4, max_digits=4, scratchpad=True)
+    n = 400
+    tokens, _, loss_mask = t.supervised_batch(seed=1, index=0, n=n, max_new_tokens=42, carry_error=0.75)
+    slipped = carried = 0
+    for i, p in enumerate(t.train_problems(1, 0, n)):
+        written = tokens[i][loss_mask[i]]
+        assert written[-1] == t.tokenizer.EOS and len(written) <= 42
+        text = t.tokenizer.decode(written)
+        assert text in (p.completion, p.carry_free_completion)
+        if p.answer != p.carry_free_answer:
+            carried += 1
+            slipped += text == p.carry_free_completion
+    assert slipped / carried == pytest.approx(0.75, abs=0.07)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["task.operations=[+,-]"], "task.scratchpad"),
+    (["sampling.max_new_tokens=41"], "sampling.max_new_tokens"),
+])
+def test_scratchpad_settings_are_validated_by_the_task(overrides, key):
+    from jaxreplay.config import ConfigError, load_config
+
+    base = ["task.scratchpad=true", "task.min_digits=4", "task.max_digits=4", "model.max_seq_len=64",
+            "sampling.max_new_tokens=42"]
+    load_config(None, base)
+    with pytest.raises(ConfigError, match=rf"^{key}: "):
+        load_config(None, base + overrides)

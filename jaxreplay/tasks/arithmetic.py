@@ -1,6 +1,8 @@
 """The embedded default task: integer arithmetic with an exact-match reward.
 
-Generated in-process, so the demo needs no download. Problems are drawn from a
+Generated in-process, so the demo needs no download. With `task.scratchpad` an addition
+is worked column by column before the answer: completions of 10 tokens per digit, for a
+demo whose generation is long (configs/demo_long.yaml). Problems are drawn from a
 seeded stream indexed by the actor step (resuming is just remembering the step);
 a fixed held-out eval set is never drawn for training.
 """
@@ -36,6 +38,13 @@ def validate_config(c: Config) -> None:
     require(len(t.operations) > 0, "task.operations", "needs at least one operation")
     for i, op in enumerate(t.operations):
         require(op in _OPS, f"task.operations[{i}]", f"{op[:20]!r} is not one of {', '.join(_OPS)}")
+    if t.scratchpad:
+        require(set(t.operations) == {"+"}, "task.scratchpad", "works columns of additions only: set task.operations "
+                "to [\"+\"]")
+        need = completion_length(t)
+        require(c.sampling.max_new_tokens >= need, "sampling.max_new_tokens",
+                f"{c.sampling.max_new_tokens} cannot hold a worked {t.max_digits}-digit addition: task.scratchpad "
+                f"needs {need} tokens")
     n = problem_count(t)
     require(t.eval_size < n, "task.eval_size",
             f"{t.eval_size} held-out problems would take all {n} problems of {t.min_digits} to {t.max_digits} "
@@ -49,16 +58,26 @@ def problem_count(config: TaskConfig) -> int:
     return len(set(config.operations)) * (10 ** config.max_digits - lowest) ** 2
 
 
+def completion_length(config: TaskConfig) -> int:
+    """Tokens of the longest correct completion, EOS included: the (reversed) answer with its
+    sign, after the worked columns with `scratchpad` (9 tokens a column, the last one's ':')."""
+    ops = config.operations
+    digits = 2 * config.max_digits if "*" in ops else config.max_digits + 1
+    worked = 9 * config.max_digits if config.scratchpad else 0
+    return worked + digits + ("-" in ops) + 1
+
+
 def prompt_length(config: TaskConfig) -> int:
     """BOS + two zero-padded operands + operator + '='."""
     return 1 + 2 * config.max_digits + 2
 
 
 class CharTokenizer:
-    """Digits, operators and three specials; small enough for a 32-entry vocabulary."""
+    """Digits, operators, the scratchpad's separators and three specials; small enough for a
+    32-entry vocabulary."""
 
     PAD, BOS, EOS = 0, 1, 2
-    _CHARS = "0123456789+-*="
+    _CHARS = "0123456789+-*=,:"  # appended to, never reordered: ids stay those of earlier runs
 
     def __init__(self):
         self._to_id = {c: i + 3 for i, c in enumerate(self._CHARS)}
@@ -99,7 +118,9 @@ class Problem:
     """`a op b`, written with operands zero-padded to `width` digits.
 
     With `reverse` the answer is written least significant digit first (sign last),
-    the order in which carries flow: small transformers learn it far faster.
+    the order in which carries flow: small transformers learn it far faster. With
+    `scratchpad` (additions) the completion works each column first: 456+789 writes
+    "6+9+0=15,5+8+1=14,4+7+1=12:" before its answer.
     """
 
     a: int
@@ -107,6 +128,7 @@ class Problem:
     b: int
     width: int = 1
     reverse: bool = False
+    scratchpad: bool = False
 
     @property
     def text(self) -> str:
@@ -119,6 +141,34 @@ class Problem:
     @property
     def answer(self) -> str:
         return self._write(self.value)
+
+    @property
+    def completion(self) -> str:
+        """What a correct demonstration writes before EOS: the worked columns (with `scratchpad`), the answer."""
+        return self._worked(carries=True) + self.answer
+
+    @property
+    def carry_free_completion(self) -> str:
+        """The sloppy teacher's completion: every carry in written as 0, and the answer that follows."""
+        return self._worked(carries=False) + self.carry_free_answer
+
+    def final_answer(self, text: str) -> str:
+        """The answer a completion's text gives: after the last ':' with `scratchpad` (none: no answer)."""
+        if not self.scratchpad:
+            return text
+        _, colon, answer = text.rpartition(":")
+        return answer if colon else ""
+
+    def _worked(self, carries: bool) -> str:
+        """One `a+b+carry=sum` per column of the zero-padded operands, least significant first."""
+        if not self.scratchpad:
+            return ""
+        a, b, carry, columns = self.a, self.b, 0, []
+        for _ in range(self.width):
+            total = a % 10 + b % 10 + carry
+            columns.append(f"{a % 10}+{b % 10}+{carry}={total:02d}")
+            a, b, carry = a // 10, b // 10, total // 10 if carries else 0
+        return ",".join(columns) + ":"
 
     @property
     def carry_free_answer(self) -> str:
@@ -144,8 +194,7 @@ class ArithmeticTask:
         self.config = config
         self.tokenizer = CharTokenizer()
         self.prompt_len = prompt_length(config)
-        answer_digits = 2 * config.max_digits if "*" in config.operations else config.max_digits + 1
-        self.answer_len = answer_digits + ("-" in config.operations) + 1  # + sign, + EOS
+        self.answer_len = completion_length(config)
         eval_rng = np.random.default_rng([config.data_seed, 0xE7A1])
         self.eval_problems = self._unique_problems(eval_rng, config.eval_size)
         self._held_out = frozenset(self.eval_problems)
@@ -156,7 +205,8 @@ class ArithmeticTask:
         digits = rng.integers(c.min_digits, c.max_digits + 1, size=2)
         lo = np.where(digits == 1, 0, 10 ** (digits - 1))
         a, b = (int(rng.integers(lo[i], 10 ** digits[i])) for i in range(2))
-        return Problem(a, str(rng.choice(list(c.operations))), b, width=c.max_digits, reverse=c.reverse_answer)
+        return Problem(a, str(rng.choice(list(c.operations))), b, width=c.max_digits, reverse=c.reverse_answer,
+                       scratchpad=c.scratchpad)
 
     def _unique_problems(self, rng: np.random.Generator, n: int) -> list[Problem]:
         seen: dict[Problem, None] = {}
@@ -186,14 +236,15 @@ class ArithmeticTask:
         return tokens, tokens != self.tokenizer.PAD
 
     def reward(self, problem: Problem, completion_ids) -> float:
-        """1.0 for the exact answer followed by EOS, else 0.0."""
+        """1.0 for the exact answer followed by EOS, else 0.0. With a scratchpad only the answer
+        after the last ':' counts: the worked columns are the policy's to get right or not."""
         ids = [int(i) for i in completion_ids]
         if self.tokenizer.EOS not in ids:
             return 0.0
-        return float(self.tokenizer.decode(ids) == problem.answer)
+        return float(problem.final_answer(self.tokenizer.decode(ids)) == problem.answer)
 
     def supervised_batch(self, seed: int, index: int, n: int, max_new_tokens: int, carry_error: float = 0.0):
-        """Demonstrations: prompt + answer + EOS, with a mask over the answer tokens.
+        """Demonstrations: prompt + completion + EOS, with a mask over the completion tokens.
 
         With probability `carry_error` a demonstration forgets its carries: a sloppy
         teacher whose systematic slip the verifiable reward of RL can then correct.
@@ -204,7 +255,7 @@ class ArithmeticTask:
         answers = np.full((n, max_new_tokens), self.tokenizer.PAD, np.int32)
         answer_mask = np.zeros((n, max_new_tokens), bool)
         for i, p in enumerate(problems):
-            text = p.carry_free_answer if slips[i] else p.answer
+            text = p.carry_free_completion if slips[i] else p.completion
             ids = (self.tokenizer.encode(text) + [self.tokenizer.EOS])[:max_new_tokens]
             answers[i, : len(ids)] = ids
             answer_mask[i, : len(ids)] = True
