@@ -114,3 +114,13 @@ def multiprocess_checkpoint_gap() -> Optional[str]:
         return None
     return (f"orbax-checkpoint {_version('orbax-checkpoint')} cannot save from several processes with jax "
             f"{jax.__version__} (its coordination client lacks key_value_try_get); use the default tier")
+
+
+def heartbeat_timeout(seconds: float) -> dict[str, int]:
+    """`jax.distributed.initialize`'s heartbeat timeout as keyword arguments; jax 0.4.34 (the
+    Reverb tier) has no such argument, and keeps its own (about 100 s)."""
+    import inspect
+
+    if "heartbeat_timeout_seconds" not in inspect.signature(jax.distributed.initialize).parameters:
+        return {}
+    return {"heartbeat_timeout_seconds": max(1, round(seconds))}

@@ -216,7 +216,7 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    """Multi-host SPMD (`jaxreplay.multihost`): every process runs the same program.
+    """Multi-host SPMD (the driver's multihost placement): every process runs the same program.
 
     enabled false: one process. Otherwise `jax.distributed.initialize` gets the values
     set here; unset ones ("", 0, -1) are left to JAX's JAX_COORDINATOR_ADDRESS variable
@@ -229,6 +229,9 @@ class DistributedConfig:
     process_id: int = -1  # -1: detected
     replay_address: str = ""  # "host:port" of process 0's Reverb server; "": the coordinator's host
     timeout_s: float = 300.0  # start-up, barriers and every wait on another process
+    # A process silent this long is dead: the coordination service fails every other process's
+    # waits, so a killed peer stops the job in seconds (JAX's own default is 100 s).
+    heartbeat_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -572,7 +575,7 @@ RANGES: dict[str, Interval] = {
     "checkpoint.every": POSITIVE, "checkpoint.every_seconds": NON_NEGATIVE, "checkpoint.keep": POSITIVE,
     "mesh.actor_devices": NON_NEGATIVE, "mesh.actor_tensor": POSITIVE,  # data/fsdp/tensor: _validate_mesh
     "distributed.num_processes": NON_NEGATIVE, "distributed.process_id": Interval(-1),
-    "distributed.timeout_s": TIMEOUT,
+    "distributed.timeout_s": TIMEOUT, "distributed.heartbeat_timeout_s": TIMEOUT,
     "run.seed": NON_NEGATIVE,
 }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 from jax._src import distributed as _jax_distributed  # the coordination client (barriers, key-value store)
 
+from jaxreplay import compat
 from jaxreplay.config import DistributedConfig
 
 
@@ -28,6 +29,7 @@ def initialize(config: DistributedConfig) -> None:
         num_processes=config.num_processes or None,
         process_id=None if config.process_id < 0 else config.process_id,
         initialization_timeout=max(1, int(config.timeout_s)),
+        **compat.heartbeat_timeout(config.heartbeat_timeout_s),
     )
 
 
