@@ -37,6 +37,8 @@ FIELDS = (
     Field("advantage", False, np.float32, True, "frozen at generation from the group's rewards"),
     Field("reward", False, np.float32, False, "the task's reward"),
     Field("policy_version", False, np.int32, False, "learner steps behind the weights that generated it"),
+    Field("rollout_id", False, np.int32, False, "actor_step * R + the row's index in that step's prompt batch "
+          "(every process's rows counted): one rollout's items in several tables share it"),
 )
 TRAINED = tuple(f.name for f in FIELDS if f.trained)
 
