@@ -35,6 +35,7 @@ HISTOGRAMS = {"staleness/hist": STALENESS_EDGES, "replay/times_sampled_hist": TI
 
 _ZERO = {
     "rollouts_generated": 0, "rollouts_trained": 0, "rollouts_first_sampled": 0, "sampled_id_ranges": [],
+    "groups_dropped": 0, "rollouts_evicted": 0,
     "generate_calls": 0, "generate_s": 0.0, "generate_rollouts_timed": 0,
     "train_calls": 0, "train_s": 0.0, "train_rollouts_timed": 0,
     "flops_generate": 0.0, "flops_train": 0.0,
@@ -73,6 +74,14 @@ class Accounting:
         if self._timed("generate"):
             s["generate_s"] += seconds
             s["generate_rollouts_timed"] += n
+
+    def on_drop(self, groups: int) -> None:
+        """Groups dropped at insert (`replay.drop_zero_advantage_groups`): generated, never sampled."""
+        self.state["groups_dropped"] += groups
+
+    def on_evict(self, rollouts: int) -> None:
+        """Items evicted as older than `replay.max_age` (each table's items counted)."""
+        self.state["rollouts_evicted"] += rollouts
 
     def on_train(self, batch: Mapping[str, np.ndarray], times_sampled: np.ndarray, staleness: np.ndarray,
                  seconds: float) -> dict[str, Any]:
@@ -132,6 +141,8 @@ class Accounting:
             "compute/flops": s["flops_generate"] + s["flops_train"],
             "rollouts/generated": s["rollouts_generated"],
             "rollouts/trained": s["rollouts_trained"],
+            "replay/dropped_groups": s["groups_dropped"],
+            "replay/evicted": s["rollouts_evicted"],
             "time/generate_timed_s": s["generate_s"],  # the first call of each process left out
             "time/train_timed_s": s["train_s"],
         }

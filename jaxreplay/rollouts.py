@@ -66,6 +66,15 @@ def split(rows: Rows, n: int) -> tuple[Rows, Optional[Rows]]:
     return head, ({k: v[n:] for k, v in rows.items()} if n < count(rows) else None)
 
 
+def drop_flat_groups(rows: Rows, group_size: int) -> tuple[Optional[Rows], int]:
+    """The rows of every group of `group_size` consecutive rows whose advantages are not all 0
+    (None when none is left), and how many groups were dropped: a group that scored alike
+    carries no gradient, and every sample of it would spend the limiter's budget on nothing."""
+    flat = np.all(rows["advantage"].reshape(-1, group_size) == 0, axis=1)
+    keep = np.repeat(~flat, group_size)
+    return ({k: v[keep] for k, v in rows.items()} if keep.any() else None), int(flat.sum())
+
+
 def padded(rows: Optional[Rows], spec: RowSpec, capacity: int) -> Rows:
     """`rows` zero-padded to `capacity`, with a `valid` flag per row: fixed shapes for a checkpoint."""
     n = count(rows)

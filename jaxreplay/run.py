@@ -103,8 +103,9 @@ class Run:
         return self.stack.actor.act(params, version, self.progress.actor_step)
 
     def commit(self, items: rollouts.Rows, stats: dict[str, Any]) -> None:
-        """The generated batch becomes `pending`, and the actor moves to the next prompts.
-        Counters and statistics are of every process's rollouts (multi-host: each holds its share)."""
+        """The generated batch becomes `pending` (less its zero-advantage groups with
+        `replay.drop_zero_advantage_groups`), and the actor moves to the next prompts. Counters
+        and statistics are of every process's rollouts (multi-host: each holds its share)."""
         p, every = self.progress, self.placement.every_process(
             {**items, "reward/errors": np.array([stats["reward/errors"]])})
         stats = {**stats, **rollout_stats(every), "reward/errors": int(every.pop("reward/errors").sum())}
@@ -113,7 +114,25 @@ class Run:
         p.time_generate_s += stats["seconds"]
         self.accounting.on_generate(every, stats["seconds"])
         self.actor_stats = {k: stats[k] for k in ACTOR_STATS}
-        self.pending = items
+        if self.config.replay.drop_zero_advantage_groups:  # single-process placements only (config)
+            items, dropped = rollouts.drop_flat_groups(items, self.config.train.group_size)
+            self.accounting.on_drop(dropped)
+        self.pending = items  # None when every group was dropped: the next move is to act again
+
+    # -- replay.max_age ----------------------------------------------------------------------------
+
+    def evict_stale(self, server) -> bool:
+        """Before a sample (both schedules call it, and only the learner's side, so evictions
+        and checkpoints never interleave): deletes from every table the rows more than
+        `replay.max_age` policy versions behind the learner's; whether any went (a view of
+        the table taken before is then out of date)."""
+        k = self.config.replay.max_age
+        below = self.progress.policy_version - k
+        if not k or below <= 0:
+            return False
+        evicted = sum(server.evict(table, below) for table in server.states())
+        self.accounting.on_evict(evicted)
+        return evicted > 0
 
     # -- the learner -------------------------------------------------------------------------------
 
