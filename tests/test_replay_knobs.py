@@ -201,3 +201,45 @@ def test_groups_whose_advantages_are_all_zero_are_dropped_whole():
     assert rollouts.drop_flat_groups(rows, 4) == (None, 3)  # a whole actor batch: the next move is act
     empty = LimiterState(TABLE_NAME, 0, 64, 0, 0, 0, 0, 2.0, 8, 6.0, 26.0)
     assert next_move(empty, pending=0, can_learn=False).kind == "act"
+
+
+# --- end to end: real training runs (colocated, in-process table) ------------------------------------
+
+TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+        "model.d_ff=64", "task.eval_size=32", "train.batch_size=16", "train.prompts_per_step=4",
+        "train.group_size=4", "train.eval_every=4", "replay.max_size=64", "replay.min_size_to_sample=32",
+        "checkpoint.every=4", "run.progress_bar=false", "replay.backend=inprocess"]
+# One-digit sums after a longer warm start: many groups score alike (all right), some do not.
+LEARNING = ["task.min_digits=1", "task.max_digits=1", "warmstart.steps=300", "warmstart.learning_rate=3e-3"]
+
+
+def _train(tmp_path, *overrides):
+    from jaxreplay.driver import train
+    from jaxreplay.metrics import read_metrics
+
+    config = load_config(None, [*TINY, f"run.dir={tmp_path}", *overrides])
+    summary = train(config, log=lambda _: None)
+    return config, summary, read_metrics(config.run.dir)[1:]
+
+
+@pytest.mark.slow
+def test_a_run_with_max_age_never_trains_on_older_rows_and_drops_flat_groups(tmp_path):
+    config, summary, records = _train(tmp_path, *LEARNING, "train.steps=10", "replay.max_age=3",
+                                      "replay.drop_zero_advantage_groups=true")
+    assert summary["steps"] == 10
+    assert max(r["staleness/max"] for r in records) <= 3
+    last = records[-1]
+    assert last["replay/evicted"] > 0 and last["replay/dropped_groups"] > 0
+    # The limiter counted only what was inserted: generated = inserted + dropped + still waiting.
+    waiting = last["rollouts/generated"] - 4 * last["replay/dropped_groups"] - last["replay/inserts"]
+    assert 0 <= waiting <= config.rollouts_per_step
+    dropped_share = 4 * last["replay/dropped_groups"] / last["rollouts/generated"]
+    assert last["replay/never_sampled_frac"] >= dropped_share
+
+
+@pytest.mark.slow
+def test_a_run_with_fresh_anchors_and_decayed_priorities_keeps_the_limiter_on_the_main_table(tmp_path):
+    config, summary, records = _train(tmp_path, "warmstart.steps=10", "train.steps=8", "replay.selector=prioritized",
+                                      "replay.priority_decay=0.8", "replay.fresh_fraction=0.25")
+    assert summary["steps"] == 8
+    assert records[-1]["replay/samples"] == 8 * (16 - 4)  # the 4 fresh rows of each batch are outside the limiter
