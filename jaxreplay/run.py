@@ -32,6 +32,7 @@ from jaxreplay.config import Config
 from jaxreplay.guards import NonFiniteStreak, PreemptionNotice
 from jaxreplay.placement import Placement
 from jaxreplay.recorder import RunRecorder
+from jaxreplay.replay.tables import ReplayTimeoutError
 from jaxreplay.scheduler import LimiterState
 from jaxreplay.stack import Stack
 
@@ -62,6 +63,7 @@ class Run:
     digest_start: str = ""  # multi-host: params_digest at this invocation's start
     checkpoints: bool = True  # False only where the tier cannot save this placement (compat.py)
     _bar: Any = None
+    _all_dropped_since: Optional[float] = None  # perf_counter of the first of the latest actor steps all dropped
 
     def __post_init__(self):
         self.nonfinite = NonFiniteStreak(self.config.train.max_nonfinite_steps)
@@ -117,7 +119,23 @@ class Run:
         if self.config.replay.drop_zero_advantage_groups:  # single-process placements only (config)
             items, dropped = rollouts.drop_flat_groups(items, self.config.train.group_size)
             self.accounting.on_drop(dropped)
+            self._check_dropping(items is None)
         self.pending = items  # None when every group was dropped: the next move is to act again
+
+    def _check_dropping(self, all_dropped: bool) -> None:
+        """Actor steps whose every group is dropped are followed by more acting; a policy that
+        scores every training prompt alike would act forever, so that ends after `replay.timeout_s`."""
+        now = time.perf_counter()
+        if not all_dropped:
+            self._all_dropped_since = None
+            return
+        since = self._all_dropped_since = self._all_dropped_since or now
+        if now - since > self.config.replay.timeout_s:
+            raise ReplayTimeoutError(
+                f"every group of the actor steps of the last {now - since:.3g}s scored alike (all rewards equal), "
+                f"so replay.drop_zero_advantage_groups left nothing to insert for longer than replay.timeout_s="
+                f"{self.config.replay.timeout_s:g}s (at actor step {self.progress.actor_step}): a constant reward, "
+                "or a policy that solves every training prompt; turn the setting off")
 
     # -- replay.max_age ----------------------------------------------------------------------------
 

@@ -243,3 +243,15 @@ def test_a_run_with_fresh_anchors_and_decayed_priorities_keeps_the_limiter_on_th
                                       "replay.priority_decay=0.8", "replay.fresh_fraction=0.25")
     assert summary["steps"] == 8
     assert records[-1]["replay/samples"] == 8 * (16 - 4)  # the 4 fresh rows of each batch are outside the limiter
+
+
+@pytest.mark.slow
+def test_a_run_whose_every_group_is_dropped_acts_again_and_ends_after_the_timeout(tmp_path):
+    """Without a warm start every reward is 0: each actor step is dropped whole, the next move
+    is to act again, and after replay.timeout_s of that the run says why it cannot go on."""
+    from jaxreplay.replay import ReplayTimeoutError
+
+    with pytest.raises(ReplayTimeoutError, match="scored alike .* nothing to insert for longer than "
+                                                 "replay.timeout_s=2s"):
+        _train(tmp_path, "warmstart.steps=0", "train.steps=4", "replay.timeout_s=2",
+               "replay.drop_zero_advantage_groups=true")
