@@ -255,3 +255,18 @@ def test_a_run_whose_every_group_is_dropped_acts_again_and_ends_after_the_timeou
                                                  "replay.timeout_s=2s"):
         _train(tmp_path, "warmstart.steps=0", "train.steps=4", "replay.timeout_s=2",
                "replay.drop_zero_advantage_groups=true")
+
+
+@pytest.mark.slow
+def test_a_run_with_the_knobs_resumes_exactly(tmp_path):
+    """3 steps then the same command with train.steps=8 equals 8 straight: the fresh table,
+    the evictions and the knobs' counters are all in the checkpoint."""
+    knobs = [*LEARNING, "replay.max_age=3", "replay.fresh_fraction=0.25", "replay.drop_zero_advantage_groups=true"]
+    _, _, straight = _train(tmp_path / "straight", *knobs, "train.steps=8")
+    _train(tmp_path / "resumed", *knobs, "train.steps=3")
+    _, _, resumed = _train(tmp_path / "resumed", *knobs, "train.steps=8")
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    for a, b in zip(straight, resumed):
+        for key in ("loss", "replay/inserts", "replay/samples", "replay/evicted", "replay/dropped_groups",
+                    "replay/never_sampled_frac", "staleness/mean", "staleness/max"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6), (a["step"], key)
