@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+from jaxreplay.config import Config, ConfigError, owner_check
 from jaxreplay.replay.backend import Backend
 from jaxreplay.replay.inprocess import InProcessServer
 from jaxreplay.replay.reverb_backend import ReverbServer
 from jaxreplay.replay.tables import Tables, resolve_backend
-from jaxreplay.config import Config, ConfigError, owner_check
 
 
 def serve(tables: Tables, *, seed: Optional[int] = None, port: int = 0, **kwargs) -> Backend:

@@ -166,8 +166,9 @@ def positive_split(config: Config) -> PositiveSplit:
 
 
 @owner_check
-def check_split(config: Config) -> None:
-    """replay.fresh_fraction: the main table keeps at least one row of each batch."""
+def check_freshness(config: Config) -> None:
+    """replay.fresh_fraction: the main table keeps at least one row of each batch; fresh anchors
+    and max_age are replay-mode settings."""
     r, split = config.replay, positive_split(config)
     if r.fresh_fraction and r.mode == "replay":
         _require(split.main_batch >= 1, "replay.fresh_fraction",
