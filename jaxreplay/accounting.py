@@ -11,9 +11,11 @@ token trained (forward and backward), attention's quadratic term ignored: at
 these sequence lengths it is a rounding error.
 
 Per sampled item: staleness (learner version minus the version that generated it)
-and times sampled, as histograms; an item counts as sampled once its first sample
-arrives (Reverb reports `times_sampled == 1`), which gives the share of generated
-rollouts never trained on without tracking item keys.
+and times sampled, as histograms. The share of generated rollouts never trained on
+counts rollouts, not items: under positive bias one rollout has an item in each
+table, each with its own times-sampled count, so a rollout counts as sampled at the
+first sample of its `rollout_id` (the sampled ids are kept as ranges, which
+consecutive ids collapse into).
 
 The counters live in a plain dict (`Progress.accounting`), so checkpoints carry them
 and a resumed run continues the same totals.
@@ -32,7 +34,8 @@ TIMES_SAMPLED_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 HISTOGRAMS = {"staleness/hist": STALENESS_EDGES, "replay/times_sampled_hist": TIMES_SAMPLED_EDGES}
 
 _ZERO = {
-    "rollouts_generated": 0, "rollouts_trained": 0, "rollouts_first_sampled": 0,
+    "rollouts_generated": 0, "rollouts_trained": 0, "rollouts_first_sampled": 0, "sampled_id_ranges": [],
+    "groups_dropped": 0, "rollouts_evicted": 0,
     "generate_calls": 0, "generate_s": 0.0, "generate_rollouts_timed": 0,
     "train_calls": 0, "train_s": 0.0, "train_rollouts_timed": 0,
     "flops_generate": 0.0, "flops_train": 0.0,
@@ -60,6 +63,7 @@ class Accounting:
         for key, value in _ZERO.items():
             state.setdefault(key, value)
         self.state = state
+        self._sampled = from_ranges(state["sampled_id_ranges"])  # sorted rollout ids sampled so far
 
     def on_generate(self, items: Mapping[str, np.ndarray], seconds: float) -> None:
         """A batch of rollouts generated in `seconds`."""
@@ -71,12 +75,20 @@ class Accounting:
             s["generate_s"] += seconds
             s["generate_rollouts_timed"] += n
 
+    def on_drop(self, groups: int) -> None:
+        """Groups dropped at insert (`replay.drop_zero_advantage_groups`): generated, never sampled."""
+        self.state["groups_dropped"] += groups
+
+    def on_evict(self, rollouts: int) -> None:
+        """Items evicted as older than `replay.max_age` (each table's items counted)."""
+        self.state["rollouts_evicted"] += rollouts
+
     def on_train(self, batch: Mapping[str, np.ndarray], times_sampled: np.ndarray, staleness: np.ndarray,
                  seconds: float) -> dict[str, Any]:
         """A learner step on `batch` in `seconds`; returns its per-step metrics."""
         s, n = self.state, len(batch["reward"])
         s["rollouts_trained"] += n
-        s["rollouts_first_sampled"] += int(np.sum(np.asarray(times_sampled) == 1))
+        self._count_first_samples(batch["rollout_id"])
         s["flops_train"] += 6.0 * self.n_params * float(np.sum(batch["attention_mask"]))
         s["train_calls"] += 1
         if self._timed("train"):
@@ -87,6 +99,14 @@ class Accounting:
             "replay/times_sampled_hist": histogram(times_sampled, TIMES_SAMPLED_EDGES),
             **self.metrics(),
         }
+
+    def _count_first_samples(self, ids: np.ndarray) -> None:
+        """Counts the rollouts in `ids` never sampled before (one per rollout, whatever its tables)."""
+        new = np.setdiff1d(np.asarray(ids, np.int64), self._sampled)
+        if len(new):
+            self.state["rollouts_first_sampled"] += len(new)
+            self._sampled = np.union1d(self._sampled, new)
+            self.state["sampled_id_ranges"] = to_ranges(self._sampled)
 
     def _timed(self, call: str) -> bool:
         """False for this process's first `call` (it compiles), True after."""
@@ -121,9 +141,24 @@ class Accounting:
             "compute/flops": s["flops_generate"] + s["flops_train"],
             "rollouts/generated": s["rollouts_generated"],
             "rollouts/trained": s["rollouts_trained"],
+            "replay/dropped_groups": s["groups_dropped"],
+            "replay/evicted": s["rollouts_evicted"],
             "time/generate_timed_s": s["generate_s"],  # the first call of each process left out
             "time/train_timed_s": s["train_s"],
         }
+
+
+def to_ranges(ids: np.ndarray) -> list[list[int]]:
+    """Sorted unique ids as [start, stop) ranges of consecutive ids (what a checkpoint stores)."""
+    if not len(ids):
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts, stops = ids[np.r_[0, breaks]], ids[np.r_[breaks - 1, len(ids) - 1]] + 1
+    return [[int(a), int(b)] for a, b in zip(starts, stops)]
+
+
+def from_ranges(ranges: list) -> np.ndarray:
+    return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges] or [np.zeros(0, np.int64)])
 
 
 STALENESS_LABELS = tuple(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in zip(STALENESS_EDGES, STALENESS_EDGES[1:])) \

@@ -52,8 +52,17 @@ class Actor:
         items = make_rows(
             self.spec, tokens=rollout.tokens, attention_mask=rollout.attention_mask,
             completion_mask=rollout.completion_mask, logprobs=rollout.logprobs, advantage=advantages,
-            reward=rewards, policy_version=np.full(len(rewards), policy_version))
+            reward=rewards, policy_version=np.full(len(rewards), policy_version),
+            rollout_id=rollout_ids(actor_step, index * per_shard * group, len(rewards), c.rollouts_per_step))
         return items, {**rollout_stats(items), "reward/errors": reward_errors, "seconds": time.perf_counter() - start}
+
+
+def rollout_ids(actor_step: int, first_row: int, n: int, rollouts_per_step: int) -> np.ndarray:
+    """Ids unique over the run and every process: the row's place in all rollouts ever generated."""
+    ids = actor_step * rollouts_per_step + first_row + np.arange(n, dtype=np.int64)
+    if ids[-1] >= 2**31:
+        raise OverflowError(f"rollout ids past 2^31 at actor step {actor_step}: rollout_id is int32")
+    return ids
 
 
 def rollout_stats(rows: Mapping[str, np.ndarray]) -> dict[str, float]:

@@ -146,6 +146,11 @@ class ReplayConfig:
     min_size_to_sample: int = 128
     error_buffer: Optional[float] = None  # None: batch_size + samples_per_insert
     positive_fraction: float = 0.0  # d > 0: a second table keeps the freshest dN correct rollouts
+    # Freshness knobs, each off by default (README "Replay knobs"):
+    max_age: int = 0  # K > 0: never sample, and evict, rollouts more than K policy versions old
+    fresh_fraction: float = 0.0  # f > 0: round(fB) rows of every batch from the newest actor step's rollouts
+    priority_decay: float = 1.0  # prioritized selector: priority x decay ** age (1: no decay)
+    drop_zero_advantage_groups: bool = False  # groups whose advantages are all 0 are never inserted
     calibrate_steps: int = 0  # > 0: samples_per_insert from the mu measured over this many calls (calibrate.py)
     cost_rho: float = 0.1  # rho of the cost model used by calibration
     timeout_s: float = 60.0
@@ -563,6 +568,8 @@ RANGES: dict[str, Interval] = {
     "replay.max_times_sampled": NON_NEGATIVE, "replay.samples_per_insert": POSITIVE,
     "replay.min_size_to_sample": POSITIVE, "replay.error_buffer": Interval(1),
     "replay.positive_fraction": Interval(0, 1, hi_open=True), "replay.calibrate_steps": NON_NEGATIVE,
+    "replay.max_age": NON_NEGATIVE, "replay.fresh_fraction": Interval(0, 1, hi_open=True),
+    "replay.priority_decay": Interval(0, 1, lo_open=True),
     "replay.cost_rho": POSITIVE, "replay.timeout_s": TIMEOUT, "replay.port": Interval(0, 65535),
     "train.steps": POSITIVE, "train.max_generated_tokens": NON_NEGATIVE, "train.eval_every_tokens": NON_NEGATIVE, "train.batch_size": POSITIVE, "train.prompts_per_step": POSITIVE,
     "train.group_size": Interval(2), "train.learning_rate": POSITIVE, "train.warmup_steps": NON_NEGATIVE,

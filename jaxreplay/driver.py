@@ -146,9 +146,11 @@ def _run_state(stack, placement: Placement, recorder: Optional[RunRecorder], run
     """The run as the latest checkpoint left it (onto this placement's meshes), or fresh."""
     c = stack.config
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.checkpoint.keep)
+    progress = Progress()  # its accounting dict is the one the checkpoints save
     run = Run(config=c, placement=placement, stack=stack, recorder=recorder, checkpointer=checkpointer,
-              progress=Progress(), params=stack.params, opt_state=stack.opt_state,
-              accounting=Accounting(param_count(stack.params), {}), start=start, notice=PreemptionNotice(), log=log,
+              progress=progress, params=stack.params, opt_state=stack.opt_state,
+              accounting=Accounting(param_count(stack.params), progress.accounting), start=start,
+              notice=PreemptionNotice(), log=log,
               actor_params=stack.to_actor(stack.params) if placement.concurrent else None)
     if resume is None:
         run.progress.warmstart_accuracy = run.progress.eval_accuracy = run.evaluate()

@@ -130,6 +130,8 @@ def run_concurrent(run: Run, server, reader, writer) -> PolicyWeights:
                 generated = run.generate(params, version)  # decoding: the learner may checkpoint meanwhile
                 with run.actor_lock:
                     run.commit(*generated)
+                if run.pending is None:  # every group dropped (replay.drop_zero_advantage_groups)
+                    continue
             n = wait_for(lambda: admitted_inserts(_state(server), rollouts.count(run.pending)), stop, timeout,
                          lambda: f"the limiter to admit rollouts (learner stalled?): {server.describe()}")
             if n is None:
@@ -142,6 +144,10 @@ def run_concurrent(run: Run, server, reader, writer) -> PolicyWeights:
 
     def learner_role(stop: threading.Event) -> None:
         b, k = c.train.batch_size, c.train.weight_sync_every
+
+        def can_sample() -> bool:
+            run.evict_stale(server)  # replay.max_age: stale rows out before each sample
+            return reader.can_sample(b)
         while not run.done:
             if run.notice.is_set():
                 _save(run, server)
@@ -149,7 +155,7 @@ def run_concurrent(run: Run, server, reader, writer) -> PolicyWeights:
                                 f"{run.checkpointer.directory}; the same command resumes")
             t0, batch = time.perf_counter(), None
             while batch is None:  # replay.max_times_sampled: a batch may take several samples
-                if not wait_for(lambda: reader.can_sample(b), stop, timeout,
+                if not wait_for(can_sample, stop, timeout,
                                 lambda: f"a batch of {b} (actor stalled?): {server.describe()}"):
                     return
                 batch, info = reader.sample(b)

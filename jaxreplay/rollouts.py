@@ -37,6 +37,8 @@ FIELDS = (
     Field("advantage", False, np.float32, True, "frozen at generation from the group's rewards"),
     Field("reward", False, np.float32, False, "the task's reward"),
     Field("policy_version", False, np.int32, False, "learner steps behind the weights that generated it"),
+    Field("rollout_id", False, np.int32, False, "actor_step * R + the row's index in that step's prompt batch "
+          "(every process's rows counted): one rollout's items in several tables share it"),
 )
 TRAINED = tuple(f.name for f in FIELDS if f.trained)
 
@@ -62,6 +64,15 @@ def split(rows: Rows, n: int) -> tuple[Rows, Optional[Rows]]:
     """The first n rows, and the rest (None when nothing is left)."""
     head = {k: v[:n] for k, v in rows.items()}
     return head, ({k: v[n:] for k, v in rows.items()} if n < count(rows) else None)
+
+
+def drop_flat_groups(rows: Rows, group_size: int) -> tuple[Optional[Rows], int]:
+    """The rows of every group of `group_size` consecutive rows whose advantages are not all 0
+    (None when none is left), and how many groups were dropped: a group that scored alike
+    carries no gradient, and every sample of it would spend the limiter's budget on nothing."""
+    flat = np.all(rows["advantage"].reshape(-1, group_size) == 0, axis=1)
+    keep = np.repeat(~flat, group_size)
+    return ({k: v[keep] for k, v in rows.items()} if keep.any() else None), int(flat.sum())
 
 
 def padded(rows: Optional[Rows], spec: RowSpec, capacity: int) -> Rows:

@@ -32,6 +32,7 @@ from jaxreplay.config import Config
 from jaxreplay.guards import NonFiniteStreak, PreemptionNotice
 from jaxreplay.placement import Placement
 from jaxreplay.recorder import RunRecorder
+from jaxreplay.replay.tables import ReplayTimeoutError
 from jaxreplay.scheduler import LimiterState
 from jaxreplay.stack import Stack
 
@@ -62,6 +63,7 @@ class Run:
     digest_start: str = ""  # multi-host: params_digest at this invocation's start
     checkpoints: bool = True  # False only where the tier cannot save this placement (compat.py)
     _bar: Any = None
+    _all_dropped_since: Optional[float] = None  # perf_counter of the first of the latest actor steps all dropped
 
     def __post_init__(self):
         self.nonfinite = NonFiniteStreak(self.config.train.max_nonfinite_steps)
@@ -103,8 +105,9 @@ class Run:
         return self.stack.actor.act(params, version, self.progress.actor_step)
 
     def commit(self, items: rollouts.Rows, stats: dict[str, Any]) -> None:
-        """The generated batch becomes `pending`, and the actor moves to the next prompts.
-        Counters and statistics are of every process's rollouts (multi-host: each holds its share)."""
+        """The generated batch becomes `pending` (less its zero-advantage groups with
+        `replay.drop_zero_advantage_groups`), and the actor moves to the next prompts. Counters
+        and statistics are of every process's rollouts (multi-host: each holds its share)."""
         p, every = self.progress, self.placement.every_process(
             {**items, "reward/errors": np.array([stats["reward/errors"]])})
         stats = {**stats, **rollout_stats(every), "reward/errors": int(every.pop("reward/errors").sum())}
@@ -113,7 +116,41 @@ class Run:
         p.time_generate_s += stats["seconds"]
         self.accounting.on_generate(every, stats["seconds"])
         self.actor_stats = {k: stats[k] for k in ACTOR_STATS}
-        self.pending = items
+        if self.config.replay.drop_zero_advantage_groups:  # single-process placements only (config)
+            items, dropped = rollouts.drop_flat_groups(items, self.config.train.group_size)
+            self.accounting.on_drop(dropped)
+            self._check_dropping(items is None)
+        self.pending = items  # None when every group was dropped: the next move is to act again
+
+    def _check_dropping(self, all_dropped: bool) -> None:
+        """Actor steps whose every group is dropped are followed by more acting; a policy that
+        scores every training prompt alike would act forever, so that ends after `replay.timeout_s`."""
+        now = time.perf_counter()
+        if not all_dropped:
+            self._all_dropped_since = None
+            return
+        since = self._all_dropped_since = self._all_dropped_since or now
+        if now - since > self.config.replay.timeout_s:
+            raise ReplayTimeoutError(
+                f"every group of the actor steps of the last {now - since:.3g}s scored alike (all rewards equal), "
+                f"so replay.drop_zero_advantage_groups left nothing to insert for longer than replay.timeout_s="
+                f"{self.config.replay.timeout_s:g}s (at actor step {self.progress.actor_step}): a constant reward, "
+                "or a policy that solves every training prompt; turn the setting off")
+
+    # -- replay.max_age ----------------------------------------------------------------------------
+
+    def evict_stale(self, server) -> bool:
+        """Before a sample (both schedules call it, and only the learner's side, so evictions
+        and checkpoints never interleave): deletes from every table the rows more than
+        `replay.max_age` policy versions behind the learner's; whether any went (a view of
+        the table taken before is then out of date)."""
+        k = self.config.replay.max_age
+        below = self.progress.policy_version - k
+        if not k or below <= 0:
+            return False
+        evicted = sum(server.evict(table, below) for table in server.states())
+        self.accounting.on_evict(evicted)
+        return evicted > 0
 
     # -- the learner -------------------------------------------------------------------------------
 

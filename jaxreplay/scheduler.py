@@ -12,6 +12,7 @@ written once.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Literal, NamedTuple, Optional
 
 from jaxreplay.config import Config, ConfigError, owner_check
@@ -154,6 +155,40 @@ def window_shortfall(config: Config, processes: int = 1) -> Optional[str]:
     return (f"{config.error_buffer:g} deadlocks: the limiter window 2*error_buffer={2 * config.error_buffer:g} must "
             f"hold one batch plus {who} (train.batch_size + {'' if processes == 1 else f'{processes} * '}"
             f"samples_per_insert = {need:g}); raise it to at least {need / 2:g}")
+
+
+def age_shortfall(config: Config) -> Optional[str]:
+    """Why evicting rollouts older than `replay.max_age` = K versions stalls the limiter, or None.
+
+    Evictions shrink the table but leave the limiter's diff alone. Held at its ratio, the
+    limiter admits B / spi inserts per learner step (B, spi: the rollout table's batch and
+    ratio; their quotient is the config's), so about (K + 1) * B / spi rows are at most K
+    versions old when the learner samples. Fewer than `min_size_to_sample`, and evictions
+    keep the table below it: samples wait for fresh acts, which Reverb's min-size rule then
+    admits past the ratio, so the run stalls each step and no longer holds samples_per_insert.
+    Disaggregated, the actor's weights lag the learner's by up to weight_sync_every - 1
+    versions; a smaller K evicts every rollout made while the learner waits: a deadlock.
+    """
+    r, t = config.replay, config.train
+    if not r.max_age or r.mode != "replay":
+        return None
+    young = (r.max_age + 1) * t.batch_size / r.samples_per_insert
+    if young < r.min_size_to_sample:
+        least = math.ceil(r.min_size_to_sample * r.samples_per_insert / t.batch_size) - 1
+        return (f"{r.max_age} keeps about (max_age + 1) * train.batch_size / samples_per_insert = {young:g} rollouts "
+                f"young enough to sample, fewer than replay.min_size_to_sample={r.min_size_to_sample}: evictions "
+                f"would hold the table below it; raise it to at least {least}")
+    if config.mesh.actor_devices and r.max_age < t.weight_sync_every - 1:
+        return (f"{r.max_age} is below train.weight_sync_every - 1 = {t.weight_sync_every - 1}: the actor's "
+                "weights lag that many versions, and every rollout made while the learner waits would be evicted")
+    return None
+
+
+@owner_check
+def check_age(config: Config) -> None:
+    """replay.max_age: evictions must leave the table enough young rows to sample (`age_shortfall`)."""
+    if (why := age_shortfall(config)) is not None:
+        raise ConfigError(f"replay.max_age: {why}")
 
 
 @owner_check

@@ -41,6 +41,9 @@ class TurnTables(Protocol):
 
     def can_learn(self, batch_size: int) -> bool: ...
 
+    def evict(self, run: Run) -> None:
+        """`replay.max_age`: the stale rows out before the turn decides whether to learn."""
+
     def insert(self, rows: rollouts.Rows) -> None: ...
 
     def sample(self, batch_size: int) -> tuple[Optional[rollouts.Rows], Optional[np.ndarray]]:
@@ -62,6 +65,7 @@ def run_turns(run: Run, tables: TurnTables) -> None:
             _save(run, tables)
             raise Preempted(f"SIGTERM: checkpoint at step {run.progress.learner_step} in "
                             f"{run.checkpointer.directory}; the same command resumes")
+        tables.evict(run)
         pending = rollouts.count(run.pending)
         move = next_move(tables.state(pending), pending, tables.can_learn(b), tables.processes)
         if move.kind == "insert":
@@ -118,6 +122,10 @@ class LocalTables:
     def can_learn(self, batch_size: int) -> bool:
         return self._reader.can_sample(batch_size, self._states())
 
+    def evict(self, run: Run) -> None:
+        if run.evict_stale(self._server):
+            self._snapshot = None
+
     def _after(self, move: Callable[[LimiterState], LimiterState]) -> None:
         """The snapshot advanced by the loop's own call, where that is exact; else forgotten."""
         states = self._snapshot
@@ -167,6 +175,9 @@ class GlobalTables:
 
     def can_learn(self, batch_size: int) -> bool:
         return self._view is not None and self._view.can_sample_at_once(batch_size)
+
+    def evict(self, run: Run) -> None:
+        """Nothing: config validation refuses replay.max_age multi-host (replay.multiprocess)."""
 
     def insert(self, rows: rollouts.Rows) -> None:
         self._view = None

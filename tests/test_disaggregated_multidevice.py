@@ -93,3 +93,13 @@ def test_the_replay_policies_run_on_the_disaggregated_meshes(tmp_path, overrides
     config = load_config(None, SMALL + ["train.steps=6", f"run.dir={tmp_path}", *overrides])
     summary = train(config, log=lambda _: None)
     assert summary["steps"] == 6 and summary["replay/samples"] >= 6 * config.train.batch_size
+
+
+def test_max_age_and_fresh_anchors_on_the_disaggregated_meshes(tmp_path):
+    """The learner evicts before each sample: no batch holds a row more than max_age versions old."""
+    config = load_config(None, SMALL + ["train.steps=12", f"run.dir={tmp_path}", "replay.backend=inprocess",
+                                        "replay.max_age=3", "replay.fresh_fraction=0.25"])
+    summary = train(config, log=lambda _: None)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
+    assert summary["steps"] == 12 and summary["replay/samples"] == 12 * (16 - 4)
+    assert max(r["staleness/max"] for r in rows) <= 3 and rows[-1]["replay/evicted"] > 0

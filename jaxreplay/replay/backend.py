@@ -56,6 +56,11 @@ class Client(Protocol):
         the batch the backend need not ask, and a server whose counters then differ was
         changed by another client (`TableSharedError`)."""
 
+    def delete(self, table: str, keys: np.ndarray) -> None:
+        """Removes `table`'s items with these keys (`SampleInfo.keys`; keys no longer there are
+        skipped). The limiter counts them as deletions: the table shrinks, its insert/sample
+        ratio stays."""
+
 
 @runtime_checkable
 class Backend(Client, Protocol):
@@ -67,6 +72,12 @@ class Backend(Client, Protocol):
 
     def describe(self) -> str:
         """`table`'s state in one line, for error messages and logs."""
+
+    def evict(self, table: str, below_version: int) -> int:
+        """Deletes `table`'s items whose row's policy_version is below `below_version`
+        (`replay.max_age`); returns how many. Only a backend that can find items by their
+        rows serves it (the in-process one); Reverb reports no item keys at insert, so its
+        stale items could only be found by sampling them, and config validation refuses."""
 
     def checkpoint(self) -> str:
         """Saves items and limiter counters of every table; returns the checkpoint's name,

@@ -176,6 +176,14 @@ class InProcessServer:
             probabilities=np.array([p for _, p, _, _ in taken], np.float64),
             table_size=np.array([size for _, _, size, _ in taken], np.int64))
 
+    def delete(self, table: str, keys: np.ndarray) -> None:
+        """As `Client.delete`."""
+        self._delete(table, lambda item, gone=set(np.asarray(keys, np.uint64).tolist()): item.key in gone)
+
+    def evict(self, table: str, below_version: int) -> int:
+        """As `Backend.evict`."""
+        return self._delete(table, lambda item: int(item.row["policy_version"]) < below_version)
+
     def checkpoint(self) -> str:
         """As `Backend.checkpoint`: every table's items and counters, and the selectors' RNG."""
         if self._checkpoint_root is None:
@@ -228,6 +236,15 @@ class InProcessServer:
         if table not in self._tables:
             raise KeyError(f"no table {table!r} on the in-process server (tables: {', '.join(sorted(self._tables))})")
         return self._tables[table]
+
+    def _delete(self, table: str, doomed) -> int:
+        """Deletes the items of `table` for which `doomed(item)`; how many."""
+        with self._cond:
+            t = self._get(table)
+            kept = [item for item in t.items if not doomed(item)]
+            deleted, t.items = len(t.items) - len(kept), kept
+            self._cond.notify_all()
+            return deleted
 
     def _await(self, table: str, admitted, deadline: float, interrupted: Interrupted, message) -> InProcessTable:
         """Waits (holding the lock between checks, in slices that let signal handlers run)

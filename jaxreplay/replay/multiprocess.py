@@ -109,8 +109,18 @@ def check_multiprocess(config: Config, num_processes: Optional[int] = None) -> N
     """What `open_replay` needs of `config` on the backend `replay.backend` resolves to here."""
     if resolve_backend(config.replay.backend) == "inprocess":
         check_sharded(config, num_processes)
-    _require(config.replay.positive_fraction == 0, "replay.positive_fraction",
+    r = config.replay
+    _require(r.positive_fraction == 0, "replay.positive_fraction",
              "positive-bias sampling is not supported multi-host yet; set it to 0")
+    _require(r.fresh_fraction == 0, "replay.fresh_fraction",
+             "fresh anchors are not supported multi-host yet: each process's newest rows are not the newest "
+             "actor step's; set it to 0")
+    _require(r.max_age == 0, "replay.max_age",
+             "evictions are not supported multi-host yet: the processes' turns would have to agree on every "
+             "table's evictions; set it to 0")
+    _require(not r.drop_zero_advantage_groups, "replay.drop_zero_advantage_groups",
+             "not supported multi-host yet: the processes would hold unequal rows, which the lockstep turns "
+             "insert as equal shares; set it to false")
 
 
 @owner_check

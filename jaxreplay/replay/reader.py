@@ -15,7 +15,7 @@ import numpy as np
 from jaxreplay.config import Config
 from jaxreplay.replay.backend import Client, SampleInfo
 from jaxreplay.replay.tables import (
-    POSITIVE_TABLE_NAME, TABLE_NAME, Interrupted, LimiterState, Snapshot, positive_split, table_state)
+    FRESH_TABLE_NAME, POSITIVE_TABLE_NAME, TABLE_NAME, Interrupted, LimiterState, Snapshot, positive_split, table_state)
 from jaxreplay.scheduler import sample_room
 
 
@@ -58,45 +58,49 @@ class RolloutReader:
         return table_state(self._client.states(self._interrupted) if snapshot is None else snapshot, self._table)
 
 
-class PositiveBiasReader:
-    """Positive-bias sampling: each batch takes `positive_batch` rows from the positives
-    table (the freshest correct rollouts) and the rest from the rollout table.
+class SplitReader:
+    """Each batch takes a share from side tables, the rest from the rollout table: positive
+    bias (`positive_batch` rows from the freshest correct rollouts) and fresh anchors
+    (`fresh_batch` rows from the newest actor step's rollouts).
 
-    Until the first correct rollout arrives the positives table is empty, and the whole
-    batch comes from the rollout table. The positives table has no rate limiter beyond
-    holding one item, so `can_sample` only asks the rollout table's limiter, for exactly
-    the rows `sample` will then take from it.
+    A side table still empty (no correct rollout yet) gives its share to the rollout table.
+    The side tables have no rate limiter beyond holding one item, so `can_sample` only asks
+    the rollout table's limiter, for exactly the rows `sample` will then take from it.
     """
 
-    def __init__(self, client: Client, *, timeout_s: float, positive_batch: int, table: str = TABLE_NAME,
-                 positive_table: str = POSITIVE_TABLE_NAME, interrupted: Interrupted = None):
+    def __init__(self, client: Client, *, timeout_s: float, positive_batch: int = 0, fresh_batch: int = 0,
+                 table: str = TABLE_NAME, positive_table: str = POSITIVE_TABLE_NAME,
+                 fresh_table: str = FRESH_TABLE_NAME, interrupted: Interrupted = None):
         self._client = client
         self._main = RolloutReader(client, timeout_s=timeout_s, table=table, interrupted=interrupted)
-        self._positives = RolloutReader(client, timeout_s=timeout_s, table=positive_table, interrupted=interrupted)
-        self._positive_batch = positive_batch
+        self._sides = [(RolloutReader(client, timeout_s=timeout_s, table=t, interrupted=interrupted), n)
+                       for t, n in ((positive_table, positive_batch), (fresh_table, fresh_batch)) if n]
         self._interrupted = interrupted
 
-    def split(self, batch_size: int, snapshot: Optional[Snapshot] = None) -> tuple[int, int]:
-        """(rows from the rollout table, rows from the positives table) for a batch now
-        (`snapshot`: the server's state now, if the caller knows it)."""
-        have = self._positives.state(snapshot).size > 0
-        n_pos = min(self._positive_batch, batch_size) if have else 0
-        return batch_size - n_pos, n_pos
+    def split(self, batch_size: int, snapshot: Optional[Snapshot] = None) -> list[tuple[RolloutReader, int]]:
+        """(reader, rows) for a batch now, the rollout table first (`snapshot`: the server's
+        state now, if the caller knows it)."""
+        if snapshot is None and self._sides:  # one query answers for every table
+            snapshot = self._client.states(self._interrupted)
+        sides = [(reader, n) for reader, n in self._sides if reader.state(snapshot).size > 0]
+        return [(self._main, batch_size - sum(n for _, n in sides)), *sides]
 
     def can_sample(self, batch_size: int, snapshot: Optional[Snapshot] = None) -> bool:
-        if snapshot is None:  # one query answers for both tables
+        if snapshot is None:
             snapshot = self._client.states(self._interrupted)
-        n_main, _ = self.split(batch_size, snapshot)
+        (_, n_main), *_ = self.split(batch_size, snapshot)
         return n_main == 0 or self._main.can_sample(n_main, snapshot)
 
     def sample(self, batch_size: int, snapshot: Optional[Snapshot] = None) -> tuple[dict[str, np.ndarray], SampleInfo]:
-        """Samples the split; rows from the positives table come last. Sampling one table
-        leaves the other's state in `snapshot` current."""
-        n_main, n_pos = self.split(batch_size, snapshot)
-        parts = [reader.sample(n, snapshot) for reader, n in ((self._main, n_main), (self._positives, n_pos)) if n]
+        """Samples the split, the rollout table's rows first. Sampling one table leaves the
+        others' states in `snapshot` current."""
+        parts = [reader.sample(n, snapshot) for reader, n in self.split(batch_size, snapshot) if n]
         batch = {k: np.concatenate([p[0][k] for p in parts]) for k in parts[0][0]}
         info = SampleInfo(*(np.concatenate([getattr(p[1], f) for p in parts]) for f in SampleInfo._fields))
         return batch, info
+
+
+PositiveBiasReader = SplitReader  # the name positive-bias callers know
 
 
 class IncrementalReader:
@@ -141,15 +145,15 @@ class IncrementalReader:
 
 
 def reader_for(client: Client, config: Config,
-               interrupted: Interrupted = None) -> RolloutReader | PositiveBiasReader | IncrementalReader:
-    """The reader `config` asks for: incremental with `replay.max_times_sampled`, positive-bias
-    when `replay.positive_fraction` > 0. interrupted: polled while a call waits; once true, the
+               interrupted: Interrupted = None) -> RolloutReader | SplitReader | IncrementalReader:
+    """The reader `config` asks for: incremental with `replay.max_times_sampled`, split over side
+    tables when `replay.positive_fraction` or `replay.fresh_fraction` > 0. interrupted: polled while a call waits; once true, the
     call raises `ReplayInterrupted`."""
     split = positive_split(config)
     timeout_s = config.replay.timeout_s
     if config.replay.mode == "replay" and config.replay.max_times_sampled:
         return IncrementalReader(client, timeout_s=timeout_s, interrupted=interrupted)
-    if split.positive_size:
-        return PositiveBiasReader(client, timeout_s=timeout_s, positive_batch=split.positive_batch,
-                                  interrupted=interrupted)
+    if split.positive_size or split.fresh_batch:
+        return SplitReader(client, timeout_s=timeout_s, positive_batch=split.positive_batch,
+                           fresh_batch=split.fresh_batch, interrupted=interrupted)
     return RolloutReader(client, timeout_s=timeout_s, interrupted=interrupted)

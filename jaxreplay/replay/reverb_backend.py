@@ -301,6 +301,10 @@ class ReverbClient:
             times_sampled=np.array([r[4] for r in rows], np.int32))
         return batch, info
 
+    def delete(self, table: str, keys: np.ndarray) -> None:
+        """As `Client.delete`: Reverb's MutatePriorities with deletes (unknown keys are skipped)."""
+        self._client._client.MutatePriorities(table, [], [int(k) for k in np.asarray(keys, np.uint64)])
+
     def close(self) -> None:
         """Releases the insert stream (rows still queued behind the limiter may be dropped)
         and the sampler threads; idempotent."""
@@ -449,6 +453,12 @@ class ReverbServer(ReverbClient):
 
     def describe(self) -> str:
         return self._state(self._table, None).describe()
+
+    def evict(self, table: str, below_version: int) -> int:
+        """As `Backend.evict`, which Reverb cannot serve: its writer reports no item keys, so
+        finding the stale items would take sampling them (config validation refuses max_age)."""
+        raise NotImplementedError("replay.max_age needs replay.backend=inprocess: Reverb reports no item keys "
+                                  "at insert, so its stale items could only be found by sampling them")
 
     def checkpoint(self) -> str:
         """As `Backend.checkpoint`. Blocks the server while it writes; Reverb offers no

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+from jaxreplay.config import Config, ConfigError, owner_check
 from jaxreplay.replay.backend import Backend
 from jaxreplay.replay.inprocess import InProcessServer
 from jaxreplay.replay.reverb_backend import ReverbServer
-from jaxreplay.replay.tables import Tables
+from jaxreplay.replay.tables import Tables, resolve_backend
 
 
 def serve(tables: Tables, *, seed: Optional[int] = None, port: int = 0, **kwargs) -> Backend:
@@ -22,3 +23,11 @@ def serve(tables: Tables, *, seed: Optional[int] = None, port: int = 0, **kwargs
     if tables.backend == "reverb":
         return ReverbServer(tables, port=port, **kwargs)
     raise ValueError(f"replay.backend: unknown backend {tables.backend!r} (reverb or inprocess)")
+
+
+@owner_check
+def check_backend_serves(config: Config) -> None:
+    """replay.max_age evicts by the rows' policy versions, which only the in-process backend can find."""
+    if config.replay.max_age and resolve_backend(config.replay.backend) != "inprocess":
+        raise ConfigError("replay.max_age: needs replay.backend=inprocess: Reverb reports no item keys at insert, "
+                          "so its stale items could only be found by sampling them (set replay.max_age=0)")

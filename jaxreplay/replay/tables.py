@@ -13,12 +13,13 @@ import logging
 import sys
 from typing import Callable, Literal, Mapping, Optional
 
-from jaxreplay.config import Config
+from jaxreplay.config import Config, ConfigError, owner_check
 from jaxreplay.scheduler import LimiterState  # re-exported: readers and writers decide on it
 from jaxreplay.replay.rows import ItemSpec  # one table row per rollout
 
 TABLE_NAME = "rollouts"
 POSITIVE_TABLE_NAME = "positives"  # positive-bias sampling: the freshest correct rollouts
+FRESH_TABLE_NAME = "fresh"  # fresh anchors: the newest actor step's rollouts
 
 
 class ReplayTimeoutError(TimeoutError):
@@ -120,6 +121,8 @@ def table_defs(config: Config) -> list[TableDef]:
                      max_times_sampled=r.max_times_sampled, priority_exponent=r.priority_exponent)]
     if split.positive_size:
         defs.append(TableDef(POSITIVE_TABLE_NAME, "uniform", split.positive_size, min_size_limit(1)))
+    if split.fresh_batch:
+        defs.append(TableDef(FRESH_TABLE_NAME, "uniform", split.fresh_size, min_size_limit(1)))
     return defs
 
 
@@ -132,7 +135,14 @@ class PositiveSplit:
     Each batch of B takes round(dB) rows from the positives, the rest from the main
     table, uniformly over each window: in proportion to the windows' capacities. The
     main table's limiter runs at spi * B_main / B, so every generated rollout is still
-    trained on `samples_per_insert` times on average, counting both tables.
+    trained on `samples_per_insert` times on average, counting every table.
+
+    Fresh anchors (`replay.fresh_fraction` = f) take round(fB) rows of each batch from a
+    third table holding the last R rollouts inserted (R = `rollouts_per_step`: the newest
+    actor step's, once all of it is in), out of the main batch: the limiter counts only
+    the main table's B_main = B - round(dB) - round(fB) samples per learner step, and its
+    ratio drops by the same factor, so the learner still takes spi * R / B steps per
+    actor step and trains on each rollout spi times on average.
     """
 
     main_size: int
@@ -140,14 +150,40 @@ class PositiveSplit:
     main_batch: int
     positive_batch: int
     main_samples_per_insert: float
+    fresh_size: int = 0
+    fresh_batch: int = 0  # 0: fresh anchors off
 
 
 def positive_split(config: Config) -> PositiveSplit:
     r, b = config.replay, config.train.batch_size
-    d = r.positive_fraction if r.mode == "replay" else 0.0
-    n_pos, b_pos = round(d * r.max_size), round(d * b)
-    return PositiveSplit(main_size=r.max_size - n_pos, positive_size=n_pos, main_batch=b - b_pos,
-                         positive_batch=b_pos, main_samples_per_insert=r.samples_per_insert * (b - b_pos) / b)
+    replay = r.mode == "replay"
+    d, f = (r.positive_fraction, r.fresh_fraction) if replay else (0.0, 0.0)
+    n_pos, b_pos, b_fresh = round(d * r.max_size), round(d * b), round(f * b)
+    main = b - b_pos - b_fresh
+    return PositiveSplit(main_size=r.max_size - n_pos, positive_size=n_pos, main_batch=main,
+                         positive_batch=b_pos, main_samples_per_insert=r.samples_per_insert * main / b,
+                         fresh_size=config.rollouts_per_step if b_fresh else 0, fresh_batch=b_fresh)
+
+
+@owner_check
+def check_freshness(config: Config) -> None:
+    """replay.fresh_fraction: the main table keeps at least one row of each batch; fresh anchors
+    and max_age are replay-mode settings."""
+    r, split = config.replay, positive_split(config)
+    if r.fresh_fraction and r.mode == "replay":
+        _require(split.main_batch >= 1, "replay.fresh_fraction",
+                 f"{r.fresh_fraction} with replay.positive_fraction={r.positive_fraction} leaves no row of a "
+                 f"batch of {config.train.batch_size} to the rollout table, whose limiter paces the run")
+        _require(r.max_times_sampled == 0, "replay.fresh_fraction",
+                 "cannot be combined with replay.max_times_sampled (batches assembled row by row)")
+    _require(r.mode == "replay" or not (r.fresh_fraction or r.max_age), "replay.mode",
+             "on_policy trains each rollout once, freshest first: replay.fresh_fraction and replay.max_age "
+             "apply to replay mode only")
+
+
+def _require(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {why}")
 
 
 def resolve_backend(name: str) -> str:
