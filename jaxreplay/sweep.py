@@ -55,12 +55,13 @@ class Run:
         return [*program, "train", str(self.base), *self.overrides]
 
     def is_done(self) -> bool:
-        """summary.json written by a run that reached all its steps."""
+        """summary.json written by a run that reached all its steps, or spent its token budget."""
         try:
             summary = json.loads((self.dir / "summary.json").read_text())
         except (OSError, ValueError):
             return False
-        return summary.get("steps") == self.config.train.steps
+        budget = self.config.train.max_generated_tokens
+        return summary.get("steps") == self.config.train.steps or 0 < budget <= summary.get("tokens/generated", 0)
 
 
 @dataclasses.dataclass(frozen=True)

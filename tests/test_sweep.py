@@ -78,6 +78,16 @@ def test_finished_runs_are_skipped(tmp_path):
     assert not run.is_done()
 
 
+def test_a_run_that_spent_its_token_budget_is_finished(tmp_path):
+    body = "seeds: [0]\noverrides: [train.steps=500, train.max_generated_tokens=1000]\nsettings:\n  a: []\n"
+    (run,) = load_sweep(_write(tmp_path, body)).runs
+    run.dir.mkdir(parents=True)
+    (run.dir / "summary.json").write_text(json.dumps({"steps": 40, "tokens/generated": 999}))
+    assert not run.is_done()
+    (run.dir / "summary.json").write_text(json.dumps({"steps": 41, "tokens/generated": 1010}))
+    assert run.is_done()
+
+
 @pytest.mark.slow
 def test_sweep_runs_then_resumes_a_run_extended_to_more_steps(tmp_path):
     small = ("overrides: [warmstart.steps=2, train.eval_every=2, checkpoint.every=2, replay.min_size_to_sample=32, "
