@@ -159,6 +159,7 @@ class Run:
         """One learner step on `batch`; writes and returns the step's metrics record.
         table: the limiter's state after the step's sample (asked only for the record)."""
         p = self.progress
+        bar = self.bar  # opened at the step the run (re)started at, before this step counts
         t0 = time.perf_counter()
         self.params, self.opt_state, step_metrics = self.stack.train_step(
             self.params, self.opt_state, self.placement.learner_batch(batch), self.stack.ref_params)
@@ -203,8 +204,8 @@ class Run:
         if self.recorder:
             self.recorder.write(step, record)
         self.nonfinite.update(bool(step_metrics["nonfinite"]), step)  # raises before this step's checkpoint
-        self.bar.update(1)
-        self.bar.set_postfix(acc=f"{self.actor_stats.get('accuracy', 0):.2f}", eval=f"{p.eval_accuracy or 0:.2f}",
+        bar.update(1)
+        bar.set_postfix(acc=f"{self.actor_stats.get('accuracy', 0):.2f}", eval=f"{p.eval_accuracy or 0:.2f}",
                              ratio=f"{state.ratio:.2f}", refresh=False)
         return record
 
