@@ -3,7 +3,7 @@
 The lock is an flock on RUN_DIR/run.lock, which holds the holder's PID and host for the
 line a refused run prints. The kernel drops an flock when its holder dies, however it
 dies, so a killed run never blocks its resume; the PID left in the file is overwritten.
-A multi-host job is one run and takes one lock: process 0 holds it (multihost.py), the
+A multi-host job is one run and takes one lock: process 0 holds it (driver.py), the
 other processes share the directory without it. (On NFS, Linux emulates flock with
 POSIX locks, which the server arbitrates across hosts.)
 
