@@ -161,7 +161,7 @@ def test_a_run_says_what_it_does_and_a_resume_what_it_resumed(tmp_path, capsys):
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["replay"]["backend"] == backend
     err = capsys.readouterr().err
     assert "warm start: 100%" in err
-    assert "| 4/4 [" in err and "5step" not in err  # the bar counts each learner step once
+    assert "| 4/4 [" in err and "train: 5step" not in err  # the bar counts each learner step once
     assert any(line.startswith("eval/accuracy at start: ") for line in lines)
 
     lines, second, seconds = leg(8)
