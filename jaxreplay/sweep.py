@@ -17,7 +17,8 @@ memory), logging to RUN_DIR/train.log. A run whose summary.json reports all its 
 is skipped; any other run is started, and `jaxreplay train` resumes it from its latest
 checkpoint. `--print` prints one command per run instead, for a cluster scheduler. Dotted
 overrides after the sweep file apply to every run (`jaxreplay sweep FILE train.steps=50`).
-Every run's config is loaded and validated before the first one starts.
+Every run's config is loaded and validated before the first one starts. All runs share
+one warm start, cached in OUT/.warmstart-cache unless an override names another.
 """
 
 from __future__ import annotations
@@ -101,14 +102,16 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
     timeout_s = raw.get("timeout_s", 3600)
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 < timeout_s < math.inf:
         raise ConfigError(f"sweep.timeout_s: expected a positive number of seconds, got {show(timeout_s)}")
+    out = Path(str(raw["out"]))
+    shared_warm_start = (f"warmstart.cache_dir={out / '.warmstart-cache'}",)  # overridable: it comes first
     runs = []
     for name, overrides in settings.items():
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ConfigError(f"sweep.settings: {show(name)} is not a usable directory name")
         own = _override_list(overrides or [], f"sweep.settings.{name}")
         for seed in seeds:
-            args = (*common, *own, *extra, f"run.seed={seed}", f"run.dir={Path(str(raw['out'])) / name / f'seed{seed}'}",
-                    "run.progress_bar=false")
+            args = (*shared_warm_start, *common, *own, *extra, f"run.seed={seed}",
+                    f"run.dir={out / name / f'seed{seed}'}", "run.progress_bar=false")
             try:
                 config = load_config(base, args)
             except ConfigError as e:

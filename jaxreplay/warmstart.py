@@ -72,8 +72,8 @@ def cache_key(config: Config) -> str:
 
 
 def cache_root(config: Config) -> Path:
-    """`warmstart.cache_dir`, or `.warmstart-cache` in the parent of `run.dir`: the runs of a sweep
-    sit under one parent, so they share it."""
+    """`warmstart.cache_dir`, or `.warmstart-cache` in the parent of `run.dir`, so that runs
+    started side by side share it (a sweep names its own, above every setting's runs)."""
     if config.warmstart.cache_dir:
         return Path(config.warmstart.cache_dir)
     return Path(config.run.dir).absolute().parent / ".warmstart-cache"

@@ -53,6 +53,14 @@ def test_grid_is_settings_times_seeds_with_one_command_each(tmp_path):
     assert "replay.samples_per_insert=4" in cmds[1] and "run.seed=4" in cmds[1]
 
 
+def test_every_setting_shares_one_warm_start_unless_the_sweep_names_another(tmp_path):
+    body = "seeds: [0, 1]\nsettings:\n  a: [replay.samples_per_insert=4]\n  b: [replay.mode=on_policy]\n"
+    sweep = load_sweep(_write(tmp_path, body))
+    assert {r.config.warmstart.cache_dir for r in sweep.runs} == {str(tmp_path / "runs" / ".warmstart-cache")}
+    own = load_sweep(_write(tmp_path, body), [f"warmstart.cache_dir={tmp_path / 'cache'}"])
+    assert {r.config.warmstart.cache_dir for r in own.runs} == {str(tmp_path / "cache")}
+
+
 @pytest.mark.parametrize("body,key", [
     ("seeds: [0]\nsettings:\n  a: [replay.samples_per_insert=-1]\n", "sweep.settings.a"),
     ("seeds: [0]\nsettings:\n  a: [replay.selectr=fifo]\n", "replay.selectr"),
