@@ -1,8 +1,10 @@
 """Run dirs for `jaxreplay report`: their metrics, grouped into settings, on the report's x axes.
 
 Runs are grouped into settings: the seeds of one setting share their config except
-`run.seed` and `run.dir`, and a setting is named after the folder holding its run
-dirs (the sweep layout OUT/SETTING/seedS).
+the keys that say where or how a run was kept, not what it computed (`NOT_A_SETTING`:
+its seed and dir, the warm-start cache's place, timeouts, ports, checkpoint cadence,
+the progress bar), and a setting is named after the folder holding its run dirs (the
+sweep layout OUT/SETTING/seedS).
 
 The x axes, per evaluation step of a run:
 - generated tokens and learner steps, as logged;
@@ -20,6 +22,7 @@ The x axes, per evaluation step of a run:
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import math
 from pathlib import Path
@@ -158,13 +161,28 @@ def load_runs(run_dirs: Sequence[str | Path]) -> list[RunData]:
     return runs
 
 
+NOT_A_SETTING = ("run.seed", "run.dir", "run.progress_bar", "warmstart.cache_dir", "*.timeout_s", "replay.port",
+                 "checkpoint.*")
+
+
+def _setting_key(config: dict, prefix: str = "") -> dict:
+    """`config` without the `NOT_A_SETTING` keys (dotted patterns)."""
+    kept = {}
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            if inner := _setting_key(value, f"{dotted}."):
+                kept[key] = inner
+        elif not any(fnmatch.fnmatchcase(dotted, pattern) for pattern in NOT_A_SETTING):
+            kept[key] = value
+    return kept
+
+
 def group_settings(runs: Sequence[RunData]) -> list[Setting]:
-    """Groups by config without run.seed/run.dir; each group named after its run dirs' parent folder."""
+    """Groups runs whose configs differ only in `NOT_A_SETTING`; each group named after its run dirs' parent folder."""
     groups: dict[str, list[RunData]] = {}
     for run in runs:
-        key = yaml.safe_dump({**run.config, "run": {k: v for k, v in run.config.get("run", {}).items()
-                                                    if k not in ("seed", "dir")}}, sort_keys=True)
-        groups.setdefault(key, []).append(run)
+        groups.setdefault(yaml.safe_dump(_setting_key(run.config), sort_keys=True), []).append(run)
     settings, used = [], set()
     for members in groups.values():
         name = members[0].dir.resolve().parent.name or members[0].dir.name

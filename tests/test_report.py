@@ -132,6 +132,22 @@ def test_seeds_group_into_settings_and_the_on_policy_one_is_the_baseline(sweep_d
         pick_baseline(settings, "spi16")
 
 
+def test_seeds_kept_differently_are_one_setting_and_a_changed_setting_is_another(tmp_path):
+    """Where a run kept its warm start or checkpoints, or how long it waited, is not its setting."""
+    dirs = [_run_dir(tmp_path, *run) for run in RUNS[:3]]
+    for d, kept in zip(dirs, ({"warmstart": {"cache_dir": "/a"}, "checkpoint": {"every": 10}},
+                              {"warmstart": {"cache_dir": "/b"}, "replay": {"timeout_s": 5, "port": 4000}}, {})):
+        config = yaml.safe_load((d / "config.yaml").read_text())
+        for section, values in kept.items():
+            config.setdefault(section, {}).update(values)
+        (d / "config.yaml").write_text(yaml.safe_dump(config))
+    assert [(s.name, len(s.runs)) for s in group_settings(load_runs(dirs))] == [("on_policy", 3)]
+    config = yaml.safe_load((dirs[2] / "config.yaml").read_text())
+    config["train"]["batch_size"] = 8
+    (dirs[2] / "config.yaml").write_text(yaml.safe_dump(config))
+    assert [(s.name, len(s.runs)) for s in group_settings(load_runs(dirs))] == [("on_policy", 2), ("on_policy#2", 1)]
+
+
 def test_accuracy_is_the_median_and_iqr_over_seeds_and_entropy_the_mean_of_the_last_ten_steps(md):
     rows = _tables(md)["Per setting"]
     on, spi8 = rows["on_policy (baseline)"], rows["spi8"]
