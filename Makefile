@@ -40,7 +40,7 @@ endif
 
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(CONSTRAINTS) | cksum | cut -d' ' -f1)
 
-.PHONY: demo test clean
+.PHONY: venv demo test clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -n "$(PYTHON)" || { echo "make: no Python >= 3.12 found for LANE=$(LANE); set PYTHON=/path/to/python3.12" >&2; exit 2; }
@@ -48,6 +48,9 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	@rm -f $(VENV)/.installed-* && touch $@
+
+## make venv: the lane's venv, installed, and nothing run
+venv: $(STAMP)
 
 ## make demo: the embedded default demo on CPU (ARGS='train.steps=40 ...' to override)
 demo: $(STAMP)
