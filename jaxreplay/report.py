@@ -26,9 +26,10 @@ from jaxreplay import report_plots
 from jaxreplay.eval import PASS1_KEY, PASSK_KEY
 from jaxreplay.report_data import (EVAL_FILE, SUMMARY_FILE, RunData, Setting, group_settings, load_runs,
                                    measured_mu, pick_baseline)
-from jaxreplay.report_stats import band, cell, first_reach, fmt
+from jaxreplay.report_stats import band, cell, clean, first_reach, fmt, largest_fall
 
 END_WINDOW = 10  # "entropy at the end": the mean over a run's last END_WINDOW logged steps, per-batch noise damped
+BUDGET_FRACTIONS = (0.25, 0.5, 1.0)  # where the speed table reads each run's accuracy, as shares of the common budget
 
 Mus = Sequence[tuple[str, float]]  # (label, mu) of the compute axes
 
@@ -108,6 +109,25 @@ def main_table(settings: Sequence[Setting], base: Setting, target: float, mus: M
             f"{cell([r.last('replay/ratio') for r in s.runs])} ({fmt(s.spi_target)})",
             cell([float(np.mean(v)) for r in s.runs if len(v := r.series("staleness/mean")[1])]),
         ])
+    return _markdown(header, rows)
+
+
+def speed_table(settings: Sequence[Setting], base: Setting) -> Optional[str]:
+    """How fast and how steadily each setting learns: accuracy at shares of the generated-token budget
+    every run spent (each run's evaluations interpolated linearly), and the largest fall below an
+    earlier evaluation. None if a run did not track its generated tokens."""
+    curves = [clean(r.x("tokens", steps), acc) for s in settings for r in s.runs for steps, acc in [r.evals()]]
+    if any(len(x) == 0 for x, _ in curves):
+        return None
+    budget = min(float(x[-1]) for x, _ in curves)
+    header = ["setting", *[f"accuracy at {f:.0%} of {fmt(budget)} tokens" for f in BUDGET_FRACTIONS],
+              "largest fall below an earlier evaluation"]
+    rows = []
+    for s in settings:
+        at = [[float(np.interp(f * budget, *clean(r.x("tokens", steps), acc))) for f in BUDGET_FRACTIONS]
+              for r in s.runs for steps, acc in [r.evals()]]
+        rows.append([_name(s, base), *[cell([a[i] for a in at]) for i in range(len(BUDGET_FRACTIONS))],
+                     cell([largest_fall(r.evals()[1]) for r in s.runs])])
     return _markdown(header, rows)
 
 
@@ -198,11 +218,13 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
     all_mus = ([(f"measured µ = {fmt(mu)}", mu)] if mu is not None else []) + [(f"µ = {fmt(m)}", m) for m in mus]
     main_mus = all_mus[:2] if mu is not None else all_mus[:1]  # the measured µ and the first given
     main, compute = main_table(settings, base, target, main_mus), compute_table(settings, base, target, all_mus)
-    passes = pass_table(settings, base)
+    passes, speed = pass_table(settings, base), speed_table(settings, base)
     pngs = report_plots.write(settings, target, all_mus, out)
     _copy_run_files(settings, out)
     doc = ["# Replay comparison", "", *_how_to_read(settings, base, target, mu, mus), "",
-           "## Per setting", "", main, "## Compute to the baseline peak, × the baseline's", "",
+           "## Per setting", "", main,
+           *(["## Learning speed and stability", "", speed] if speed else []),
+           "## Compute to the baseline peak, × the baseline's", "",
            compute if all_mus else "No µ: no run logged cost/mu and none was given with --mu.\n",
            *(["## pass@k of the final policy (`jaxreplay eval ... --out RUN_DIR/eval.json`)", "", passes]
              if passes else []),

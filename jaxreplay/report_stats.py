@@ -73,6 +73,12 @@ def band(curves: Sequence[Curve]) -> Optional[tuple[np.ndarray, np.ndarray, np.n
     return grid, q1, med, q3
 
 
+def largest_fall(acc: Sequence[float]) -> float:
+    """The largest drop of accuracy below an earlier evaluation's (max drawdown): 0 if it never fell."""
+    acc = np.asarray(acc, np.float64)
+    return float(np.max(np.maximum.accumulate(acc) - acc)) if len(acc) else math.nan
+
+
 def first_reach(x: np.ndarray, acc: np.ndarray, target: float) -> Optional[float]:
     """x at the first evaluation with accuracy >= target; None if none does."""
     hit = np.nonzero(np.asarray(acc) >= target - 1e-12)[0]

@@ -193,6 +193,20 @@ def test_the_main_table_models_compute_at_the_measured_mu_and_the_first_given(md
     assert not [k for k in row if "6.84" in k]
 
 
+def test_speed_is_accuracy_at_shares_of_the_common_token_budget_and_stability_the_largest_fall(md):
+    """Every run spent at least 150 tokens (spi8's 30 steps x 5): accuracy is read at 37.5, 75 and
+    150 tokens, interpolated between evaluations (on-policy evaluates at 0 and 400 tokens)."""
+    rows = _tables(md)["Learning speed and stability"]
+    on_policy = [np.interp([37.5, 75, 150], [0, 400], [0.2, acc]) for acc in (0.4, 0.5, 0.3)]
+    assert _numbers(_column(rows["on_policy (baseline)"], "accuracy at 100% of 150"))[:3] == \
+        pytest.approx(_iqr([a[2] for a in on_policy]), rel=5e-3)
+    assert _numbers(_column(rows["spi8"], "accuracy at 25%"))[:3] == pytest.approx(_iqr([0.275, 0.275]), rel=5e-3)
+    assert _numbers(_column(rows["spi8"], "accuracy at 100%"))[:3] == pytest.approx(_iqr([0.5, 0.45]), rel=5e-3)
+    falls = {"on_policy (baseline)": [0.1, 0, 0], "spi2": [0, 0.05, 0], "spi8": [0, 0]}
+    for name, values in falls.items():
+        assert _numbers(_column(rows[name], "largest fall"))[:3] == pytest.approx(_iqr(values), abs=1e-9)
+
+
 def test_pass_at_k_comes_from_eval_json(md):
     table = _tables(md)["pass@k of the final policy (`jaxreplay eval ... --out RUN_DIR/eval.json`)"]
     on = table["on_policy (baseline)"]
