@@ -151,6 +151,28 @@ def pass_table(settings: Sequence[Setting], base: Setting) -> Optional[str]:
     return _markdown(header, rows)
 
 
+def paired_table(settings: Sequence[Setting], base: Setting) -> Optional[str]:
+    """Each run minus the baseline's run of the same seed. A sweep's seed fixes the warm start and
+    the evaluation problems for every setting, so the pairs cancel what seeds share: a sharper
+    test than comparing the two settings' medians. None if no seed is in both."""
+    by_seed = {r.seed: r for r in base.runs}
+    ks = sorted({int(k) for s in settings for r in s.runs for k in r.final_eval.get(PASSK_KEY, {})})
+    measures = [("peak accuracy", lambda r: float(np.max(r.evals()[1]))),
+                ("final accuracy", lambda r: float(r.evals()[1][-1])),
+                *[(f"pass@{k} (T 1.0)", lambda r, k=str(k): r.pass_at(k)) for k in ks]]
+    rows = []
+    for s in settings:
+        pairs = [(r, by_seed[r.seed]) for r in s.runs if r.seed in by_seed]
+        if s is base or not pairs:
+            continue
+        diffs = [[a - b for r, ref in pairs if (a := get(r)) is not None and (b := get(ref)) is not None]
+                 for _, get in measures]
+        rows.append([s.name, str(len(pairs)), *[cell(d) for d in diffs]])
+    if not rows:
+        return None
+    return _markdown(["setting", "seeds paired", *[f"{name} − {base.name}'s" for name, _ in measures]], rows)
+
+
 def runs_table(settings: Sequence[Setting], target: float) -> str:
     """One row per run: where it got, what it spent, and when it reached the baseline peak."""
     header = ["setting", "run", "learner steps", "peak acc", "final acc", "generated tokens",
@@ -218,12 +240,14 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
     all_mus = ([(f"measured µ = {fmt(mu)}", mu)] if mu is not None else []) + [(f"µ = {fmt(m)}", m) for m in mus]
     main_mus = all_mus[:2] if mu is not None else all_mus[:1]  # the measured µ and the first given
     main, compute = main_table(settings, base, target, main_mus), compute_table(settings, base, target, all_mus)
-    passes, speed = pass_table(settings, base), speed_table(settings, base)
+    passes, speed, paired = pass_table(settings, base), speed_table(settings, base), paired_table(settings, base)
     pngs = report_plots.write(settings, target, all_mus, out)
     _copy_run_files(settings, out)
     doc = ["# Replay comparison", "", *_how_to_read(settings, base, target, mu, mus), "",
            "## Per setting", "", main,
            *(["## Learning speed and stability", "", speed] if speed else []),
+           *([f"## Paired by seed: each run minus the {base.name} run of the same seed", "", paired]
+             if paired else []),
            "## Compute to the baseline peak, × the baseline's", "",
            compute if all_mus else "No µ: no run logged cost/mu and none was given with --mu.\n",
            *(["## pass@k of the final policy (`jaxreplay eval ... --out RUN_DIR/eval.json`)", "", passes]

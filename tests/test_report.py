@@ -207,6 +207,19 @@ def test_speed_is_accuracy_at_shares_of_the_common_token_budget_and_stability_th
         assert _numbers(_column(rows[name], "largest fall"))[:3] == pytest.approx(_iqr(values), abs=1e-9)
 
 
+def test_paired_differences_subtract_the_baseline_run_of_the_same_seed(md):
+    rows = _tables(md)["Paired by seed: each run minus the on_policy run of the same seed"]
+    assert set(rows) == {"spi2", "spi8"}  # the baseline is not paired with itself
+    peaks = {"on_policy": [0.6, 0.6, 0.7], "spi2": [0.7, 0.65, 0.55], "spi8": [0.5, 0.45]}
+    spi2 = np.subtract(peaks["spi2"], peaks["on_policy"])
+    assert rows["spi2"]["seeds paired"] == "3" and rows["spi8"]["seeds paired"] == "2"
+    assert _numbers(_column(rows["spi2"], "peak accuracy"))[:3] == pytest.approx(_iqr(spi2), rel=5e-3)
+    assert _numbers(_column(rows["spi8"], "final accuracy"))[:3] == pytest.approx(_iqr([0.0, -0.15]), rel=5e-3)
+    # pass@4 exists for on_policy seeds 0 and 1 and spi2 seed 0: one pair.
+    assert _numbers(_column(rows["spi2"], "pass@4")) == pytest.approx([0.6 - 0.5])
+    assert _column(rows["spi8"], "pass@4") == "n/a"
+
+
 def test_pass_at_k_comes_from_eval_json(md):
     table = _tables(md)["pass@k of the final policy (`jaxreplay eval ... --out RUN_DIR/eval.json`)"]
     on = table["on_policy (baseline)"]
