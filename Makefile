@@ -61,4 +61,4 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf .venv .venv-* runs .pytest_cache .jax-cache
+	rm -rf .venv .venv-* runs .pytest_cache
