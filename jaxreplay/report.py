@@ -116,17 +116,16 @@ def speed_table(settings: Sequence[Setting], base: Setting) -> Optional[str]:
     """How fast and how steadily each setting learns: accuracy at shares of the generated-token budget
     every run spent (each run's evaluations interpolated linearly), and the largest fall below an
     earlier evaluation. None if a run did not track its generated tokens."""
-    curves = [clean(r.x("tokens", steps), acc) for s in settings for r in s.runs for steps, acc in [r.evals()]]
-    if any(len(x) == 0 for x, _ in curves):
+    curves = {id(r): clean(r.x("tokens", steps), acc) for s in settings for r in s.runs for steps, acc in [r.evals()]}
+    if any(len(x) == 0 for x, _ in curves.values()):
         return None
-    budget = min(float(x[-1]) for x, _ in curves)
+    budget = min(float(x[-1]) for x, _ in curves.values())
     header = ["setting", *[f"accuracy at {f:.0%} of {fmt(budget)} tokens" for f in BUDGET_FRACTIONS],
               "largest fall below an earlier evaluation"]
     rows = []
     for s in settings:
-        at = [[float(np.interp(f * budget, *clean(r.x("tokens", steps), acc))) for f in BUDGET_FRACTIONS]
-              for r in s.runs for steps, acc in [r.evals()]]
-        rows.append([_name(s, base), *[cell([a[i] for a in at]) for i in range(len(BUDGET_FRACTIONS))],
+        at = [np.interp(np.multiply(BUDGET_FRACTIONS, budget), *curves[id(r)]) for r in s.runs]
+        rows.append([_name(s, base), *[cell([float(a[i]) for a in at]) for i in range(len(BUDGET_FRACTIONS))],
                      cell([largest_fall(r.evals()[1]) for r in s.runs])])
     return _markdown(header, rows)
 

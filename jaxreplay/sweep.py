@@ -17,8 +17,8 @@ memory), logging to RUN_DIR/train.log. A run whose summary.json reports all its 
 is skipped; any other run is started, and `jaxreplay train` resumes it from its latest
 checkpoint. `--print` prints one command per run instead, for a cluster scheduler. Dotted
 overrides after the sweep file apply to every run (`jaxreplay sweep FILE train.steps=50`).
-Every run's config is loaded and validated before the first one starts. All runs share
-one warm start, cached in OUT/.warmstart-cache unless an override names another.
+Every run's config is loaded and validated before the first one starts. Every setting of
+a seed shares its warm start, cached in OUT/.warmstart-cache unless an override names another.
 """
 
 from __future__ import annotations
