@@ -32,10 +32,11 @@ from jaxreplay.theory import realised_horizon, replay_ratio
 CALIBRATION_FILE = "calibration.json"
 
 
-def measure_mu(config: Config, act: Callable[[int], tuple[dict, dict]], train_step, params,
-               opt_state) -> dict[str, float]:
+def measure_mu(config: Config, act: Callable[[int], tuple[dict, dict]], train_step, params, opt_state,
+               learner_batch: Callable[[dict], dict] = to_device_batch, processes: int = 1) -> dict[str, float]:
     """Seconds per rollout generating and training, over `calibrate_steps` calls each after a compiling one.
-    act(i): the actor's rollouts for prompt batch i (and its stats)."""
+    act(i): this process's rollouts for prompt batch i (and its stats); learner_batch: rows as the
+    learner takes them (multi-host: each of the `processes` gives B/P rows of the global batch)."""
     k, b = config.replay.calibrate_steps, config.train.batch_size
     gen_s, items = 0.0, None
     for i in range(k + 1):
@@ -44,8 +45,8 @@ def measure_mu(config: Config, act: Callable[[int], tuple[dict, dict]], train_st
         jax.block_until_ready(items["tokens"])
         if i:
             gen_s += time.perf_counter() - start
-    rows = np.resize(np.arange(len(items["reward"])), b)  # B rows from the last actor batch
-    batch = to_device_batch({key: value[rows] for key, value in items.items()})
+    rows = np.resize(np.arange(len(items["reward"])), b // processes)  # B rows from the last actor batch
+    batch = learner_batch({key: value[rows] for key, value in items.items()})
     p, o = jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt_state)  # the step donates its inputs
     train_s = 0.0
     for i in range(k + 1):

@@ -180,7 +180,7 @@ def _calibrated(run: Run, run_dir: Path, coord: Optional[distributed.Coordinator
 
     def measure() -> dict[str, float]:
         record = measure_mu(run.config, lambda i: run.stack.actor.act(actor_params, 0, i), run.stack.train_step,
-                            run.params, run.opt_state)
+                            run.params, run.opt_state, run.placement.learner_batch, run.placement.processes)
         if coord is None:
             return record
         return json.loads(coord.broadcast("calibration", json.dumps(record) if coord.is_leader else None))

@@ -148,6 +148,8 @@ def supervised_warm_start(graphdef, params, task: ArithmeticTask, config: Config
     optimizer = optax.adam(w.learning_rate)
     opt_state = optimizer.init(params)
     step = make_sft_step(graphdef, optimizer)
+    # Multi-process CPU: gloo pairs collectives by order, so no local device may start a step early.
+    lockstep = jax.process_count() > 1 and jax.default_backend() == "cpu"
     # A stream of its own so warm-start problems are not the RL prompt stream.
     seed = config.run.seed + 7_919
     for i in tqdm(range(w.steps), desc="warm start", unit="step", disable=not config.run.progress_bar,
@@ -156,4 +158,6 @@ def supervised_warm_start(graphdef, params, task: ArithmeticTask, config: Config
             seed, i, w.batch_size, config.sampling.max_new_tokens, carry_error=w.teacher_carry_error
         )
         params, opt_state, _ = step(params, opt_state, tokens, attention_mask, loss_mask)
+        if lockstep:
+            jax.block_until_ready((params, opt_state))
     return params

@@ -71,6 +71,17 @@ def _launch(run_dir: Path, num_processes: int, timeout_s: float, coordination_ti
     return results
 
 
+def _assert_all_succeeded(results: list[subprocess.CompletedProcess], run_dir: Path) -> None:
+    """Every process exited 0; otherwise every process's tail and the native log's, since the
+    first to fail is often not the one that reports it (a peer sees only a closed connection)."""
+    if any(r.returncode != 0 for r in results):
+        tails = [f"--- process {i} (exit {r.returncode}):\n{r.stdout[-2500:]}" for i, r in enumerate(results)]
+        native = run_dir / "native.log"
+        if native.exists():
+            tails.append(f"--- {native.name}:\n{native.read_text()[-2500:]}")
+        pytest.fail("not every process succeeded:\n" + "\n".join(tails))
+
+
 # Sharded replay: `auto` picks it where Reverb is not installed; on the Reverb lane it is asked for.
 SHARDED = [] if not HAVE_REVERB else ["replay.backend=inprocess"]
 
@@ -83,8 +94,7 @@ SHARDED = [] if not HAVE_REVERB else ["replay.backend=inprocess"]
 def test_two_processes_train_the_same_params_at_the_target_replay_ratio(tmp_path, backend, overrides):
     results = _launch(tmp_path, num_processes=2, timeout_s=400,
                       per_process={i: ["replay.samples_per_insert=2", *overrides] for i in range(2)})
-    for i, r in enumerate(results):
-        assert r.returncode == 0, f"process {i} failed:\n{r.stdout[-3000:]}"
+    _assert_all_succeeded(results, tmp_path)
 
     processes = [json.loads((tmp_path / f"process-{i}.json").read_text()) for i in range(2)]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -155,8 +165,7 @@ def _start_workers(out: Path, per_process: list[list[str]]) -> list[subprocess.C
 
 
 def _run_sharded_workers(out: Path, overrides: list[str]) -> list[dict]:
-    for i, result in enumerate(_start_workers(out, [overrides, overrides])):
-        assert result.returncode == 0, f"process {i} failed:\n{result.stdout[-3000:]}"
+    _assert_all_succeeded(_start_workers(out, [overrides, overrides]), out)
     return [json.loads((out / f"process-{i}.json").read_text()) for i in range(2)]
 
 
@@ -267,8 +276,7 @@ def test_every_process_takes_the_leaders_calibrated_ratio(tmp_path):
     the leader's figures set one samples_per_insert for the whole job, recorded once."""
     results = _launch(tmp_path, num_processes=2, timeout_s=400,
                       per_process={i: ["replay.calibrate_steps=1", *SHARDED] for i in range(2)})
-    for i, r in enumerate(results):
-        assert r.returncode == 0, f"process {i} failed:\n{r.stdout[-3000:]}"
+    _assert_all_succeeded(results, tmp_path)
     calibration = json.loads((tmp_path / "calibration.json").read_text())
     targets = [json.loads((tmp_path / f"process-{i}.json").read_text())["replay/samples_per_insert_target"]
                for i in range(2)]
@@ -291,8 +299,7 @@ def test_two_processes_train_released_weights(tmp_path):
           "task.max_prompt_len=40", "sampling.max_new_tokens=2", "warmstart.steps=0", *SHARDED]
     run = tmp_path / "run"
     results = _launch(run, num_processes=2, timeout_s=400, per_process={i: hf for i in range(2)})
-    for i, r in enumerate(results):
-        assert r.returncode == 0, f"process {i} failed:\n{r.stdout[-3000:]}"
+    _assert_all_succeeded(results, run)
     assert f"loaded {tmp_path / 'hf'}" in results[0].stdout
     processes = [json.loads((run / f"process-{i}.json").read_text()) for i in range(2)]
     assert [p["steps"] for p in processes] == [4, 4]
