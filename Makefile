@@ -38,6 +38,12 @@ else
   $(error LANE=$(LANE): use default, py313, gpu-image, tpu or reverb)
 endif
 
+# uv resolves and installs the pinned set in seconds where pip takes a minute or more. The Reverb
+# lane keeps pip: its CPU torch comes from pip's configured wheel sources, which uv does not read.
+INSTALLER ?= $(if $(filter reverb,$(LANE)),pip,uv)
+INSTALL_uv = $(VENV)/bin/python -m uv pip install --python $(VENV)/bin/python
+INSTALL_pip = $(VENV)/bin/python -m pip install
+
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(CONSTRAINTS) | cksum | cut -d' ' -f1)
 
 .PHONY: venv demo test clean
@@ -45,8 +51,8 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(CONSTRAINTS) | cksum | 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -n "$(PYTHON)" || { echo "make: no Python >= 3.12 found for LANE=$(LANE); set PYTHON=/path/to/python3.12" >&2; exit 2; }
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip $(if $(filter uv,$(INSTALLER)),uv)
+	$(INSTALL_$(INSTALLER)) --quiet -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
 ## make venv: the lane's venv, installed, and nothing run
