@@ -62,9 +62,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/jaxreplay train configs/demo.yaml $(ARGS)
 
-## make test: the lane's whole suite, slow end-to-end runs included (PYTEST_ARGS='-m "not slow"' to skip them)
+## make test: the lane's whole suite, slow end-to-end runs included (PYTEST_ARGS='-m "not slow"' to skip them),
+## on TEST_WORKERS pytest-xdist workers, each taking whole files (module fixtures are built once)
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
-	rm -rf .venv .venv-* runs .pytest_cache
+	rm -rf .venv .venv-* runs .pytest_cache .jax-cache

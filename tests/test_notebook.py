@@ -10,6 +10,7 @@ the install cell stops rather than upgrade a package the kernel imported. The no
 lane (Python >= 3.12) runs it.
 """
 
+import importlib.util
 import json
 import os
 import shutil
@@ -95,8 +96,15 @@ def runtime(tmp_path_factory):
         pytest.skip("no python3.12 here: the Colab runtime the notebook test recreates is Python 3.12")
     venv = tmp_path_factory.mktemp("colab") / "venv"
     subprocess.run([python312, "-m", "venv", str(venv)], check=True, timeout=300)
-    _pip(venv / "bin" / "python", "--no-compile", "--constraint", str(CONSTRAINTS), "numpy", "jax", "ipykernel",
-         "nbclient")
+    # The runtime as it stands before the notebook runs; uv builds it in seconds where it is installed
+    # (make's lanes), pip otherwise. The notebook's own install cell uses pip, as on Colab.
+    packages = ["--constraint", str(CONSTRAINTS), "numpy", "jax", "ipykernel", "nbclient"]
+    if importlib.util.find_spec("uv"):
+        done = subprocess.run([sys.executable, "-m", "uv", "pip", "install", "--quiet", "--python",
+                               str(venv / "bin" / "python"), *packages], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"uv pip install failed:\n{done.stderr[-3000:]}"
+    else:
+        _pip(venv / "bin" / "python", "--no-compile", *packages)
     freeze = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze"], capture_output=True, text=True,
                             check=True, timeout=120).stdout
     present = {_name(line.split("==")[0]) for line in freeze.splitlines() if "==" in line}
@@ -120,7 +128,7 @@ def _notebook_from_checkout(tmp_path):
     and the install cell."""
     checkout = tmp_path / "jaxreplay"
     shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(
-        ".git", ".venv*", "runs", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"))
+        ".git", ".venv*", "runs", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", ".jax-cache"))
     cells = json.loads(NOTEBOOK.read_text())["cells"]
     install = next(c for c in cells if c["cell_type"] == "code")
     lines = "".join(install["source"]).split("\n")

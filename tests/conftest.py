@@ -1,0 +1,28 @@
+"""What every test, and every process a test starts, shares: XLA's persistent compilation cache.
+
+The suite compiles the same small programs many times over (the same tiny configs in many
+tests, and in the `jaxreplay train` processes tests start); compiled once and loaded after,
+test_train.py takes half the CPU time on 2 cores. Entries are keyed by the program, the
+jax/jaxlib version, the backend and the flags, so lanes and runs share the folder.
+
+Only from jax 0.8 (the default tier): on the Reverb lane's jax 0.4.34, programs loaded from
+the cache within one suite run trained differently from freshly compiled ones (every group
+of test_replay_knobs scored alike), so that lane compiles everything.
+Set JAX_COMPILATION_CACHE_DIR to use another folder (or "" for none).
+"""
+
+import os
+from importlib.metadata import version
+from pathlib import Path
+
+CACHE_FROM_JAX = (0, 8)
+
+
+def _release(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:2])
+
+
+# Set before jax is imported (tests import it after this file), and inherited by subprocesses.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and _release(version("jax")) >= CACHE_FROM_JAX:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(Path(__file__).resolve().parents[1] / ".jax-cache")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
