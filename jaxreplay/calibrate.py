@@ -45,7 +45,7 @@ def measure_mu(config: Config, act: Callable[[int], tuple[dict, dict]], train_st
         jax.block_until_ready(items["tokens"])
         if i:
             gen_s += time.perf_counter() - start
-    rows = np.resize(np.arange(len(items["reward"])), b // processes)  # B rows from the last actor batch
+    rows = np.resize(np.arange(len(items["reward"])), b // processes)  # this process's share, from its last batch
     batch = learner_batch({key: value[rows] for key, value in items.items()})
     p, o = jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt_state)  # the step donates its inputs
     train_s = 0.0

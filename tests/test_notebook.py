@@ -77,10 +77,13 @@ def _python312():
     return None
 
 
-def _pip(python, *args, timeout=600):
-    done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", *args], capture_output=True, text=True,
-                          timeout=timeout)
-    assert done.returncode == 0, f"pip install {' '.join(args)} failed:\n{done.stderr[-3000:]}"
+def _pip(python, *args, timeout=600, fast=False):
+    """`pip install` into `python`'s environment. fast: through uv where this interpreter has it (make's
+    lanes), for building the runtime only: what the notebook's cells install goes through pip, as on Colab."""
+    installer = ([sys.executable, "-m", "uv", "pip", "install", "--python", str(python)]
+                 if fast and importlib.util.find_spec("uv") else [str(python), "-m", "pip", "install"])
+    done = subprocess.run([*installer, "--quiet", *args], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(installer[:-1])} {' '.join(args)} failed:\n{done.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -96,15 +99,7 @@ def runtime(tmp_path_factory):
         pytest.skip("no python3.12 here: the Colab runtime the notebook test recreates is Python 3.12")
     venv = tmp_path_factory.mktemp("colab") / "venv"
     subprocess.run([python312, "-m", "venv", str(venv)], check=True, timeout=300)
-    # The runtime as it stands before the notebook runs; uv builds it in seconds where it is installed
-    # (make's lanes), pip otherwise. The notebook's own install cell uses pip, as on Colab.
-    packages = ["--constraint", str(CONSTRAINTS), "numpy", "jax", "ipykernel", "nbclient"]
-    if importlib.util.find_spec("uv"):
-        done = subprocess.run([sys.executable, "-m", "uv", "pip", "install", "--quiet", "--python",
-                               str(venv / "bin" / "python"), *packages], capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, f"uv pip install failed:\n{done.stderr[-3000:]}"
-    else:
-        _pip(venv / "bin" / "python", "--no-compile", *packages)
+    _pip(venv / "bin" / "python", "--constraint", str(CONSTRAINTS), "numpy", "jax", "ipykernel", "nbclient", fast=True)
     freeze = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze"], capture_output=True, text=True,
                             check=True, timeout=120).stdout
     present = {_name(line.split("==")[0]) for line in freeze.splitlines() if "==" in line}
