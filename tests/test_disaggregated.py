@@ -68,7 +68,8 @@ def test_wait_for_returns_the_value_none_on_stop_and_times_out_with_the_reason()
 @pytest.mark.slow
 def test_disaggregated_runs_on_4_host_devices():
     """Runs tests/test_disaggregated_multidevice.py where XLA sees 4 CPU devices."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"  # the suite's flags kept
+    env = {**os.environ, "XLA_FLAGS": flags, "TF_CPP_MIN_LOG_LEVEL": "3"}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_disaggregated_multidevice.py"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -86,7 +86,8 @@ def test_logical_spec_skips_mesh_axes_that_do_not_divide_or_are_taken():
 
 def test_sharded_equals_single_device_on_8_host_devices():
     """Runs tests/test_sharding_multidevice.py where XLA sees 8 CPU devices."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"  # the suite's flags kept
+    env = {**os.environ, "XLA_FLAGS": flags, "TF_CPP_MIN_LOG_LEVEL": "3"}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_sharding_multidevice.py"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
