@@ -15,8 +15,10 @@ Most tests compile small programs and run them a few times, so compiling is most
 time; at optimisation level 0 XLA compiles them about 1.6x faster (cold cache, one process:
 tests/test_learner_scale.py 158 s -> 95 s; test_sampling, test_learner and test_model
 207 s -> 136 s), and the end-to-end runs take as long (test_train + test_crash 206 s ->
-210 s). The user's entry points (`make demo`, the CLI, benchmarks) keep XLA's default.
-An XLA_FLAGS that already names the level keeps its own.
+210 s). The user's entry points (`make demo`, the CLI, benchmarks) keep XLA's default, and
+so do the processes that tests start with XLA_FLAGS of their own (the multi-host and resume
+runs); the 8- and 4-device suites add their device count to these flags. An XLA_FLAGS that
+already names the level keeps its own.
 """
 
 import os
