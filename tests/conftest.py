@@ -15,10 +15,10 @@ Most tests compile small programs and run them a few times, so compiling is most
 time; at optimisation level 0 XLA compiles them about 1.6x faster (cold cache, one process:
 tests/test_learner_scale.py 158 s -> 95 s; test_sampling, test_learner and test_model
 207 s -> 136 s), and the end-to-end runs take as long (test_train + test_crash 206 s ->
-210 s). The user's entry points (`make demo`, the CLI, benchmarks) keep XLA's default, and
-so do the processes that tests start with XLA_FLAGS of their own (the multi-host and resume
-runs); the 8- and 4-device suites add their device count to these flags. An XLA_FLAGS that
-already names the level keeps its own.
+210 s). The user's entry points (`make demo`, the CLI, benchmarks) keep XLA's default,
+and so does a process a test starts with an XLA_FLAGS of its own; those that need several CPU
+devices take the suite's flags with a device count added (`cpu_devices_env`). An XLA_FLAGS
+that already names the level keeps its own.
 """
 
 import os
@@ -39,3 +39,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ and _release(version("jax")) >=
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}=0".strip()
+
+
+def cpu_devices_env(count: int) -> dict[str, str]:
+    """The environment of a process a test starts on `count` CPU devices: this suite's
+    settings (cache, optimisation level) with XLA told to make that many host devices."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, "TF_CPP_MIN_LOG_LEVEL": "3"}

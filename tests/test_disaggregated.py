@@ -1,6 +1,5 @@
 """Disaggregated mode: two roles in two threads that stop together; end-to-end runs on 4 host devices."""
 
-import os
 import subprocess
 import sys
 import threading
@@ -11,6 +10,7 @@ import pytest
 
 from jaxreplay.roles import RoleError, run_roles, wait_for
 from jaxreplay.replay import ReplayTimeoutError
+from conftest import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,10 +68,8 @@ def test_wait_for_returns_the_value_none_on_stop_and_times_out_with_the_reason()
 @pytest.mark.slow
 def test_disaggregated_runs_on_4_host_devices():
     """Runs tests/test_disaggregated_multidevice.py where XLA sees 4 CPU devices."""
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"  # the suite's flags kept
-    env = {**os.environ, "XLA_FLAGS": flags, "TF_CPP_MIN_LOG_LEVEL": "3"}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_disaggregated_multidevice.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        cwd=ROOT, env=cpu_devices_env(4), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]

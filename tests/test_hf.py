@@ -29,6 +29,7 @@ from jaxreplay.models import forward
 from jaxreplay.models.hf import HFModelError, load_hf_model, read_model_config, save_hf_model
 from jaxreplay.models.tokenizer import load_tokenizer
 from jaxreplay.sampling import make_sampler
+from conftest import cpu_devices_env
 
 # Qwen2 and Qwen3 tie their embeddings as Qwen2.5-0.5B and Qwen3-0.6B do; Llama does not.
 # Qwen3's head_dim is not hidden/heads, as in the real Qwen3 models.
@@ -239,8 +240,6 @@ def test_loads_straight_into_a_device_mesh(tmp_path):
     for, each device holding its own slice of the checkpoint's tensor."""
     make_hf_model("qwen3", tmp_path)
     script = textwrap.dedent(f"""
-        import os
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
         import jax, numpy as np
         from flax import nnx
         from jax.sharding import Mesh
@@ -265,7 +264,8 @@ def test_loads_straight_into_a_device_mesh(tmp_path):
         assert split > 0
         print("ok", split)
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], env=cpu_devices_env(4), capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("ok")
 

@@ -19,6 +19,7 @@ from typing import Optional
 import pytest
 
 from jaxreplay.config import ConfigError, load_config
+from conftest import cpu_devices_env
 
 HAVE_REVERB = importlib.util.find_spec("reverb") is not None
 needs_reverb = pytest.mark.skipif(not HAVE_REVERB, reason="needs dm-reverb (the Reverb lane, Python 3.10/3.11)")
@@ -50,11 +51,10 @@ def _launch(run_dir: Path, num_processes: int, timeout_s: float, coordination_ti
     common = [*TINY, f"run.dir={run_dir}", "distributed.enabled=true", f"distributed.num_processes={num_processes}",
               f"distributed.coordinator_address=127.0.0.1:{_free_port()}",
               f"distributed.timeout_s={coordination_timeout_s}"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     procs = [
         subprocess.Popen([sys.executable, "-m", "jaxreplay.cli", "--debug", "train", "configs/demo.yaml", *common,
-                          f"distributed.process_id={i}", *(per_process or {}).get(i, [])], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+                          f"distributed.process_id={i}", *(per_process or {}).get(i, [])], cwd=ROOT,
+                         env=cpu_devices_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(num_processes)
     ]
     deadline = time.monotonic() + timeout_s

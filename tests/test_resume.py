@@ -23,11 +23,11 @@ import pytest
 
 from jaxreplay.compat import multiprocess_checkpoint_gap
 from test_train import DEMO, ROOT, TINY
+from conftest import cpu_devices_env
 
 pytestmark = pytest.mark.slow
 
-FOUR_DEVICES = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-TWO_DEVICES = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+FOUR_DEVICES, TWO_DEVICES = cpu_devices_env(4), cpu_devices_env(2)
 SMALL = [*TINY, "warmstart.steps=0", "train.eval_every=1000", "run.progress_bar=false"]
 DISAGGREGATED = [*SMALL, "mesh.actor_devices=2", "mesh.data=-1", "train.batch_size=16", "train.prompts_per_step=2",
                  "replay.max_size=128", "replay.min_size_to_sample=16", "replay.samples_per_insert=2",

@@ -1,6 +1,5 @@
 """Meshes from config and the logical-axis rules; the 8-device equivalence suite runs in a subprocess."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from jaxreplay.compat import abstract_mesh, is_variable, logical_axes, value_of
 from jaxreplay import sharding
 from jaxreplay.config import ConfigError, MeshConfig, ModelConfig, load_config
 from jaxreplay.models import abstract_params
+from conftest import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,10 +86,8 @@ def test_logical_spec_skips_mesh_axes_that_do_not_divide_or_are_taken():
 
 def test_sharded_equals_single_device_on_8_host_devices():
     """Runs tests/test_sharding_multidevice.py where XLA sees 8 CPU devices."""
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"  # the suite's flags kept
-    env = {**os.environ, "XLA_FLAGS": flags, "TF_CPP_MIN_LOG_LEVEL": "3"}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_sharding_multidevice.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env=cpu_devices_env(8), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
