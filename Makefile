@@ -65,11 +65,11 @@ demo: $(STAMP)
 	$(VENV)/bin/jaxreplay train configs/demo.yaml $(ARGS)
 
 ## make test: the lane's whole suite, slow end-to-end runs included (PYTEST_ARGS='-m "not slow"' to skip them),
-## on TEST_WORKERS pytest-xdist workers that take tests from each other's queue as they run dry (worksteal:
-## the long end-to-end files no longer end the run on one worker)
+## on TEST_WORKERS pytest-xdist workers, each taking whole files (a file's compiled programs and module fixtures
+## are built once), the files with the most end-to-end runs first (tests/conftest.py)
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 clean:
 	rm -rf .venv .venv-* runs .pytest_cache .jax-cache

@@ -22,6 +22,7 @@ that already names the level keeps its own.
 """
 
 import os
+from collections import Counter
 from importlib.metadata import version
 from pathlib import Path
 
@@ -39,6 +40,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ and _release(version("jax")) >=
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}=0".strip()
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Files with the most end-to-end runs (marked slow) first, each file's tests in their own
+    order: make test's pytest-xdist workers take whole files in this order
+    (--no-loadscope-reorder), so the long files start early and the short ones fill in
+    around them, instead of one long file ending the run on a single worker."""
+    slow_runs = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow_runs[item.path])  # stable: keeps each file's order
 
 
 def cpu_devices_env(count: int) -> dict[str, str]:
