@@ -41,9 +41,12 @@ endif
 # uv resolves and installs the pinned set in seconds where pip takes a minute or more (the Reverb
 # lane: 17 s against 167 s). uv does not read pip's configuration, so the wheel folders pip is told
 # of (PIP_FIND_LINKS or `pip config`; where a machine keeps its CPU torch wheel) are handed to it.
+# --compile-bytecode, as pip does: where PYTHONDONTWRITEBYTECODE is set (as on this project's
+# machines) Python would otherwise compile every module it imports from source in every process
+# (importing jax, flax, orbax, reverb and tensorflow: 24.6 s of CPU instead of 9.1 s).
 INSTALLER ?= uv
 PIP_FIND_LINKS ?= $(shell $(or $(PYTHON),python3) -m pip config get global.find-links 2>/dev/null)
-INSTALL_uv = $(VENV)/bin/python -m uv pip install --python $(VENV)/bin/python $(addprefix --find-links ,$(PIP_FIND_LINKS))
+INSTALL_uv = $(VENV)/bin/python -m uv pip install --compile-bytecode --python $(VENV)/bin/python $(addprefix --find-links ,$(PIP_FIND_LINKS))
 INSTALL_pip = $(VENV)/bin/python -m pip install
 
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(CONSTRAINTS) | cksum | cut -d' ' -f1)

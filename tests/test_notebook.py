@@ -80,7 +80,7 @@ def _python312():
 def _pip(python, *args, timeout=600, fast=False):
     """`pip install` into `python`'s environment. fast: through uv where this interpreter has it (make's
     lanes), for building the runtime only: what the notebook's cells install goes through pip, as on Colab."""
-    installer = ([sys.executable, "-m", "uv", "pip", "install", "--python", str(python)]
+    installer = ([sys.executable, "-m", "uv", "pip", "install", "--compile-bytecode", "--python", str(python)]
                  if fast and importlib.util.find_spec("uv") else [str(python), "-m", "pip", "install"])
     done = subprocess.run([*installer, "--quiet", *args], capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{' '.join(installer[:-1])} {' '.join(args)} failed:\n{done.stderr[-3000:]}"
