@@ -39,15 +39,20 @@ else
 endif
 
 # uv resolves and installs the pinned set faster than pip (the Reverb lane's fresh venv: 101 s with
-# bytecode compiled, against pip's 167 s). uv does not read pip's configuration, so the wheel folders pip is told
+# pip's 167 s). uv does not read pip's configuration, so the wheel folders pip is told
 # of (PIP_FIND_LINKS or `pip config`; where a machine keeps its CPU torch wheel) are handed to it.
-# --compile-bytecode, as pip does: where PYTHONDONTWRITEBYTECODE is set (as on this project's
-# machines) Python would otherwise compile every module it imports from source in every process
-# (importing jax, flax, orbax, reverb and tensorflow: 24.6 s of CPU instead of 9.1 s).
 INSTALLER ?= uv
 PIP_FIND_LINKS ?= $(shell $(or $(PYTHON),python3) -m pip config get global.find-links 2>/dev/null)
-INSTALL_uv = $(VENV)/bin/python -m uv pip install --compile-bytecode --python $(VENV)/bin/python $(addprefix --find-links ,$(PIP_FIND_LINKS))
+INSTALL_uv = $(VENV)/bin/python -m uv pip install --python $(VENV)/bin/python $(addprefix --find-links ,$(PIP_FIND_LINKS))
 INSTALL_pip = $(VENV)/bin/python -m pip install
+
+# Python writes each module's bytecode when it first imports it, even where the environment says not to
+# (PYTHONDONTWRITEBYTECODE, set on this project's machines): otherwise every process compiles jax, flax,
+# orbax and TensorFlow from source again (24.6 s of CPU to import them with reverb, 8.6 s from bytecode).
+# Lazily, not at install: compiling every venv's whole site-packages cost CI 305 s. Into the venv, so the
+# checkout stays as cloned and `make clean` takes it too.
+unexport PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX ?= $(abspath $(VENV))/pycache
 
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(CONSTRAINTS) | cksum | cut -d' ' -f1)
 

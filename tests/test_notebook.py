@@ -80,7 +80,7 @@ def _python312():
 def _pip(python, *args, timeout=600, fast=False):
     """`pip install` into `python`'s environment. fast: through uv where this interpreter has it (make's
     lanes), for building the runtime only: what the notebook's cells install goes through pip, as on Colab."""
-    installer = ([sys.executable, "-m", "uv", "pip", "install", "--compile-bytecode", "--python", str(python)]
+    installer = ([sys.executable, "-m", "uv", "pip", "install", "--python", str(python)]
                  if fast and importlib.util.find_spec("uv") else [str(python), "-m", "pip", "install"])
     done = subprocess.run([*installer, "--quiet", *args], capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{' '.join(installer[:-1])} {' '.join(args)} failed:\n{done.stderr[-3000:]}"
@@ -141,7 +141,8 @@ def _execute(venv, cells, workdir, env_extra=(), timeout=480):
     nb["cells"] = cells
     source, executed = workdir / "in.ipynb", workdir / "out.ipynb"
     source.write_text(json.dumps(nb))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}  # the venv's own site only
+    # The venv's own site only; and bytecode written on first import, as on Colab (the runtime is built without it).
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")}
     env.update(env_extra)
     done = subprocess.run([str(venv / "bin" / "python"), "-c", DRIVER, str(source), str(executed), str(workdir),
                            str(timeout)], capture_output=True, text=True, env=env, cwd=workdir, timeout=timeout + 120)
