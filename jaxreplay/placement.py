@@ -83,7 +83,8 @@ class Placement:
         leader's records describe the whole batch, not its own share."""
         if self.kind != "multihost":
             return dict(rows)
-        return {k: np.asarray(v) for k, v in multihost_utils.process_allgather(dict(rows), tiled=True).items()}
+        spread = sharding.process_rows()
+        return fetched({k: _global_rows(np.atleast_1d(v), spread) for k, v in rows.items()})
 
     def rollout_sampler(self, sample_fn: Callable) -> Callable:
         """`sample_fn` as the actor calls it: on this process's prompts, returning its rows."""
@@ -159,9 +160,22 @@ def _on_all_rows(sample_fn: Callable, mesh: Mesh) -> Callable:
         whole = [jax.make_array_from_callback(np.shape(x), rows, lambda index, x=np.asarray(x): x[index])
                  for x in (prompts, prompt_mask)]
         rollout = jax.block_until_ready(sample_fn(params, *whole, replicated(key, mesh)))
-        return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), rollout)
+        return fetched(rollout)
 
     return sample
+
+
+def _identity(tree: Any) -> Any:
+    return tree
+
+
+def fetched(tree: Any) -> Any:
+    """Global arrays whole on every process, as numpy (a collective multi-host). One program for
+    the whole tree, waited for on every local device: `multihost_utils.process_allgather` runs one
+    per leaf and waits for the first device only, and on CPU (jax 0.4.34) a device still in one
+    gather then pairs its collectives with a peer's next: gloo aborts the job."""
+    whole = jax.jit(_identity, out_shardings=jax.tree.map(lambda x: sharding.replicated(x.sharding.mesh), tree))(tree)
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), jax.block_until_ready(whole))
 
 
 def replicated(x: Any, mesh: Mesh) -> jax.Array:
@@ -173,6 +187,6 @@ def replicated(x: Any, mesh: Mesh) -> jax.Array:
 def params_digest(params: Any) -> str:
     """sha256 of the full parameter values (gathered from all processes), leaves in tree order."""
     digest = hashlib.sha256()
-    for leaf in jax.tree.leaves(multihost_utils.process_allgather(params, tiled=True)):
+    for leaf in jax.tree.leaves(fetched(params)):
         digest.update(np.ascontiguousarray(leaf).tobytes())
     return digest.hexdigest()

@@ -166,6 +166,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def process_rows() -> NamedSharding:
+    """Rows split over the job's processes, each process's block whole on each of its devices:
+    how host rows that every process holds (as many each) become one global array."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    grid = np.asarray(devices, dtype=object).reshape(jax.process_count(), jax.local_device_count())
+    return NamedSharding(Mesh(grid, ("processes", "local")), PartitionSpec("processes"))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) axis split over the data-parallel mesh axes; other axes replicated."""
     return NamedSharding(mesh, PartitionSpec(RULES["batch"]))
