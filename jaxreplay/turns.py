@@ -52,6 +52,9 @@ class TurnTables(Protocol):
     def stopping(self, run: Run) -> bool:
         """Whether a SIGTERM reached this process (multi-host: any process)."""
 
+    def checkpoint_due(self, run: Run) -> bool:
+        """After a learner step, whether to save (multi-host: by any process's clock)."""
+
     def checkpoint(self) -> str: ...
 
     def prune(self, keep: set[str]) -> Any: ...
@@ -81,7 +84,7 @@ def run_turns(run: Run, tables: TurnTables) -> None:
             run.progress.rows_sampled += rollouts.count(batch)
             run.learn(batch, times_sampled, lambda: tables.state(rollouts.count(run.pending)),
                       time.perf_counter() - t0)
-            if run.checkpoint_due():
+            if tables.checkpoint_due(run):
                 _save(run, tables)
         else:
             run.act(run.params, run.progress.policy_version)
@@ -149,6 +152,9 @@ class LocalTables:
     def stopping(self, run: Run) -> bool:
         return run.notice.is_set()
 
+    def checkpoint_due(self, run: Run) -> bool:
+        return run.checkpoint_due()
+
     def checkpoint(self) -> str:
         if self._snapshot is not None:  # the loop's own count must match the server's: no other client
             self._snapshot = check_only_client(self._snapshot, self._server.states())
@@ -192,6 +198,15 @@ class GlobalTables:
         self._turn += 1
         flags = self._coord.gather(f"stop/{self._turn}", "1" if run.notice.is_set() else "0")
         return "1" in flags
+
+    def checkpoint_due(self, run: Run) -> bool:
+        """The step count is alike on every process, but each has its own clock for
+        `checkpoint.every_seconds`: any process's makes the save due on all (saving is collective)."""
+        due = run.checkpoint_due()
+        if run.config.checkpoint.every_seconds <= 0 or not run.checkpoints:
+            return due
+        self._turn += 1
+        return "1" in self._coord.gather(f"due/{self._turn}", "1" if due else "0")
 
     def checkpoint(self) -> str:
         """Every shard's checkpoint, named by process (one JSON list in the run's progress)."""

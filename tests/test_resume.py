@@ -111,9 +111,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _job(run_dir: Path, *overrides: str) -> list[subprocess.Popen]:
+def _job(run_dir: Path, *overrides: str, only_process_0: tuple[str, ...] = ()) -> list[subprocess.Popen]:
     address = f"distributed.coordinator_address=127.0.0.1:{_free_port()}"
-    return [subprocess.Popen(cli(run_dir, *MULTIHOST, address, f"distributed.process_id={i}", *overrides), cwd=ROOT,
+    return [subprocess.Popen(cli(run_dir, *MULTIHOST, address, f"distributed.process_id={i}", *overrides,
+                                 *(only_process_0 if i == 0 else ())), cwd=ROOT,
                              env=TWO_DEVICES, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for i in range(2)]
 
@@ -222,6 +223,16 @@ def test_checkpoints_follow_the_clock_as_well_as_the_step_count(tmp_path):
     subprocess.run(cli(run, *SMALL, "replay.backend=inprocess", "train.steps=4", "checkpoint.every=1000",
                        "checkpoint.every_seconds=0.000001", "checkpoint.keep=10"),
                    cwd=ROOT, check=True, capture_output=True, timeout=600)
+    assert checkpoint_steps(run) == [1, 2, 3, 4]
+
+
+@needs_multiprocess_checkpoints
+def test_a_multihost_job_checkpoints_when_any_process_clock_says_so(tmp_path):
+    """Only process 0's clock makes saves due (as when process 1's runs behind): both save."""
+    run = tmp_path / "run"
+    results = _finish(_job(run, "train.steps=4", "checkpoint.every=1000", "checkpoint.keep=10",
+                           "checkpoint.every_seconds=3600", only_process_0=("checkpoint.every_seconds=0.000001",)), 400)
+    assert [rc for rc, _ in results] == [0, 0], [out[-2000:] for _, out in results]
     assert checkpoint_steps(run) == [1, 2, 3, 4]
 
 
