@@ -195,9 +195,7 @@ class GlobalTables:
 
     def stopping(self, run: Run) -> bool:
         """Any process's SIGTERM, agreed through the coordination service, so all save and stop."""
-        self._turn += 1
-        flags = self._coord.gather(f"stop/{self._turn}", "1" if run.notice.is_set() else "0")
-        return "1" in flags
+        return self._any_process("stop", run.notice.is_set())
 
     def checkpoint_due(self, run: Run) -> bool:
         """The step count is alike on every process, but each has its own clock for
@@ -205,8 +203,12 @@ class GlobalTables:
         due = run.checkpoint_due()
         if run.config.checkpoint.every_seconds <= 0 or not run.checkpoints:
             return due
+        return self._any_process("due", due)
+
+    def _any_process(self, name: str, flag: bool) -> bool:
+        """Whether `flag` holds on any process (a gather through the coordination service)."""
         self._turn += 1
-        return "1" in self._coord.gather(f"due/{self._turn}", "1" if due else "0")
+        return "1" in self._coord.gather(f"{name}/{self._turn}", "1" if flag else "0")
 
     def checkpoint(self) -> str:
         """Every shard's checkpoint, named by process (one JSON list in the run's progress)."""
