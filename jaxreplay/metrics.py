@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -24,6 +25,22 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _summary_writer_class() -> type:
+    """tensorboardX's SummaryWriter, imported without torch. tensorboardX imports torch
+    whenever it is installed (as on GPU images and Colab), only to accept torch tensors,
+    which we never pass: 3 s of every run's start-up on a CPU host. Where torch is already
+    imported, nothing changes."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -40,8 +57,7 @@ class MetricsWriter:
         self.path = Path(run_dir) / METRICS_FILE
         self._file = open(self.path, "a", buffering=1)
         try:
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = _summary_writer_class()
             self._tb = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR), purge_step=purge_step,
                                      filename_suffix=f".{time.time_ns()}")
         except ImportError:  # TensorBoard is a nicety; metrics.jsonl is the record.

@@ -1,7 +1,10 @@
 """metrics.jsonl and TensorBoard: every metric of a record reaches both."""
 
+import importlib.util
 import json
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -43,3 +46,22 @@ def test_scalars_and_histograms_reach_tensorboard(tmp_path):
     assert list(histo.bucket_limit)[:3] == [0.5, 1.5, 3.5] and histo.min == 0 and histo.max > 256
     assert list(tb[("replay/times_sampled_hist", 1)].histo.bucket) == [2, 1, 0, 1, 0, 0, 0, 0, 0]
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["replay/times_sampled_hist"][0] == 2
+
+
+def test_writing_metrics_does_not_import_torch_where_it_is_installed(tmp_path):
+    """tensorboardX imports torch whenever it can (seconds of every run's start-up on GPU
+    images and Colab, which ship torch); a run's metrics never need it."""
+    pytest.importorskip("tensorboardX")
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed here: nothing would import it")
+    script = ("import sys\n"
+              "import jaxreplay.driver\n"
+              "from jaxreplay.metrics import MetricsWriter\n"
+              "writer = MetricsWriter(sys.argv[1])\n"
+              "writer.write(1, {'loss': 0.5})\n"
+              "writer.close()\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+    assert tensorboard_values(tmp_path)[("loss", 1)].simple_value == 0.5
