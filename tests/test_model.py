@@ -14,7 +14,7 @@ from jaxreplay.config import ModelConfig
 from jaxreplay.models import (
     KVCache, Transformer, apply, count_params, forward, init_cache, init_params, positions_from_mask, split,
 )
-from jaxreplay.models.transformer import stacked_projection
+from jaxreplay.models.transformer import grouped_qkv_projection, stacked_projection
 
 TINY = ModelConfig(vocab_size=24, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
                    max_seq_len=32)
@@ -172,7 +172,7 @@ def test_cache_decode_matches_full_forward(cfg):
 
 
 def test_stacked_projections_compute_what_the_separate_ones_do():
-    """The decode path's one matmul for keys and values (and for the MLP's gate and up)
+    """The decode path's one matmul for the MLP's gate and up (any two Linears of one shape)
     gives each projection's output, biases included."""
     graphdef, params = perturbed(FULL)
     layer = nnx.merge(graphdef, params).layers[0]
@@ -183,6 +183,20 @@ def test_stacked_projections_compute_what_the_separate_ones_do():
             assert g.shape == want.shape
             np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(layer.mlp(x, stacked=True), layer.mlp(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cfg", [FULL, dataclasses.replace(FULL, n_heads=4, n_kv_heads=4, attention_bias=False)],
+                         ids=["grouped-with-bias", "one-query-per-kv-head"])
+def test_the_decode_steps_one_qkv_matmul_computes_each_projection(cfg):
+    """Queries, keys and values of a decode step come from one matmul; each keeps its own
+    heads (query head h next to kv head h // groups), biases included."""
+    graphdef, params = perturbed(cfg)
+    attn = nnx.merge(graphdef, params).layers[0].attn
+    x = jax.random.normal(jax.random.key(4), (3, 1, cfg.d_model))
+    got = grouped_qkv_projection(x, attn.q_proj, attn.k_proj, attn.v_proj, cfg.n_kv_heads)
+    for g, want in zip(got, (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))):
+        assert g.shape == want.shape
+        np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])

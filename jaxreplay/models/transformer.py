@@ -118,6 +118,23 @@ def stacked_projection(x: jax.Array, a: Linear, b: Linear) -> tuple[jax.Array, j
     return y[..., 0, :], y[..., 1, :]
 
 
+def grouped_qkv_projection(x: jax.Array, q: Linear, k: Linear, v: Linear,
+                           n_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(q(x), k(x), v(x)) as one matmul, for the decode step (see `stacked_projection`): 1.03-1.05x
+    tokens/s at batch 16 and 64 on CPU (benchmarks/sampler.py). The kernels are regrouped per kv
+    head, [in, kv_heads, (groups + 2) * head_dim]: each kv head's query heads, key and value sit
+    together, so kernels sharded over heads stay sharded over kv heads."""
+    cd = q.compute_dtype
+    per_kv_head = lambda a: a.reshape(*a.shape[:-1], n_kv_heads, a.shape[-1] // n_kv_heads)
+    kernel = jnp.concatenate([per_kv_head(p.kernel[...]) for p in (q, k, v)], axis=-1).astype(cd)
+    y = jnp.einsum("...d,dkc->...kc", x.astype(cd), kernel)
+    if q.bias is not None:
+        y = y + jnp.concatenate([per_kv_head(p.bias[...]) for p in (q, k, v)], axis=-1).astype(cd)
+    width_q, width_kv = q.kernel.shape[1] // n_kv_heads, k.kernel.shape[1] // n_kv_heads
+    flat = lambda a: a.reshape(*a.shape[:-2], -1)
+    return flat(y[..., :width_q]), flat(y[..., width_q:width_q + width_kv]), flat(y[..., width_q + width_kv:])
+
+
 class RMSNorm(nnx.Module):
     """x / rms(x) * scale over the last axis, computed in float32."""
 
@@ -198,11 +215,11 @@ class Attention(nnx.Module):
         and nothing reads the cache as it was before it.
         """
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
         if kv is None:
-            k, v = self.k_proj(x), self.v_proj(x)
-        else:  # decoding: one matmul for keys and values (see `stacked_projection`)
-            k, v = stacked_projection(x, self.k_proj, self.v_proj)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:  # decoding: one matmul for queries, keys and values
+            q, k, v = grouped_qkv_projection(x, self.q_proj, self.k_proj, self.v_proj, self.n_kv_heads)
+        q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
