@@ -195,12 +195,13 @@ def test_no_recompilation_for_new_values_of_the_same_shape():
 
 
 def test_the_decode_loop_stacks_its_kernels_once_not_every_step():
-    """Keys/values and gate/up run as one matmul each per decode step, on kernels stacked
-    [D, 2, out]; XLA hoists the stacking out of the loop, so no loop body builds one."""
+    """Queries/keys/values and gate/up run as one matmul each per decode step, on kernels
+    stacked [D, kv_heads, (groups + 2) * head_dim] and [D, 2, d_ff]; XLA hoists the stacking
+    out of the loop, so no loop body builds one."""
     sampler = make_sampler(GRAPHDEF, CFG, max_new_tokens=N_NEW, temperature=0.7, stop_ids=(EOS,), pad_id=PAD)
     hlo = sampler.lower(PARAMS, PROMPT, PROMPT_MASK, jax.random.key(0)).compile().as_text()
-    d = CFG.d_model
-    stacked = rf"f32\[{d},2,(?:{CFG.n_kv_heads * CFG.head_dim}|{CFG.d_ff})\]"
+    d, kv_heads, groups = CFG.d_model, CFG.n_kv_heads, CFG.n_heads // CFG.n_kv_heads
+    stacked = rf"f32\[{d},(?:{kv_heads},{(groups + 2) * CFG.head_dim}|2,{CFG.d_ff})\]"
     built = re.compile(rf"= {stacked}\S* (?!get-tuple-element|parameter)[\w-]+\(")
     computations = {m.group(1): m.group(0) for m in re.finditer(r"\n%?(\S+) \([^\n]*\{\n.*?\n}\n", hlo, re.S)}
     bodies = [computations[name] for name in re.findall(r"body=%?([^,\s]+)", hlo)]
