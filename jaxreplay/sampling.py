@@ -11,6 +11,7 @@ t scores tokens[t] under the distribution computed from logits[t - 1].
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
@@ -65,6 +66,33 @@ def argmax(x: jax.Array) -> jax.Array:
     top = jnp.max(x, axis=-1, keepdims=True)
     index = jnp.min(jnp.where(x == top, jnp.arange(x.shape[-1]), x.shape[-1] - 1), axis=-1)
     return index
+
+
+def categorical(key: jax.Array, logp: jax.Array) -> jax.Array:
+    """[B] int32: one draw from each row of log-probabilities `logp` [B, V], by inverse CDF in
+    two levels: a block of about sqrt(V) tokens by its probability mass, then a token within
+    it, from two uniforms per row. Gumbel-max (jax.random.categorical) needs V random numbers
+    and two logarithms per row. Tokens of probability 0 (filtered out: -inf) are never drawn."""
+    b, v = logp.shape
+    width = 1 << math.ceil(math.log2(v) / 2)
+    n_blocks = -(-v // width)
+    probs = jnp.pad(jnp.exp(logp.astype(jnp.float32)), ((0, 0), (0, n_blocks * width - v)))
+    probs = probs.reshape(b, n_blocks, width)
+    u_block, u_token = jax.random.uniform(key, (2, b, 1))
+    block = _inverse_cdf(probs.sum(axis=-1), u_block)
+    within = jnp.take_along_axis(probs, block[:, None, None], axis=1)[:, 0]
+    return (block * width + _inverse_cdf(within, u_token)).astype(jnp.int32)
+
+
+def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
+    """[B]: per row of `weights` [B, N] (not all 0), the first index whose cumulative weight
+    exceeds `u` [B, 1] (in [0, 1)) times the row's total: index i with probability
+    weights[i] / total. Never an index of weight 0, whatever the rounding of the sums."""
+    cdf = jnp.cumsum(weights, axis=-1)
+    index = jnp.arange(weights.shape[-1])
+    live = weights > 0
+    last_live = jnp.max(jnp.where(live, index, 0), axis=-1, keepdims=True)
+    return jnp.min(jnp.where(live & (cdf > u * cdf[:, -1:]), index, last_live), axis=-1)
 
 
 def picked_logprobs(logits: jax.Array, targets: jax.Array, *, temperature: float, top_k: int = 0,
@@ -172,9 +200,9 @@ def make_sampler(
         if greedy:
             logits = logits.astype(jnp.float32)
             token = argmax(logits)
-        else:  # Gumbel-max, as jax.random.categorical, with the faster argmax
+        else:
             logits = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-            token = argmax(logits + jax.random.gumbel(rng, logits.shape, logits.dtype))
+            token = categorical(rng, jax.nn.log_softmax(logits, axis=-1))
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
         return token.astype(jnp.int32), logp
 

@@ -12,7 +12,7 @@ import pytest
 from jaxreplay.config import ModelConfig
 from jaxreplay.models import forward, init_params
 from jaxreplay.sampling import (
-    Rollout, _phase_ends, completion_ids, filter_logits, make_sampler, token_entropy, token_logprobs)
+    Rollout, _phase_ends, categorical, completion_ids, filter_logits, make_sampler, token_entropy, token_logprobs)
 
 CFG = ModelConfig(vocab_size=8, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
                   max_seq_len=20, tie_embeddings=False, attention_bias=True, qk_norm=True)
@@ -160,6 +160,28 @@ def test_samples_follow_the_filtered_distribution():
     assert (freq[probs == 0] == 0).all()
     np.testing.assert_allclose(freq, probs, atol=5 * np.sqrt(0.25 / n))
     np.testing.assert_allclose(np.asarray(r.logprobs[:, -1]), np.log(probs[np.asarray(r.tokens[:, -1])]), atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [37, 512])
+def test_categorical_draws_each_token_with_its_probability_and_never_a_dropped_one(vocab):
+    """Two-level inverse-CDF draws: 20000 per row match the row's probabilities within 5 sigma,
+    for a vocabulary that does not fill its last block (37) and one that does (512); a row
+    with one live token always draws it; -inf tokens never come up."""
+    n = 20_000
+    rng = np.random.default_rng(vocab)
+    logits = rng.normal(size=(3, vocab)) * 2
+    logits[0, rng.permutation(vocab)[: vocab // 3]] = -np.inf  # dropped tokens, scattered
+    logits[1, :] = -np.inf
+    logits[1, vocab - 1] = 0.0  # one live token, in the padded last block
+    logits[2, : vocab - 5] = -np.inf  # live only at the end
+    logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    draws = jax.vmap(lambda k: categorical(k, logp))(jax.random.split(jax.random.key(0), n))  # [n, 3]
+    probs = np.exp(np.asarray(logp, np.float64))
+    for row in range(3):
+        freq = np.bincount(np.asarray(draws[:, row]), minlength=vocab) / n
+        assert (freq[probs[row] == 0] == 0).all(), f"row {row} drew a dropped token"
+        np.testing.assert_allclose(freq, probs[row], atol=5 * np.sqrt(0.25 / n))
+    assert (np.asarray(draws[:, 1]) == vocab - 1).all()
 
 
 def test_greedy_is_argmax_of_full_forward():
