@@ -199,12 +199,13 @@ def make_sampler(
         """[B, V] logits -> (token [B] int32, its log-prob [B] under the sampling distribution)."""
         if greedy:
             logits = logits.astype(jnp.float32)
+            logp = jax.nn.log_softmax(logits, axis=-1)
             token = argmax(logits)
         else:
-            logits = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-            token = categorical(rng, jax.nn.log_softmax(logits, axis=-1))
-        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
-        return token.astype(jnp.int32), logp
+            logp = jax.nn.log_softmax(filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p),
+                                      axis=-1)
+            token = categorical(rng, logp)
+        return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
     def constrain(cache: KVCache) -> KVCache:
         if mesh is None:
