@@ -36,10 +36,10 @@ from benchmarks.learner import random_batch
 from benchmarks.sampler import compiled_sampler, prompts
 from benchmarks.torch_reference import best_time, generate_fn
 from jaxreplay.config import Config, ModelConfig
-from jaxreplay.learner import make_optimizer, make_train_step
-from jaxreplay.rollouts import to_device_batch
-from jaxreplay.models import count_params, init_params
-from jaxreplay.sampling import make_sampler
+from jaxreplay.learn.learner import make_optimizer, make_train_step
+from jaxreplay.models.transformer import count_params, init_params
+from jaxreplay.rollout.rollouts import to_device_batch
+from jaxreplay.rollout.sampling import make_sampler
 
 # Qwen2.5-0.5B's shape (494,032,768 parameters, tied embeddings, q/k/v biases).
 FULL = dict(vocab=151_936, width=896, layers=24, heads=14, kv_heads=2, head_dim=64, d_ff=4864, prompt=128,

@@ -36,7 +36,7 @@ devices = int(sys.argv[3])
 if devices > 1:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
 import jax, numpy as np
-from jaxreplay.models import abstract_params
+from jaxreplay.models.transformer import abstract_params
 from jaxreplay.models.hf import load_hf_model, read_model_config
 
 def rss_mb():
@@ -50,7 +50,7 @@ if how == "load_hf_model":
     shardings = None
     if devices > 1:
         from jax.sharding import Mesh
-        from jaxreplay.sharding import param_shardings
+        from jaxreplay.models.sharding import param_shardings
         mesh = Mesh(np.array(jax.devices()).reshape(1, 2, devices // 2), ("data", "fsdp", "tensor"))
         shardings = param_shardings(mesh, abstract_params(read_model_config(path)))
     _, _, params = load_hf_model(path, shardings=shardings)

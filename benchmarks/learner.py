@@ -10,9 +10,9 @@ import jax
 import numpy as np
 
 from jaxreplay.config import Config
-from jaxreplay.learner import make_optimizer, make_train_step
-from jaxreplay.rollouts import to_device_batch
-from jaxreplay.models import init_params
+from jaxreplay.learn.learner import make_optimizer, make_train_step
+from jaxreplay.models.transformer import init_params
+from jaxreplay.rollout.rollouts import to_device_batch
 
 
 def random_batch(config: Config, rows: int, length: int, rng: np.random.Generator) -> dict[str, np.ndarray]:

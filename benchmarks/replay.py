@@ -13,10 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxreplay.rollouts import row_spec
 from jaxreplay.config import Config, load_config
-from jaxreplay.driver import train
-from jaxreplay.replay import build_tables, reader_for, serve, writer_for
+from jaxreplay.replay.reader import reader_for
+from jaxreplay.replay.server import serve
+from jaxreplay.replay.tables import build_tables
+from jaxreplay.replay.writer import writer_for
+from jaxreplay.rollout.rollouts import row_spec
+from jaxreplay.train.driver import train
 
 
 def unlimited(config: Config, max_size: int) -> Config:

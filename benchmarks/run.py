@@ -18,7 +18,7 @@ import platform
 import time
 
 from benchmarks import learner, replay, sampler, scaling
-from jaxreplay.xla_cpu import tune_cpu_compiler
+from jaxreplay.tools.xla_cpu import tune_cpu_compiler
 
 TARGETS = {"sampler_ratio_b16_b64": 2.0, "replay_share_of_loop": 0.02}
 

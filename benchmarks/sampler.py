@@ -7,7 +7,7 @@ either side). Throughput is generated tokens per second of wall time, each side'
 2 x `repeats` runs after a warm-up (ours half before the reference, half after); our compile
 time is reported on its own. The reference may run under another interpreter
 (benchmarks/torch_reference.py): the default tier has no CPU torch here. Run through
-`benchmarks.run`, XLA gets the CLI's CPU flags (jaxreplay/xla_cpu.py).
+`benchmarks.run`, XLA gets the CLI's CPU flags (jaxreplay/tools/xla_cpu.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 from benchmarks.torch_reference import best_time, reference
 from benchmarks.torch_reference import torch_python as find_torch_python
 from jaxreplay.models.hf import load_hf_model
-from jaxreplay.sampling import make_sampler
+from jaxreplay.rollout.sampling import make_sampler
 
 # The issue's calibration model: 3.1M parameters.
 FULL = dict(vocab=512, width=256, layers=4, heads=8, kv_heads=2, d_ff=704, prompt=32, new_tokens=128,
@@ -97,7 +97,7 @@ def main(argv=None) -> None:
     import argparse
     import statistics
 
-    from jaxreplay.xla_cpu import tune_cpu_compiler
+    from jaxreplay.tools.xla_cpu import tune_cpu_compiler
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)

@@ -22,12 +22,15 @@ import numpy as np
 
 from benchmarks.learner import random_batch
 from benchmarks.replay import random_items, unlimited
-from jaxreplay.rollouts import row_spec
 from jaxreplay.config import Config
-from jaxreplay.learner import make_optimizer, make_train_step
-from jaxreplay.rollouts import to_device_batch
-from jaxreplay.models import init_params
-from jaxreplay.replay import build_tables, reader_for, serve, writer_for
+from jaxreplay.learn.learner import make_optimizer, make_train_step
+from jaxreplay.models.transformer import init_params
+from jaxreplay.replay.reader import reader_for
+from jaxreplay.replay.server import serve
+from jaxreplay.replay.tables import build_tables
+from jaxreplay.replay.writer import writer_for
+from jaxreplay.rollout.rollouts import row_spec
+from jaxreplay.rollout.rollouts import to_device_batch
 
 
 def rss_mib() -> float:

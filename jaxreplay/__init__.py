@@ -1,10 +1,56 @@
-"""jaxreplay."""
+"""jaxreplay: RL post-training of language models with experience replay.
 
-# The modules that own config keys (tasks/, the scheduler, the multi-process replay, the TPU slice table,
-# the shipped architectures) register their checks with `config.validate` on import
-# (config.owner_check); importing them here puts every check in place before any config loads.
-from jaxreplay import architectures as _architectures  # noqa: F401
-from jaxreplay import scheduler as _scheduler  # noqa: F401
-from jaxreplay import tasks as _tasks  # noqa: F401
-from jaxreplay import topology as _topology  # noqa: F401
-from jaxreplay.replay import multiprocess as _multiprocess  # noqa: F401
+The subpackages are the stages, lowest first (docs/architecture.md): models, tasks, replay,
+rollout, learn, train, research, tools; config and compat sit below them all, cli above.
+Importing the package imports nothing else.
+
+Modules that lived at the package root before the layout by stage still import under their old
+names for one release, with a DeprecationWarning (`jaxreplay.driver` is `jaxreplay.train.driver`).
+"""
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+
+_MOVED = {
+    **{f"jaxreplay.{m}": f"jaxreplay.train.{m}" for m in (
+        "accounting", "calibrate", "checkpoint", "distributed", "driver", "eval", "guards", "metrics",
+        "placement", "recorder", "roles", "run", "rundir", "stack", "turns", "warmstart")},
+    **{f"jaxreplay.{m}": f"jaxreplay.rollout.{m}" for m in ("actor", "rollouts", "sampling")},
+    **{f"jaxreplay.{m}": f"jaxreplay.learn.{m}" for m in ("learner", "scoring")},
+    **{f"jaxreplay.{m}": f"jaxreplay.research.{m}" for m in (
+        "commands", "report", "report_data", "report_plots", "report_stats", "sweep")},
+    **{f"jaxreplay.{m}": f"jaxreplay.tools.{m}" for m in ("aot", "export", "topology", "xla_cpu")},
+    "jaxreplay.rl.losses": "jaxreplay.learn.losses",
+    "jaxreplay.rl.advantages": "jaxreplay.rollout.advantages",
+    "jaxreplay.scheduler": "jaxreplay.replay.limiter",
+    "jaxreplay.theory": "jaxreplay.replay.theory",
+    "jaxreplay.sharding": "jaxreplay.models.sharding",
+    "jaxreplay.architectures": "jaxreplay.models.architectures",
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports an old module name as the module it moved to (the same module object)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name in _MOVED:
+            return importlib.util.spec_from_loader(name, self)
+        if name == "jaxreplay.rl":  # only a package of the two moved modules above
+            return importlib.util.spec_from_loader(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        if spec.name == "jaxreplay.rl":
+            return None
+        warnings.warn(f"{spec.name} moved to {_MOVED[spec.name]}", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(_MOVED[spec.name])
+
+    def exec_module(self, module):
+        pass
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModules())

@@ -11,8 +11,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from jaxreplay import commands as research
-from jaxreplay.xla_cpu import tune_cpu_compiler
+from jaxreplay.research import commands as research
+from jaxreplay.tools.xla_cpu import tune_cpu_compiler
 
 
 MAX_MESSAGE = 1000  # characters of an error line: messages may quote user input
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("absl").setLevel(logging.CRITICAL)
     tune_cpu_compiler()  # before the first JAX computation
     from jaxreplay.config import ConfigError, load_config
-    from jaxreplay.guards import Preempted
+    from jaxreplay.train.guards import Preempted
 
     try:
         if args.command in research.COMMANDS:
@@ -153,14 +153,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             import json
 
-            from jaxreplay.eval import run_eval
+            from jaxreplay.train.eval import run_eval
 
             results = run_eval(config, checkpoint=args.checkpoint, hf=args.hf, step=args.step, ks=args.k,
                                out=args.out, batch=args.batch)
             print(json.dumps({k: v for k, v in results.items() if k != "correct_per_problem"}))
             return 0
         if args.command == "export":
-            from jaxreplay.export import export_checkpoint
+            from jaxreplay.tools.export import export_checkpoint
 
             out = export_checkpoint(config, args.checkpoint, args.out, step=args.step, dtype=args.dtype)
             print(f"wrote {out}")
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
             return 0
-        from jaxreplay import rundir
+        from jaxreplay.train import rundir
 
         # One run per directory, refused before any work; a multi-host job's lock is taken by process 0
         # once it knows its index (driver.py), so here each process only checks the directory.
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             from jaxreplay.compat import describe_tier  # imports JAX: after the checks above
 
             print(f"jaxreplay {_own_version()} on {describe_tier()}", flush=True)
-            from jaxreplay.driver import train
+            from jaxreplay.train.driver import train
 
             train(config)
         return 0
@@ -208,7 +208,7 @@ def _compile(args: argparse.Namespace) -> int:
     """`jaxreplay compile`: the report on stdout; exit 1 with one line when a program does not fit."""
     import json
 
-    from jaxreplay.aot import DoesNotFit, check_fits, compile_config, load_for_compile
+    from jaxreplay.tools.aot import DoesNotFit, check_fits, compile_config, load_for_compile
 
     config = load_for_compile(args.config, args.overrides)
     topology = args.topology or config.mesh.topology
@@ -234,9 +234,9 @@ def _yaml_string(text: str) -> str:
 def _bad_input(error: Exception) -> bool:
     """Errors that name something wrong in what the user gave (a checkpoint, a dataset, a
     Hugging Face model directory): exit code 2, like a config error."""
-    from jaxreplay.checkpoint import CheckpointError
-    from jaxreplay.models.hf import HFModelError
+    from jaxreplay.models.errors import HFModelError
     from jaxreplay.tasks.datasets import DatasetError
+    from jaxreplay.train.checkpoint import CheckpointError
 
     return isinstance(error, (CheckpointError, DatasetError, HFModelError))
 

@@ -8,7 +8,7 @@ of the code base calls these functions and never tests a version itself.
 The differences absorbed here:
 - Flax 0.12 names a variable's sharding annotation `out_sharding` and, by default,
   shards a variable eagerly when it is created, which needs a mesh in context. Our
-  parameters carry *logical* axis names that `jaxreplay.sharding` maps to a mesh
+  parameters carry *logical* axis names that `jaxreplay.models.sharding` maps to a mesh
   later, so they are created with eager sharding off. Flax 0.10 calls the same
   annotation `sharding` and never shards eagerly.
 - jax >= 0.5 builds an `AbstractMesh` from sizes and names; jax 0.4 from (name, size)
@@ -21,6 +21,7 @@ The differences absorbed here:
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Sequence
 
 import jax
@@ -124,3 +125,13 @@ def heartbeat_timeout(seconds: float) -> dict[str, int]:
     if "heartbeat_timeout_seconds" not in inspect.signature(jax.distributed.initialize).parameters:
         return {}
     return {"heartbeat_timeout_seconds": max(1, round(seconds))}
+
+
+def set_tf_cpu_only() -> None:
+    """Keeps TensorFlow off GPUs; a no-op once TensorFlow has initialized its devices."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's INFO and WARNING lines
+    import tensorflow as tf
+    try:
+        tf.config.set_visible_devices([], "GPU")
+    except RuntimeError:
+        pass  # Devices already initialized: too late to hide them, and nothing to do here.

@@ -4,12 +4,13 @@ Every section is a frozen dataclass. `load_config` is the only way in: it reject
 unknown keys, wrong types and impossible values (including rate-limiter settings
 that would deadlock) with a `ConfigError` whose one-line message names the key.
 Number fields are checked by type (floats finite, ints within 32 bits) and against
-`RANGES`; modules that own keys (tasks/) register their own checks (`owner_check`).
+`RANGES`; the modules in `OWNERS` check their own keys (`owner_check`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import math
 import os
@@ -182,7 +183,7 @@ class TrainConfig:
     kl_coef: float = 0.0  # > 0 adds k3 KL to the warm-start reference policy
     eval_every: int = 20
     weight_sync_every: int = 1  # disaggregated mode: learner steps between weight pushes to the actor
-    loss: Literal["grpo", "tis", "asymre"] = "grpo"  # rl.losses.LOSSES
+    loss: Literal["grpo", "tis", "asymre"] = "grpo"  # learn.losses.LOSSES
     advantage: Literal["group_normalized", "group_centered", "leave_one_out"] = "group_normalized"
     loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
     tis_cap: float = 2.0  # truncated importance sampling: ratio capped here
@@ -216,7 +217,7 @@ class MeshConfig:
     tensor: int = 1
     actor_devices: int = 0
     actor_tensor: int = 1
-    topology: Optional[str] = None  # the TPU slice the config is sized for (jaxreplay.topology), e.g. v5e-8
+    topology: Optional[str] = None  # the TPU slice the config is sized for (jaxreplay.tools.topology), e.g. v5e-8
 
 
 @dataclass(frozen=True)
@@ -586,15 +587,34 @@ RANGES: dict[str, Interval] = {
     "run.seed": NON_NEGATIVE,
 }
 
+# The modules that own config keys and check them themselves (`owner_check`), in the order their checks
+# run. `validate` imports them when it first runs, so importing this module pulls in no higher stage.
+OWNERS = (
+    "jaxreplay.models.architectures",
+    "jaxreplay.replay.limiter",
+    "jaxreplay.tasks.registry",
+    "jaxreplay.tools.topology",
+    "jaxreplay.replay.tables",
+    "jaxreplay.replay.server",
+    "jaxreplay.replay.writer",
+    "jaxreplay.replay.multiprocess",
+)
 _OWNER_CHECKS: dict[str, Callable[[Config], None]] = {}
 
 
 def owner_check(check: Callable[[Config], None]) -> Callable[[Config], None]:
-    """Registers `check(config)` to run at the end of `validate`. A module that owns keys
-    (tasks/) checks them itself and registers here, so this module imports no owner;
-    jaxreplay/__init__.py imports the owners, so their checks are in place before any load."""
+    """Registers `check(config)` to run at the end of `validate`. A module that owns keys checks
+    them itself and registers here, so this module imports no owner; it must be one of `OWNERS`."""
+    if check.__module__ not in OWNERS:
+        raise RuntimeError(f"{check.__module__} registers a config check but is not in config.OWNERS")
     _OWNER_CHECKS[f"{check.__module__}.{check.__qualname__}"] = check
     return check
+
+
+def _owner_checks() -> list[Callable[[Config], None]]:
+    for module in OWNERS:
+        importlib.import_module(module)
+    return sorted(_OWNER_CHECKS.values(), key=lambda check: OWNERS.index(check.__module__))
 
 
 def validate(c: Config, local: bool = True) -> None:
@@ -615,7 +635,7 @@ def validate(c: Config, local: bool = True) -> None:
     _validate_replay(c)
     _validate_mesh(c)
     _validate_distributed(c)
-    for check in _OWNER_CHECKS.values():
+    for check in _owner_checks():
         check(c)
     if local:
         _validate_machine(c)
@@ -653,7 +673,7 @@ def _is(tp: Any, kind: type) -> bool:
 
 
 def _validate_replay(c: Config) -> None:
-    """Rejects limiter settings the table cannot honour (the deadlock window: scheduler.py)."""
+    """Rejects limiter settings the table cannot honour (the deadlock window: replay/limiter.py)."""
     r, t = c.replay, c.train
     b = t.batch_size
     if r.mode == "on_policy":
@@ -675,7 +695,7 @@ def _validate_replay(c: Config) -> None:
     eb = c.error_buffer
     _require(eb >= max(1.0, spi), "replay.error_buffer",
              f"{eb} is below max(1, samples_per_insert)={max(1.0, spi)}: Reverb rejects so narrow a window")
-    # That the window holds one batch plus one insert is the scheduler's rule (scheduler.check_window).
+    # That the window holds one batch plus one insert is the limiter's rule (replay.limiter.check_window).
 
 
 def _validate_mesh(c: Config) -> None:

@@ -15,9 +15,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxreplay import distributed, sharding
 from jaxreplay.config import DistributedConfig, MeshConfig
-from jaxreplay.placement import Placement, fetched
+from jaxreplay.models import sharding
+from jaxreplay.train import distributed
+from jaxreplay.train.placement import Placement, fetched
 
 SIZES = (1, 3, 8, 10, 17, 40, 64, 101)
 

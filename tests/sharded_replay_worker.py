@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxreplay import distributed
 from jaxreplay.config import DistributedConfig, load_config
-from jaxreplay.scheduler import next_move
+from jaxreplay.replay.limiter import next_move
 from jaxreplay.replay.multiprocess import ShardedReplay, open_replay
+from jaxreplay.train import distributed
 
 SPEC = {"origin": ((), np.int32), "serial": ((), np.int32), "reward": ((), np.float32)}
 

@@ -6,9 +6,12 @@ import math
 import numpy as np
 import pytest
 
-from jaxreplay.accounting import STALENESS_EDGES, STALENESS_LABELS, Accounting, histogram
 from jaxreplay.config import load_config
-from jaxreplay.replay import build_tables, reader_for, serve, writer_for
+from jaxreplay.replay.reader import reader_for
+from jaxreplay.replay.server import serve
+from jaxreplay.replay.tables import build_tables
+from jaxreplay.replay.writer import writer_for
+from jaxreplay.train.accounting import STALENESS_EDGES, STALENESS_LABELS, Accounting, histogram
 
 
 def _items(n, tokens_each, ids=None):

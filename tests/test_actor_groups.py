@@ -3,13 +3,14 @@ micro-batches smaller than the group silently mixed completions of different pro
 
 import numpy as np
 
-from jaxreplay.actor import Actor
 from jaxreplay.config import load_config
-from jaxreplay.models import init_params
-from jaxreplay.rl.advantages import group_normalized
-from jaxreplay.sampling import make_sampler
-from jaxreplay.tasks import ByteTokenizer, DatasetTask
+from jaxreplay.models.transformer import init_params
+from jaxreplay.rollout.actor import Actor
+from jaxreplay.rollout.advantages import group_normalized
+from jaxreplay.rollout.sampling import make_sampler
 from jaxreplay.tasks import rewards as rewards_module
+from jaxreplay.tasks.base import ByteTokenizer
+from jaxreplay.tasks.datasets import DatasetTask
 
 PAPER_SHAPES = ["train.batch_size=60", "train.group_size=16", "train.prompts_per_step=4", "replay.max_size=256",
                 "replay.min_size_to_sample=64"]

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from jaxreplay import rundir
+from jaxreplay.train import rundir
 from test_train import DEMO, ROOT, TINY
 
 JSONL = ["task.name=jsonl", "task.max_prompt_len=8", "warmstart.steps=0", "model.vocab_size=260",

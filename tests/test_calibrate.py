@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from jaxreplay.config import ConfigError, load_config
-from jaxreplay.driver import train
+from jaxreplay.train.driver import train
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 TINY = [

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxreplay import compat, sharding
+from jaxreplay import compat
 from jaxreplay.config import MeshConfig
+from jaxreplay.models import sharding
 
 
 class TwoLayers(nnx.Module):

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from jaxreplay.aot import DoesNotFit, Program, Report, check_fits, load_for_compile
 from jaxreplay.cli import main
 from jaxreplay.config import ConfigError, load_config
-from jaxreplay.models import abstract_params, count_params
-from jaxreplay.architectures import SHIPPED, architecture_dir
+from jaxreplay.models.architectures import SHIPPED, architecture_dir
 from jaxreplay.models.hf import read_model_config
-from jaxreplay.topology import HBM_GIB, TOPOLOGIES, libtpu_version
+from jaxreplay.models.transformer import abstract_params, count_params
+from jaxreplay.tools.aot import DoesNotFit, Program, Report, check_fits, load_for_compile
+from jaxreplay.tools.topology import HBM_GIB, TOPOLOGIES, libtpu_version
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "demo.yaml")
@@ -123,7 +123,7 @@ def test_a_tiny_config_compiles_for_a_tpu_slice(tmp_path):
 
 @needs_libtpu
 def test_a_v4_8_runs_as_4_megacore_devices():
-    from jaxreplay.topology import hbm_bytes, slice_devices
+    from jaxreplay.tools.topology import hbm_bytes, slice_devices
 
     devices = slice_devices("v4-8")
     assert len(devices) == 4 and devices[0].device_kind == "TPU v4" and hbm_bytes(devices[0]) == 32 << 30

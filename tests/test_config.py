@@ -246,7 +246,7 @@ def test_a_task_that_can_produce_no_training_problem_is_rejected():
 
 
 def test_a_task_with_few_training_problems_still_trains():
-    from jaxreplay.tasks import make_task
+    from jaxreplay.tasks.registry import make_task
 
     c = load_config(None, ["task.min_digits=1", "task.max_digits=1", "task.eval_size=90"])
     task = make_task(c.task)

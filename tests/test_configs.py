@@ -23,7 +23,7 @@ def test_every_config_file_loads(path, model_dir):
     command line); sweep files through load_sweep, which loads each run's config."""
     raw = yaml.safe_load(path.read_text())
     if "base" in raw:
-        from jaxreplay.sweep import load_sweep
+        from jaxreplay.research.sweep import load_sweep
 
         load_sweep(path)
         return

@@ -18,16 +18,17 @@ import jax
 import numpy as np
 import pytest
 
-from jaxreplay.rollouts import row_spec
-from jaxreplay.checkpoint import Checkpointer
 from jaxreplay.config import load_config
-from jaxreplay.learner import make_optimizer
-from jaxreplay.driver import train
-from jaxreplay.run import checkpoint_tree
-from jaxreplay.metrics import read_metrics
-from jaxreplay.models import init_params
-from jaxreplay.replay import build_tables, serve
-from jaxreplay.tasks import make_task
+from jaxreplay.learn.learner import make_optimizer
+from jaxreplay.models.transformer import init_params
+from jaxreplay.replay.server import serve
+from jaxreplay.replay.tables import build_tables
+from jaxreplay.rollout.rollouts import row_spec
+from jaxreplay.tasks.registry import make_task
+from jaxreplay.train.checkpoint import Checkpointer
+from jaxreplay.train.driver import train
+from jaxreplay.train.metrics import read_metrics
+from jaxreplay.train.run import checkpoint_tree
 
 from test_train import DEMO, LEARNING, ROOT, TINY
 
@@ -202,7 +203,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run_with_good_checkpoints(
     in a row stops the run before its checkpoint."""
     good = [*KILL, "train.max_nonfinite_steps=3", "train.warmup_steps=0", f"run.dir={tmp_path}"]
     train(load_config(DEMO, [*good, "train.steps=8"]), log=lambda _: None)  # checkpoints at 2, 4, 6, 8
-    from jaxreplay.guards import NonFiniteError
+    from jaxreplay.train.guards import NonFiniteError
 
     with pytest.raises(NonFiniteError, match="3 consecutive learner steps"):
         train(load_config(DEMO, [*good, "train.steps=16", "train.learning_rate=1e39"]), log=lambda _: None)
@@ -268,7 +269,9 @@ def test_a_dead_reverb_server_ends_inserts_and_samples_within_the_timeout():
     """What a learner or actor sees when the server it talks to is gone (disaggregated
     and multi-host runs): ReplayTimeoutError after the timeout, not a hang."""
     pytest.importorskip("reverb", reason="the reverb extra is not installed")
-    from jaxreplay.replay import ReplayTimeoutError, reader_for, writer_for
+    from jaxreplay.replay.reader import reader_for
+    from jaxreplay.replay.tables import ReplayTimeoutError
+    from jaxreplay.replay.writer import writer_for
 
     config = load_config(DEMO, ["replay.backend=reverb", "replay.timeout_s=2"])
     spec = row_spec(config, make_task(config.task).prompt_len)

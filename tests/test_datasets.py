@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from jaxreplay.config import ConfigError, load_config
-from jaxreplay.tasks import ByteTokenizer, DatasetError, DatasetTask, make_task, score
 from jaxreplay.tasks import rewards as rewards_module
+from jaxreplay.tasks.base import ByteTokenizer, score
+from jaxreplay.tasks.datasets import DatasetError, DatasetTask
+from jaxreplay.tasks.registry import make_task
 
 GSM8K = {
     "train": [
@@ -383,8 +385,8 @@ def test_a_hugging_face_tokenizer_and_its_chat_template(tmp_path):
 def test_training_on_a_jsonl_dataset_end_to_end(tmp_path, monkeypatch):
     """A byte-level model trained from scratch on a JSONL dataset through the real loop and Reverb table,
     with a reward function that raises on about half the completions: counted, and the run goes on."""
-    from jaxreplay.driver import train
-    from jaxreplay.metrics import read_metrics
+    from jaxreplay.train.driver import train
+    from jaxreplay.train.metrics import read_metrics
 
     def fragile(completion, reference):
         if not completion or ord(completion[0]) % 2:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxreplay.roles import RoleError, run_roles, wait_for
-from jaxreplay.replay import ReplayTimeoutError
+from jaxreplay.replay.tables import ReplayTimeoutError
+from jaxreplay.train.roles import RoleError, run_roles, wait_for
 from conftest import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,10 +10,10 @@ import time
 import jax
 import pytest
 
-from jaxreplay import sharding
 from jaxreplay.config import load_config
-from jaxreplay.driver import train
-from jaxreplay.roles import RoleError
+from jaxreplay.models import sharding
+from jaxreplay.train.driver import train
+from jaxreplay.train.roles import RoleError
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 4, reason="needs 4 devices: run through test_disaggregated.py")
 

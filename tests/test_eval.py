@@ -8,16 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxreplay.rollouts import row_spec
-from jaxreplay.checkpoint import Checkpointer
 from jaxreplay.cli import main
 from jaxreplay.config import load_config
-from jaxreplay.eval import pass_at_k
-from jaxreplay.learner import make_optimizer
-from jaxreplay.driver import train
-from jaxreplay.run import checkpoint_tree
-from jaxreplay.models import init_params
-from jaxreplay.tasks import make_task
+from jaxreplay.learn.learner import make_optimizer
+from jaxreplay.models.transformer import init_params
+from jaxreplay.rollout.rollouts import row_spec
+from jaxreplay.tasks.registry import make_task
+from jaxreplay.train.checkpoint import Checkpointer
+from jaxreplay.train.driver import train
+from jaxreplay.train.eval import pass_at_k
+from jaxreplay.train.run import checkpoint_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +96,7 @@ def test_eval_needs_exactly_one_source(tmp_path, capsys):
 
 
 def test_more_samples_per_problem_than_a_sampling_batch_is_a_clear_error():
-    from jaxreplay.eval import count_correct
+    from jaxreplay.train.eval import count_correct
 
     with pytest.raises(ValueError, match=r"16 samples per problem do not fit a sampling batch of 8 rows \(raise --batch\)"):
         count_correct(None, None, None, 16, None, batch=8)

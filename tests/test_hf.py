@@ -25,10 +25,11 @@ from safetensors.numpy import load_file, save_file
 torch = pytest.importorskip("torch", reason="the 'parity' extra (CPU torch) is not installed")
 
 from jaxreplay.compat import value_of
-from jaxreplay.models import forward
-from jaxreplay.models.hf import HFModelError, load_hf_model, read_model_config, save_hf_model
+from jaxreplay.models.errors import HFModelError
+from jaxreplay.models.hf import load_hf_model, read_model_config, save_hf_model
 from jaxreplay.models.tokenizer import load_tokenizer
-from jaxreplay.sampling import make_sampler
+from jaxreplay.models.transformer import forward
+from jaxreplay.rollout.sampling import make_sampler
 from conftest import cpu_devices_env
 
 # Qwen2 and Qwen3 tie their embeddings as Qwen2.5-0.5B and Qwen3-0.6B do; Llama does not.
@@ -244,9 +245,9 @@ def test_loads_straight_into_a_device_mesh(tmp_path):
         from flax import nnx
         from jax.sharding import Mesh
         from jaxreplay.compat import value_of
-        from jaxreplay.models import abstract_params
+        from jaxreplay.models.transformer import abstract_params
         from jaxreplay.models.hf import load_hf_model, read_model_config
-        from jaxreplay.sharding import param_shardings
+        from jaxreplay.models.sharding import param_shardings
 
         path = {str(tmp_path)!r}
         mesh = Mesh(np.array(jax.devices()).reshape(1, 2, 2), ("data", "fsdp", "tensor"))
@@ -369,10 +370,10 @@ def test_tokenizer_chat_template_and_stop_ids(hf_model):
 def test_training_starts_from_the_hf_weights(tmp_path):
     """model.hf_path: the loop trains the imported weights (no warm start) with the HF tokenizer's
     chat template, and `jaxreplay export` writes its checkpoint as a directory transformers loads."""
-    from jaxreplay.checkpoint import restore_policy_params
     from jaxreplay.cli import main
     from jaxreplay.config import load_config
-    from jaxreplay.driver import train
+    from jaxreplay.train.checkpoint import restore_policy_params
+    from jaxreplay.train.driver import train
 
     model = make_hf_model("qwen3", tmp_path / "hf")
     tok = load_tokenizer(tmp_path / "hf")

@@ -18,16 +18,17 @@ import pytest
 from flax import nnx
 from tiny_hf import write_char_tokenizer, write_model
 
-from jaxreplay.actor import Actor
 from jaxreplay.cli import main
 from jaxreplay.compat import value_of, with_value
 from jaxreplay.config import ModelConfig, load_config
-from jaxreplay.eval import count_correct, eval_sampler_factory
-from jaxreplay.models import init_params
-from jaxreplay.models.hf import HFModelError, load_hf_model, save_hf_model
+from jaxreplay.models.errors import HFModelError
+from jaxreplay.models.hf import load_hf_model, save_hf_model
 from jaxreplay.models.tokenizer import load_tokenizer
-from jaxreplay.sampling import completion_ids, make_run_samplers
-from jaxreplay.tasks import DatasetTask
+from jaxreplay.models.transformer import init_params
+from jaxreplay.rollout.actor import Actor
+from jaxreplay.rollout.sampling import completion_ids, make_run_samplers
+from jaxreplay.tasks.datasets import DatasetTask
+from jaxreplay.train.eval import count_correct, eval_sampler_factory
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64,

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from jaxreplay.config import ConfigError, load_config
-from jaxreplay.models import abstract_params, count_params
-from jaxreplay.sharding import mesh_shape
+from jaxreplay.models.sharding import mesh_shape
+from jaxreplay.models.transformer import abstract_params, count_params
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "launch" / "tpu_pod.py"

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 
 from jaxreplay.config import load_config
-from jaxreplay.learner import make_optimizer, make_train_step
-from jaxreplay.rollouts import to_device_batch
-from jaxreplay.models import forward, init_params
-from jaxreplay.sampling import make_sampler, policy_logprobs
-from jaxreplay.tasks import make_task
+from jaxreplay.learn.learner import make_optimizer, make_train_step
+from jaxreplay.models.transformer import forward, init_params
+from jaxreplay.rollout.rollouts import to_device_batch
+from jaxreplay.rollout.sampling import make_sampler, policy_logprobs
+from jaxreplay.tasks.registry import make_task
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
          "model.d_ff=64", "task.max_digits=2"]

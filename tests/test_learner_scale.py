@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from jaxreplay.config import ConfigError, load_config
-from jaxreplay.learner import make_loss_and_grad, make_optimizer, make_train_step
-from jaxreplay.models import forward, init_params, score_hidden
-from jaxreplay.sampling import policy_logprobs
-from jaxreplay.scoring import sampling_entropy, sequence_scores
+from jaxreplay.learn.learner import make_loss_and_grad, make_optimizer, make_train_step
+from jaxreplay.learn.scoring import sampling_entropy, sequence_scores
+from jaxreplay.models.transformer import forward, init_params, score_hidden
+from jaxreplay.rollout.sampling import policy_logprobs
 
 SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
          "model.d_ff=64", "model.vocab_size=40", "model.max_seq_len=24", "train.batch_size=8",

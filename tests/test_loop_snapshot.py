@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-import jaxreplay.driver as driver
 from jaxreplay.config import load_config
-from jaxreplay.replay import reader_for
+from jaxreplay.replay.reader import reader_for
+import jaxreplay.train.driver as driver
 from test_train import DEMO, TINY
 
 pytestmark = pytest.mark.slow

@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 
 from jaxreplay.config import load_config
-from jaxreplay.driver import train
-from jaxreplay.metrics import read_metrics
-from jaxreplay.replay import IncrementalReader, build_tables, reader_for, serve, writer_for
+from jaxreplay.replay.reader import IncrementalReader, reader_for
+from jaxreplay.replay.server import serve
+from jaxreplay.replay.tables import build_tables
+from jaxreplay.replay.writer import writer_for
+from jaxreplay.train.driver import train
+from jaxreplay.train.metrics import read_metrics
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 SPEC = {"tokens": ((3,), np.int32), "attention_mask": ((3,), np.bool_), "completion_mask": ((3,), np.bool_),

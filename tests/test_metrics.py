@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from jaxreplay.accounting import STALENESS_EDGES, TIMES_SAMPLED_EDGES, histogram
-from jaxreplay.metrics import MetricsWriter, read_metrics
+from jaxreplay.train.accounting import STALENESS_EDGES, TIMES_SAMPLED_EDGES, histogram
+from jaxreplay.train.metrics import MetricsWriter, read_metrics
 
 
 def tensorboard_values(run_dir) -> dict[tuple[str, int], object]:
@@ -55,8 +55,8 @@ def test_writing_metrics_does_not_import_torch_where_it_is_installed(tmp_path):
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed here: nothing would import it")
     script = ("import sys\n"
-              "import jaxreplay.driver\n"
-              "from jaxreplay.metrics import MetricsWriter\n"
+              "import jaxreplay.train.driver\n"
+              "from jaxreplay.train.metrics import MetricsWriter\n"
               "writer = MetricsWriter(sys.argv[1])\n"
               "writer.write(1, {'loss': 0.5})\n"
               "writer.close()\n"

@@ -11,9 +11,8 @@ from flax import nnx
 
 from jaxreplay.compat import value_of
 from jaxreplay.config import ModelConfig
-from jaxreplay.models import (
-    KVCache, Transformer, apply, count_params, forward, init_cache, init_params, positions_from_mask, split,
-)
+from jaxreplay.models.transformer import (
+    KVCache, Transformer, apply, count_params, forward, init_cache, init_params, positions_from_mask, split)
 from jaxreplay.models.transformer import grouped_qkv_projection, stacked_projection
 
 TINY = ModelConfig(vocab_size=24, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,

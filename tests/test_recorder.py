@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from jaxreplay.config import ConfigError, load_config
-from jaxreplay.metrics import read_metrics
-from jaxreplay.recorder import MAY_CHANGE_ON_RESUME, RunRecorder, last_summary, may_change
+from jaxreplay.train.metrics import read_metrics
+from jaxreplay.train.recorder import MAY_CHANGE_ON_RESUME, RunRecorder, last_summary, may_change
 
 
 def config(run_dir, *overrides):

@@ -19,10 +19,13 @@ import pytest
 pytest.importorskip("reverb", reason="needs dm-reverb (the `reverb` extra; Python 3.10/3.11)")
 
 from jaxreplay.config import ConfigError, load_config, validate
-from jaxreplay.guards import PreemptionNotice
-from jaxreplay.replay import (
-    TABLE_NAME, PortInUseError, ReplayInterrupted, ReplayTimeoutError, ReverbServer, RolloutReader, RolloutWriter,
-    TableSharedError, build_tables, check_port)
+from jaxreplay.replay.ports import PortInUseError, check_port
+from jaxreplay.replay.reader import RolloutReader
+from jaxreplay.replay.reverb_backend import ReverbServer
+from jaxreplay.replay.tables import (
+    TABLE_NAME, ReplayInterrupted, ReplayTimeoutError, TableSharedError, build_tables)
+from jaxreplay.replay.writer import RolloutWriter
+from jaxreplay.train.guards import PreemptionNotice
 
 # A regression here tends to hang inside Reverb's C++ (no Python signal gets in):
 # the thread method ends the run instead of waiting for the global timeout.
@@ -279,7 +282,10 @@ def test_reverb_logs_go_to_a_file_not_the_terminal(tmp_path):
     script = (
         "import sys, numpy as np\n"
         "from jaxreplay.config import load_config\n"
-        "from jaxreplay.replay import RolloutReader, RolloutWriter, build_tables, serve\n"
+        "from jaxreplay.replay.reader import RolloutReader\n"
+        "from jaxreplay.replay.server import serve\n"
+        "from jaxreplay.replay.tables import build_tables\n"
+        "from jaxreplay.replay.writer import RolloutWriter\n"
         "spec = {'tokens': ((3,), np.int32), 'reward': ((), np.float32)}\n"
         "c = load_config(None, ['replay.backend=reverb', 'train.batch_size=2', 'train.prompts_per_step=2',\n"
         "                       'train.group_size=2', 'replay.min_size_to_sample=2', 'replay.max_size=8'])\n"

@@ -14,8 +14,12 @@ import numpy as np
 import pytest
 
 from jaxreplay.config import load_config
-from jaxreplay.replay import (Backend, Client, RolloutReader, RolloutWriter, build_tables, serve)
+from jaxreplay.replay.backend import Backend, Client
 from jaxreplay.replay.backend import checkpoint_path
+from jaxreplay.replay.reader import RolloutReader
+from jaxreplay.replay.server import serve
+from jaxreplay.replay.tables import build_tables
+from jaxreplay.replay.writer import RolloutWriter
 
 pytestmark = pytest.mark.timeout(60, method="thread")
 
@@ -72,7 +76,7 @@ def test_both_backends_serve_the_protocol(backend, tmp_path):
         RolloutWriter(server, SPEC, timeout_s=5).insert(rollouts(range(3)))
         assert server.states()[server.table].inserts == 3 and "inserts=3" in server.describe()
         if backend == "reverb":  # a client of a server elsewhere: the data path, not the server's duties
-            from jaxreplay.replay import ReverbClient
+            from jaxreplay.replay.reverb_backend import ReverbClient
             client = ReverbClient(server.address, SPEC, timeout_s=5)
             assert isinstance(client, Client) and not isinstance(client, Backend)
             batch, info = RolloutReader(client, timeout_s=5).sample(1)

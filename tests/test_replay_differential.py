@@ -17,9 +17,11 @@ pytest.importorskip("reverb", reason="the differential tests need dm-reverb (the
 from scipy import stats  # noqa: E402
 
 from jaxreplay.config import load_config  # noqa: E402
-from jaxreplay.replay import (  # noqa: E402
-    ReplayTimeoutError, RolloutReader, RolloutWriter, TableDef, build_tables, serve)
+from jaxreplay.replay.reader import RolloutReader
+from jaxreplay.replay.server import serve
+from jaxreplay.replay.tables import ReplayTimeoutError, TableDef, build_tables
 from jaxreplay.replay.tables import Tables, min_size_limit  # noqa: E402
+from jaxreplay.replay.writer import RolloutWriter
 from test_replay import SPEC, rollouts  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120, method="thread")

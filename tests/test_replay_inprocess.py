@@ -16,8 +16,11 @@ import numpy as np
 import pytest
 
 from jaxreplay.config import load_config
-from jaxreplay.replay import (
-    InProcessServer, ReplayTimeoutError, RolloutReader, RolloutWriter, build_tables, serve)
+from jaxreplay.replay.inprocess import InProcessServer
+from jaxreplay.replay.reader import RolloutReader
+from jaxreplay.replay.server import serve
+from jaxreplay.replay.tables import ReplayTimeoutError, build_tables
+from jaxreplay.replay.writer import RolloutWriter
 
 pytestmark = pytest.mark.timeout(60, method="thread")
 
@@ -37,7 +40,7 @@ def server(*overrides, **kwargs) -> InProcessServer:
 
 
 def test_importing_replay_imports_neither_reverb_nor_tensorflow():
-    code = ("import sys, jaxreplay.replay, jaxreplay.driver; "
+    code = ("import sys, jaxreplay.replay, jaxreplay.train.driver; "
             "print(sorted(m for m in ('reverb', 'tensorflow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -127,8 +130,8 @@ def test_seeded_servers_sample_alike_and_a_restore_continues_the_same_draws(tmp_
 def test_sigterm_ends_a_blocked_call_within_a_slice(call):
     """A blocked call waits in slices, so SIGTERM's handler runs, and the preemption flag
     it sets ends the wait in ReplayInterrupted rather than at the timeout."""
-    from jaxreplay.guards import PreemptionNotice
-    from jaxreplay.replay import ReplayInterrupted
+    from jaxreplay.replay.tables import ReplayInterrupted
+    from jaxreplay.train.guards import PreemptionNotice
 
     notice = PreemptionNotice()  # this test runs on the main thread
     try:

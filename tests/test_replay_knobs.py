@@ -10,11 +10,14 @@ import importlib.util
 import numpy as np
 import pytest
 
-from jaxreplay import rollouts
 from jaxreplay.config import ConfigError, load_config
-from jaxreplay.replay import build_tables, reader_for, serve, writer_for
+from jaxreplay.replay.limiter import LimiterState, age_shortfall, next_move
+from jaxreplay.replay.reader import reader_for
+from jaxreplay.replay.server import serve
 from jaxreplay.replay.tables import FRESH_TABLE_NAME, TABLE_NAME
-from jaxreplay.scheduler import LimiterState, age_shortfall, next_move
+from jaxreplay.replay.tables import build_tables
+from jaxreplay.replay.writer import writer_for
+from jaxreplay.rollout import rollouts
 
 pytestmark = pytest.mark.timeout(120, method="thread")
 
@@ -216,8 +219,8 @@ LEARNING = ["task.min_digits=1", "task.max_digits=1", "warmstart.steps=300", "wa
 
 
 def _train(tmp_path, *overrides):
-    from jaxreplay.driver import train
-    from jaxreplay.metrics import read_metrics
+    from jaxreplay.train.driver import train
+    from jaxreplay.train.metrics import read_metrics
 
     config = load_config(None, [*TINY, f"run.dir={tmp_path}", *overrides])
     summary = train(config, log=lambda _: None)
@@ -251,7 +254,7 @@ def test_a_run_with_fresh_anchors_and_decayed_priorities_keeps_the_limiter_on_th
 def test_a_run_whose_every_group_is_dropped_acts_again_and_ends_after_the_timeout(tmp_path):
     """Without a warm start every reward is 0: each actor step is dropped whole, the next move
     is to act again, and after replay.timeout_s of that the run says why it cannot go on."""
-    from jaxreplay.replay import ReplayTimeoutError
+    from jaxreplay.replay.tables import ReplayTimeoutError
 
     with pytest.raises(ReplayTimeoutError, match="scored alike .* nothing to insert for longer than "
                                                  "replay.timeout_s=2s"):

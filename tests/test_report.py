@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxreplay import report_plots
-from jaxreplay.report import baseline_peak, report
-from jaxreplay.report_data import RunData, group_settings, load_runs, pick_baseline
-from jaxreplay.report_stats import band, parse_mus
 from jaxreplay.config import ConfigError
+from jaxreplay.research import report_plots
+from jaxreplay.research.report import baseline_peak, report
+from jaxreplay.research.report_data import RunData, group_settings, load_runs, pick_baseline
+from jaxreplay.research.report_stats import band, parse_mus
 
 EVAL_STEPS = (0, 10, 20, 30)
 SETTINGS = {  # name: (mode, samples_per_insert, max_size, rollouts generated per learner step)

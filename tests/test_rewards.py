@@ -3,9 +3,8 @@
 import pytest
 
 from jaxreplay.tasks.rewards import (
-    REWARDS, exact_match, extract_boxed, extract_gsm8k, extract_last_number, get_reward, gsm8k, is_equivalent,
-    math_equivalence,
-)
+    REWARDS, exact_match, extract_boxed, extract_gsm8k, extract_last_number, get_reward, gsm8k,
+    is_equivalent, math_equivalence)
 
 
 @pytest.mark.parametrize(

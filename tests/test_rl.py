@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxreplay.rl import group_normalized, grpo_clip_loss, kl_penalty, masked_mean
+from jaxreplay.learn.losses import grpo_clip_loss, kl_penalty, masked_mean
+from jaxreplay.rollout.advantages import group_normalized
 
 
 def test_group_normalized_advantages():
@@ -86,8 +87,8 @@ def test_kl_penalty_zero_at_reference_and_positive_elsewhere():
 
 # --- advantage estimators and the other losses, by name ------------------------------
 
-from jaxreplay.rl import (  # noqa: E402
-    ADVANTAGES, LOSSES, asymre_loss, group_centered, leave_one_out, make_aggregate, truncated_is_loss)
+from jaxreplay.learn.losses import LOSSES, asymre_loss, make_aggregate, truncated_is_loss
+from jaxreplay.rollout.advantages import ADVANTAGES, group_centered, leave_one_out
 
 
 def test_group_centered_subtracts_the_mean_only():
@@ -190,7 +191,7 @@ def test_kl_penalty_estimates_kl_current_to_reference_on_current_samples():
 
 
 def test_asymre_reports_no_loss_for_tokens_at_the_filter_floor():
-    from jaxreplay.rl.losses import LOGPROB_FLOOR
+    from jaxreplay.rollout.sampling import LOGPROB_FLOOR
 
     lp = jnp.array([[-0.5, LOGPROB_FLOOR, -1.0]])
     mask = jnp.ones((1, 3), bool)

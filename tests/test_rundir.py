@@ -8,13 +8,13 @@ import textwrap
 
 import pytest
 
-from jaxreplay import rundir
 from jaxreplay.config import ConfigError
+from jaxreplay.train import rundir
 from test_bad_input import read_only_dir
 
 HOLD = textwrap.dedent("""
     import sys, time
-    from jaxreplay import rundir
+    from jaxreplay.train import rundir
     with rundir.claim(sys.argv[1]):
         print("held", flush=True)
         time.sleep(600)
@@ -58,7 +58,7 @@ def test_a_killed_runs_lock_does_not_block_the_resume(tmp_path):
 
 
 def test_claims_nest_in_one_process_and_the_lock_goes_with_the_outermost(tmp_path):
-    probe = [sys.executable, "-c", "import sys; from jaxreplay import rundir\n"
+    probe = [sys.executable, "-c", "import sys; from jaxreplay.train import rundir\n"
              "with rundir.claim(sys.argv[1]): pass", str(tmp_path)]
     with rundir.claim(tmp_path):
         with rundir.claim(tmp_path / "."):  # the CLI claims, then the driver it calls
@@ -71,7 +71,7 @@ def test_claims_nest_in_one_process_and_the_lock_goes_with_the_outermost(tmp_pat
 def test_the_driver_takes_the_lock_before_any_work(tmp_path, placement):
     """Called in code, not through the CLI, the driver still refuses a directory in use."""
     from jaxreplay.config import load_config
-    from jaxreplay.driver import train
+    from jaxreplay.train.driver import train
     from test_train import DEMO
 
     holder = hold_in_another_process(tmp_path)

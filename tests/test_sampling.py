@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from jaxreplay.config import ModelConfig
-from jaxreplay.models import forward, init_params
-from jaxreplay.sampling import (
-    Rollout, _phase_ends, categorical, completion_ids, filter_logits, make_sampler, token_entropy, token_logprobs)
+from jaxreplay.models.transformer import forward, init_params
+from jaxreplay.rollout.sampling import (
+    Rollout, _phase_ends, categorical, completion_ids, filter_logits, make_sampler, token_entropy,
+    token_logprobs)
 
 CFG = ModelConfig(vocab_size=8, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
                   max_seq_len=20, tie_embeddings=False, attention_bias=True, qk_norm=True)
@@ -286,7 +287,7 @@ def test_the_kv_cache_is_stored_in_the_configured_dtype():
     """A float32 model with a bfloat16 cache: the cache buffers are bf16 (none are by default),
     and the log-probs it reports stay within bfloat16 rounding of a float32 forward pass."""
     from jaxreplay.config import load_config
-    from jaxreplay.sampling import make_run_samplers
+    from jaxreplay.rollout.sampling import make_run_samplers
 
     def cache_text(kv_dtype):
         config = load_config(None, [f"sampling.kv_cache_dtype={kv_dtype}"] if kv_dtype else [])
@@ -305,7 +306,7 @@ def test_the_kv_cache_is_stored_in_the_configured_dtype():
 
 
 def test_kv_cache_bytes_counts_every_slot_of_every_layer():
-    from jaxreplay.sampling import kv_cache_bytes
+    from jaxreplay.rollout.sampling import kv_cache_bytes
 
     per_row_slot = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim  # keys and values
     assert kv_cache_bytes(CFG, 8, 6, N_NEW) == 8 * (6 + N_NEW) * per_row_slot * 4  # float32 compute

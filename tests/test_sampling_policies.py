@@ -7,10 +7,11 @@ import pytest
 reverb = pytest.importorskip("reverb", reason="needs dm-reverb (the `reverb` extra; Python 3.10/3.11)")
 
 from jaxreplay.config import ConfigError, load_config
-from jaxreplay.replay import (
-    POSITIVE_TABLE_NAME, TABLE_NAME, PositiveBiasReader, ReverbServer, build_tables, positive_split, reader_for,
-    writer_for)
+from jaxreplay.replay.reader import PositiveBiasReader, reader_for
+from jaxreplay.replay.reverb_backend import ReverbServer
 from jaxreplay.replay.rows import RowLayout
+from jaxreplay.replay.tables import POSITIVE_TABLE_NAME, TABLE_NAME, build_tables, positive_split
+from jaxreplay.replay.writer import writer_for
 
 pytestmark = pytest.mark.timeout(60, method="thread")
 

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 from jaxreplay.config import load_config
-from jaxreplay.scheduler import (LimiterState, Move, SchedulerStuckError, admitted_inserts, next_move, sample_room,
-                                 window_shortfall)
+from jaxreplay.replay.limiter import (
+    LimiterState, Move, SchedulerStuckError, admitted_inserts, next_move, sample_room, window_shortfall)
 
 from test_train import DEMO
 

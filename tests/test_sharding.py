@@ -9,9 +9,9 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from jaxreplay.compat import abstract_mesh, is_variable, logical_axes, value_of
-from jaxreplay import sharding
 from jaxreplay.config import ConfigError, MeshConfig, ModelConfig, load_config
-from jaxreplay.models import abstract_params
+from jaxreplay.models import sharding
+from jaxreplay.models.transformer import abstract_params
 from conftest import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parents[1]

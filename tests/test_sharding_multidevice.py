@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from jaxreplay.compat import value_of
-from jaxreplay import sharding
 from jaxreplay.config import ConfigError, MeshConfig, load_config
-from jaxreplay.learner import make_optimizer, make_train_step
-from jaxreplay.rollouts import to_device_batch
-from jaxreplay.models import init_params
-from jaxreplay.sampling import make_sampler
-from jaxreplay.tasks import make_task
+from jaxreplay.learn.learner import make_optimizer, make_train_step
+from jaxreplay.models import sharding
+from jaxreplay.models.transformer import init_params
+from jaxreplay.rollout.rollouts import to_device_batch
+from jaxreplay.rollout.sampling import make_sampler
+from jaxreplay.tasks.registry import make_task
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8, reason="needs 8 devices: run through tests/test_sharding.py")
 

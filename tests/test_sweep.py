@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jaxreplay.config import ConfigError
-from jaxreplay.sweep import commands, load_sweep, run_sweep
+from jaxreplay.research.sweep import commands, load_sweep, run_sweep
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 

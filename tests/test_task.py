@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxreplay.config import TaskConfig
-from jaxreplay.tasks import ArithmeticTask, Problem
+from jaxreplay.tasks.arithmetic import ArithmeticTask, Problem
 
 
 def task(**kw):

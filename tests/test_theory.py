@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from jaxreplay.calibrate import horizon_mismatch
 from jaxreplay.config import load_config
-from jaxreplay.theory import (cost, describe, numeric_optimum, optimum, realised_horizon, replay_ratio,
-                              reverb_settings, split_compute_ratio)
+from jaxreplay.replay.theory import (
+    cost, describe, numeric_optimum, optimum, realised_horizon, replay_ratio, reverb_settings,
+    split_compute_ratio)
+from jaxreplay.train.calibrate import horizon_mismatch
 
 ROOT = Path(__file__).resolve().parents[1]
 

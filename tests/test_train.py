@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxreplay.rollouts import row_spec
-from jaxreplay.checkpoint import Checkpointer
 from jaxreplay.config import load_config
-from jaxreplay.driver import train
-from jaxreplay.run import checkpoint_tree
-from jaxreplay.metrics import read_metrics
-from jaxreplay.models import init_params
-from jaxreplay.learner import make_optimizer
-from jaxreplay.replay import resolve_backend
-from jaxreplay.tasks import make_task
+from jaxreplay.learn.learner import make_optimizer
+from jaxreplay.models.transformer import init_params
+from jaxreplay.replay.tables import resolve_backend
+from jaxreplay.rollout.rollouts import row_spec
+from jaxreplay.tasks.registry import make_task
+from jaxreplay.train.checkpoint import Checkpointer
+from jaxreplay.train.driver import train
+from jaxreplay.train.metrics import read_metrics
+from jaxreplay.train.run import checkpoint_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"

@@ -6,9 +6,10 @@ import jax
 import numpy as np
 
 from jaxreplay.config import load_config
-from jaxreplay.models import init_params
-from jaxreplay.tasks import make_task
-from jaxreplay.warmstart import _publish, cache_key, cache_root, supervised_warm_start, warm_start, warmstart_settings
+from jaxreplay.models.transformer import init_params
+from jaxreplay.tasks.registry import make_task
+from jaxreplay.train.warmstart import (
+    _publish, cache_key, cache_root, supervised_warm_start, warm_start, warmstart_settings)
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
         "model.d_ff=64", "task.eval_size=32", "warmstart.steps=3", "warmstart.batch_size=8", "run.progress_bar=false"]

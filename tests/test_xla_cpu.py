@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from jaxreplay.xla_cpu import CPU_FLAGS, tune_cpu_compiler
+from jaxreplay.tools.xla_cpu import CPU_FLAGS, tune_cpu_compiler
 
 
 def test_adds_each_flag_once_and_keeps_the_users():

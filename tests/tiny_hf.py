@@ -4,8 +4,8 @@ character-level tokenizer with a ChatML chat template."""
 from pathlib import Path
 
 from jaxreplay.config import ModelConfig
-from jaxreplay.models import init_params
 from jaxreplay.models.hf import save_hf_model
+from jaxreplay.models.transformer import init_params
 
 WORDS = ["<pad>", "<s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(32, 127)] + ["\n"]
 

@@ -32,14 +32,11 @@ from flax import nnx
 
 from jaxreplay.compat import is_variable, value_of, with_value
 from jaxreplay.config import DType, ModelConfig
+from jaxreplay.models.errors import HFModelError
 from jaxreplay.models.transformer import Transformer, dtype_of, split
 
 if TYPE_CHECKING:
     from jaxreplay.models.tokenizer import HFTokenizer
-
-
-class HFModelError(ValueError):
-    """A model directory this bridge cannot read or write; the one-line message names the file, key or tensor."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from jaxreplay.models.hf import HFModelError
+from jaxreplay.models.errors import HFModelError
 
 
 class HFTokenizer:

@@ -30,7 +30,7 @@ explicit `positions`, so a left-padded row gets the same logits as an unpadded o
 
 Every parameter carries its logical axes as metadata (`jaxreplay.compat.param`) ("vocab", "embed",
 "heads", "kv_heads", "mlp", "norm"; `KV_CACHE_AXES` for the cache). The model knows
-only these names: `jaxreplay.sharding` maps them to mesh axes.
+only these names: `jaxreplay.models.sharding` maps them to mesh axes.
 """
 
 from __future__ import annotations

@@ -32,8 +32,9 @@ from typing import Mapping, Optional
 import numpy as np
 
 from jaxreplay.replay.backend import SampleInfo, checkpoint_path, prune_directories
-from jaxreplay.replay.tables import (WAIT_SLICE_S, Interrupted, ItemSpec, LimiterState, RateLimit,
-                                     ReplayTimeoutError, TableDef, Tables, check_interrupted)
+from jaxreplay.replay.tables import (
+    WAIT_SLICE_S, Interrupted, ItemSpec, LimiterState, RateLimit, ReplayTimeoutError, TableDef, Tables,
+    check_interrupted)
 
 _DONE = "DONE"  # marks a complete checkpoint, as in Reverb's
 _FORMAT = 2  # 2: tables.json holds the selectors' RNG state (format 1 had none)

@@ -46,15 +46,15 @@ from jaxreplay.config import Config, ConfigError, owner_check
 from jaxreplay.replay.reader import RolloutReader
 from jaxreplay.replay.reverb_backend import ReverbClient
 from jaxreplay.replay.server import serve
-from jaxreplay.replay.tables import (ItemSpec, LimiterState, TableDef, Tables, build_tables, min_size_limit,
-                                     resolve_backend, table_defs)
+from jaxreplay.replay.tables import (
+    ItemSpec, LimiterState, TableDef, Tables, build_tables, min_size_limit, resolve_backend, table_defs)
 from jaxreplay.replay.writer import writer_for
 
 SHARDED_WHY = "with sharded replay (replay.backend=inprocess, which auto picks without Reverb)"
 
 
 class Coordinator(Protocol):
-    """What the views need of `jaxreplay.distributed.Coordinator`."""
+    """What the views need of `jaxreplay.train.distributed.Coordinator`."""
 
     process_id: int
     num_processes: int

@@ -14,9 +14,10 @@ import numpy as np
 
 from jaxreplay.config import Config
 from jaxreplay.replay.backend import Client, SampleInfo
+from jaxreplay.replay.limiter import sample_room
 from jaxreplay.replay.tables import (
-    FRESH_TABLE_NAME, POSITIVE_TABLE_NAME, TABLE_NAME, Interrupted, LimiterState, Snapshot, positive_split, table_state)
-from jaxreplay.scheduler import sample_room
+    FRESH_TABLE_NAME, POSITIVE_TABLE_NAME, TABLE_NAME, Interrupted, LimiterState, Snapshot, positive_split,
+    table_state)
 
 
 class RolloutReader:

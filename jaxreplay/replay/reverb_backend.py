@@ -51,6 +51,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
+from jaxreplay.compat import set_tf_cpu_only
 from jaxreplay.replay.backend import SampleInfo, checkpoint_path, prune_directories
 from jaxreplay.replay.ports import PortClaim
 from jaxreplay.replay.rows import ItemSpec, RowLayout
@@ -68,16 +69,6 @@ NATIVE_LOG_ENV = "JAXREPLAY_NATIVE_LOG"  # where native logs go; "stderr" leaves
 
 
 # --- importing Reverb ---------------------------------------------------------------
-
-def set_tf_cpu_only() -> None:
-    """Keeps TensorFlow off GPUs; a no-op once TensorFlow has initialized its devices."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's INFO and WARNING lines
-    import tensorflow as tf
-    try:
-        tf.config.set_visible_devices([], "GPU")
-    except RuntimeError:
-        pass  # Devices already initialized: too late to hide them, and nothing to do here.
-
 
 def quiet_native_logs() -> None:
     """Sends what C++ code writes to file descriptor 2 into a log file, Python's own stderr

@@ -1,7 +1,7 @@
 """The rollout tables from a `Config`, backend-neutral (`TableDef`, `Tables`), the
 limiter state readers and writers decide on, and the errors every backend raises.
 
-`LimiterState` (jaxreplay/scheduler.py, re-exported here) re-derives the rate limiter's
+`LimiterState` (jaxreplay/replay/limiter.py, re-exported here) re-derives the rate limiter's
 decisions from the server's counters, the same rules on both backends.
 """
 
@@ -14,7 +14,7 @@ import sys
 from typing import Callable, Literal, Mapping, Optional
 
 from jaxreplay.config import Config, ConfigError, owner_check
-from jaxreplay.scheduler import LimiterState  # re-exported: readers and writers decide on it
+from jaxreplay.replay.limiter import LimiterState  # re-exported: readers and writers decide on it
 from jaxreplay.replay.rows import ItemSpec  # one table row per rollout
 
 TABLE_NAME = "rollouts"

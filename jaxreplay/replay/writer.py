@@ -12,8 +12,8 @@ import numpy as np
 
 from jaxreplay.config import Config, ConfigError, owner_check
 from jaxreplay.replay.backend import Client
-from jaxreplay.replay.tables import (FRESH_TABLE_NAME, POSITIVE_TABLE_NAME, TABLE_NAME, Interrupted, ItemSpec,
-                                     positive_split)
+from jaxreplay.replay.tables import (
+    FRESH_TABLE_NAME, POSITIVE_TABLE_NAME, TABLE_NAME, Interrupted, ItemSpec, positive_split)
 
 
 class RolloutWriter:

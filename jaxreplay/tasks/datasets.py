@@ -197,7 +197,7 @@ def _read_parquet(path: Path, fields: tuple[str, str]) -> list[tuple[str, str]]:
 
 def _read_tfds(name: str, data_dir: Optional[str], split: str, fields: tuple[str, str]) -> list[tuple[str, str]]:
     """Reads a prepared split; never downloads (a missing dataset is an error, not a fetch)."""
-    from jaxreplay.replay import set_tf_cpu_only  # TFDS runs TensorFlow: keep it off the GPUs JAX uses
+    from jaxreplay.compat import set_tf_cpu_only  # TFDS runs TensorFlow: keep it off the GPUs JAX uses
 
     if importlib.util.find_spec("tensorflow_datasets") is None:
         raise DatasetError(f"reading {name!r} through TFDS needs tensorflow-datasets (the reverb extra), not installed "

@@ -1,0 +1,186 @@
+"""The learner: one jitted GRPO/PPO update on a batch sampled from replay.
+
+The whole update is visible here: score the replayed sequences under the current
+params, compare with the behaviour log-probs frozen at generation time, clip,
+optionally penalise KL to a reference, then one optax step.
+
+Memory, for real models (README, "Fitting a model in memory"): the batch can be
+split into micro-batches whose gradients are summed (`train.micro_batch_size`);
+each decoder block can be rematerialised (`train.remat`); the logits are computed a
+chunk of positions at a time (`train.logits_chunk_size`), never as one [B, T, V]
+float32 array; Adam's first moment can be stored in bfloat16 (`train.adam_mu_dtype`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from jaxreplay.config import Config, TrainConfig
+from jaxreplay.learn.losses import kl_penalty, make_loss, make_weights, token_mean_weights, weighted
+from jaxreplay.learn.scoring import sequence_scores
+from jaxreplay.models import sharding
+from jaxreplay.models.transformer import abstract_params, dtype_of, score_hidden
+
+Batch = dict[str, jax.Array]
+TrainStep = Callable[[Any, Any, Batch, Any], tuple[Any, Any, dict[str, jax.Array]]]
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping; a linear warm-up, then a constant learning rate.
+
+    The warm-up matters for RL on a fresh Adam state: its first steps are sign-like,
+    moving every weight by the full learning rate on a noisy policy gradient.
+    """
+    mu_dtype = dtype_of(config.adam_mu_dtype) if config.adam_mu_dtype else None
+    return optax.chain(
+        optax.clip_by_global_norm(config.grad_clip),
+        optax.adamw(learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
+                    weight_decay=config.weight_decay, mu_dtype=mu_dtype),
+    )
+
+
+def learning_rate_schedule(config: TrainConfig) -> optax.ScalarOrSchedule:
+    """A linear warm-up over `warmup_steps` updates, then `learning_rate`."""
+    if not config.warmup_steps:
+        return config.learning_rate
+    return optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
+
+
+def learning_rate(config: TrainConfig, opt_state) -> jax.Array:
+    """The learning rate the next update from `opt_state` applies (the schedule at its update count)."""
+    schedule = learning_rate_schedule(config)
+    if not callable(schedule):
+        return jnp.asarray(schedule, jnp.float32)
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    count = next(x.count for x in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(x))
+    return jnp.asarray(schedule(count), jnp.float32)
+
+
+def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransformation,
+                    mesh: Optional[Mesh] = None) -> TrainStep:
+    """Returns `step(params, opt_state, batch, ref_params) -> (params, opt_state, metrics)`, jitted.
+
+    params and opt_state are donated: the caller must use the returned ones. A step
+    whose loss, gradient or update is not finite returns them unchanged, with `nonfinite` = 1.
+    `ref_params` is only read when `train.kl_coef > 0` (pass None otherwise).
+    With a `mesh`, params, opt_state and ref_params carry `sharding.param_shardings`
+    (place them with `sharding.shard_params`), the batch is split over its rows, and
+    the metrics come back replicated. With `train.micro_batch_size`, the loss, the
+    gradient and every metric are those of the whole batch, up to float rounding.
+    """
+    train = config.train
+    abstract = abstract_params(config.model)
+    loss_and_grad = make_loss_and_grad(graphdef, config, mesh)
+
+    def step(params, opt_state, batch: Batch, ref_params):
+        loss, metrics, grads = loss_and_grad(params, batch, ref_params)
+        grad_norm = optax.global_norm(grads)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # A non-finite loss, gradient or update would poison params and Adam's moments for
+        # good: skip the update (keep both), and say so in the metrics.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.global_norm(updates))
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        metrics["loss"] = loss
+        metrics["grad_norm"] = grad_norm
+        metrics["learning_rate"] = learning_rate(train, opt_state)  # of this update; it warms up
+        metrics["nonfinite"] = (~finite).astype(jnp.int32)
+        return keep(new_params, params), keep(new_opt_state, opt_state), metrics
+
+    if mesh is None:
+        return jax.jit(step, donate_argnums=(0, 1))
+    params_sh = sharding.param_shardings(mesh, abstract)
+    opt_sh = sharding.param_shardings(mesh, jax.eval_shape(optimizer.init, abstract))
+    ref_sh = params_sh if train.kl_coef > 0 else None
+    return jax.jit(
+        step, donate_argnums=(0, 1),
+        in_shardings=(params_sh, opt_sh, sharding.batch_sharding(mesh), ref_sh),
+        out_shardings=(params_sh, opt_sh, sharding.replicated(mesh)),
+    )
+
+
+def make_loss_and_grad(graphdef, config: Config, mesh: Optional[Mesh] = None):
+    """`(params, batch, ref_params) -> (loss, metrics, grads)` of one training batch, not jitted:
+    the train step's first half. With `train.micro_batch_size` the batch goes through the
+    model that many rows at a time and the results are summed; the loss aggregation's
+    weights come from the whole batch's mask, so the sums are exactly the whole batch's
+    loss, metrics and gradient, up to float rounding."""
+    train = config.train
+    params_sh = None if mesh is None else sharding.param_shardings(mesh, abstract_params(config.model))
+    grads_fn = jax.value_and_grad(_make_loss_fn(graphdef, config), has_aux=True)
+    weigh = make_weights(train.loss_aggregation, config.sampling.max_new_tokens)
+
+    def loss_and_grad(params, batch: Batch, ref_params):
+        mask = batch["completion_mask"]
+        batch = {**batch, "loss_weights": weigh(mask), "token_weights": token_mean_weights(mask)}
+        rows = mask.shape[0]
+        micro = train.micro_batch_size or rows
+        if rows % micro:
+            raise ValueError(f"train.micro_batch_size={micro} does not divide a batch of {rows} rows")
+        if micro == rows:
+            (loss, metrics), grads = grads_fn(params, batch, ref_params)
+            return loss, metrics, grads
+        return _accumulate(grads_fn, params, batch, ref_params, rows // micro, mesh, params_sh)
+
+    return loss_and_grad
+
+
+def _make_loss_fn(graphdef, config: Config):
+    """`loss_fn(params, batch, ref_params) -> (loss, metrics)` of one (micro-)batch that carries
+    its rows' `loss_weights` and `token_weights`: the loss and every metric are weighted sums,
+    so those of a batch are the sums over its micro-batches."""
+    train, sampling = config.train, config.sampling
+    scores = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                  chunk=train.logits_chunk_size)
+
+    def score(params, batch: Batch, with_entropy: bool):
+        h, unembed = score_hidden(graphdef, params, batch["tokens"], batch["attention_mask"], remat=train.remat)
+        return sequence_scores(h, batch["tokens"], unembed, with_entropy=with_entropy, **scores)
+
+    def loss_fn(params, batch: Batch, ref_params):
+        mask = batch["completion_mask"]
+        mean = weighted(batch["token_weights"])
+        loss_impl = make_loss(train.loss, aggregate=weighted(batch["loss_weights"]), mean=mean,
+                              eps_low=train.eps_low, eps_high=train.eps_high, tis_cap=train.tis_cap,
+                              asymre_delta_v=train.asymre_delta_v)
+        logprobs, entropy = score(params, batch, with_entropy=True)
+        loss, metrics = loss_impl(logprobs, batch["logprobs"], batch["advantage"], mask)
+        metrics["pg_loss"] = loss
+        if train.kl_coef > 0:
+            ref_logprobs, _ = score(jax.lax.stop_gradient(ref_params), batch, with_entropy=False)
+            kl = kl_penalty(logprobs, ref_logprobs, mask, mean=mean)
+            loss = loss + train.kl_coef * kl
+            metrics["kl_ref"] = kl
+        metrics["entropy"] = mean(entropy, mask)
+        return loss, metrics
+
+    return loss_fn
+
+
+def _accumulate(grads_fn, params, batch: Batch, ref_params, count: int, mesh: Optional[Mesh], params_sh):
+    """(loss, metrics, grads) of the whole batch as sums over `count` micro-batches, one
+    forward and backward pass at a time in a `lax.scan`. Micro-batch k holds rows k,
+    k + count, k + 2 count, ...: each device's rows of the batch split into its rows of
+    every micro-batch, so splitting moves no data between devices."""
+
+    def split(x):
+        x = x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1)
+        return x if mesh is None else jax.lax.with_sharding_constraint(x, sharding.microbatch_sharding(mesh))
+
+    def like_params(total):  # the running gradient sum stays sharded like the params
+        return total if mesh is None else (total[0], jax.lax.with_sharding_constraint(total[1], params_sh))
+
+    micro = jax.tree.map(split, batch)
+    first = jax.tree.map(lambda x: x[0], micro)
+    shapes = jax.eval_shape(grads_fn, params, first, ref_params)
+    zeros = like_params(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+
+    def body(total, one):
+        return like_params(jax.tree.map(jnp.add, total, grads_fn(params, one, ref_params))), None
+
+    ((loss, metrics), grads), _ = jax.lax.scan(body, zeros, micro)
+    return loss, metrics, grads

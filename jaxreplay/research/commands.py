@@ -1,0 +1,71 @@
+"""The research commands of `jaxreplay`: sweep, report, theory (parsers and handlers)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    sweep = sub.add_parser("sweep", help="run (or resume) a grid of settings x seeds, one after another")
+    sweep.add_argument("sweep", help="sweep file, e.g. configs/sweep_demo.yaml")
+    sweep.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. train.steps=50")
+    sweep.add_argument("--print", action="store_true", help="print one command per run instead of running")
+    report = sub.add_parser("report", help="plots and a Markdown table comparing runs")
+    report.add_argument("run_dirs", nargs="+", help="run directories (seeds of one setting share a parent folder)")
+    report.add_argument("--out", required=True, help="directory for report.md and the PNGs")
+    report.add_argument("--baseline", help="setting to compare against (default: the on-policy one)")
+    report.add_argument("--mu", help="generation / training cost per rollout to model compute at, besides the "
+                        "measured one, e.g. 5.28,6.84 (the paper's Qwen2.5-7B and Qwen3-0.6B)")
+    theory = sub.add_parser("theory", help="optimal staleness horizon and replay ratio of the cost model")
+    theory.add_argument("--mu", type=float, required=True, help="generation / training cost per rollout")
+    theory.add_argument("--rho", type=float, required=True, help="batch-variance weight of the cost model")
+    theory.add_argument("--alpha", type=float, required=True, help="staleness exponent: sigma(x) = (x/tau)^alpha")
+    theory.add_argument("--rollouts-per-step", type=int, default=64, help="R: rollouts generated per actor step")
+    theory.add_argument("--batch-size", type=int, help="a config's train.batch_size B: also print the window that "
+                        "realises x* at that B")
+    theory.add_argument("--group-size", type=int, default=1, help="train.group_size: printed batch sizes keep groups "
+                        "whole (multiples of it)")
+    theory.add_argument("--data-parallelism", type=int, default=1, help="the mesh's data parallelism: printed batch "
+                        "sizes are multiples of it")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "sweep":
+        from jaxreplay.research.sweep import commands, load_sweep, run_sweep
+
+        sweep = load_sweep(args.sweep, args.overrides)
+        if args.print:
+            print("\n".join(commands(sweep)))
+            return 0
+        results = run_sweep(sweep)
+        return 0 if all(r in ("done", "skipped") for r in results.values()) else 1
+    if args.command == "report":
+        from jaxreplay.research.report import report
+        from jaxreplay.research.report_stats import parse_mus
+
+        print(report(args.run_dirs, args.out, baseline=args.baseline, mus=parse_mus(args.mu)), end="")
+        print(f"report: {args.out}/report.md")
+        return 0
+    if args.command == "theory":
+        import math
+
+        from jaxreplay.config import ConfigError
+        from jaxreplay.replay.theory import describe, numeric_optimum, optimum
+
+        for flag in ("rollouts_per_step", "batch_size", "group_size", "data_parallelism"):
+            value = getattr(args, flag)
+            if value is not None and value <= 0:
+                raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+        try:
+            opt = optimum(args.mu, args.rho, args.alpha)
+        except ValueError as e:
+            raise ConfigError(f"--{e}") from None
+        check = numeric_optimum(args.mu, args.rho, args.alpha)
+        unit = math.lcm(args.group_size, args.data_parallelism)
+        print(describe(opt, args.rollouts_per_step, args.batch_size, unit))
+        print(f"numeric minimiser of the cost: x = {check.x:.2f}, y = {check.y:.3f}")
+        return 0
+    raise AssertionError(f"not a research command: {args.command}")
+
+
+COMMANDS = ("sweep", "report", "theory")

@@ -1,0 +1,37 @@
+"""The task a config names: building it, checking its keys, and its prompt length."""
+
+from typing import Optional
+
+from jaxreplay.config import Config, ConfigError, TaskConfig, owner_check
+from jaxreplay.tasks import arithmetic
+from jaxreplay.tasks.arithmetic import ArithmeticTask
+from jaxreplay.tasks.base import ByteTokenizer, Task, Tokenizer
+from jaxreplay.tasks.datasets import DatasetTask, validate_task_config
+
+
+def make_task(config: TaskConfig, tokenizer: Optional[Tokenizer] = None, *, train: bool = True) -> Task:
+    """The task `config.name` selects. Dataset tasks tokenize with `tokenizer` (the model's,
+    when it comes from Hugging Face), else with bytes; arithmetic has its own. `train=False`:
+    evaluation only, a dataset's training split is never read."""
+    if config.name == "arithmetic":
+        return ArithmeticTask(config)
+    return DatasetTask(config, tokenizer if tokenizer is not None else ByteTokenizer(), train=train)
+
+
+@owner_check
+def validate_task(c: Config) -> None:
+    """The task keys' part of `config.validate`: the source's own rules, then room in the
+    model's context for its prompts plus the sampled completion."""
+    if c.task.name == "arithmetic":
+        arithmetic.validate_config(c)
+    else:
+        validate_task_config(c)
+    m, new, p = c.model.max_seq_len, c.sampling.max_new_tokens, prompt_len(c.task)
+    if m < p + new:
+        raise ConfigError(f"model.max_seq_len: {m} is too short for prompts of {p} tokens plus "
+                          f"sampling.max_new_tokens={new}")
+
+
+def prompt_len(config: TaskConfig) -> int:
+    """Tokens in every (left-padded) prompt row of the task, known from the config alone."""
+    return arithmetic.prompt_length(config) if config.name == "arithmetic" else config.max_prompt_len

@@ -1,0 +1,148 @@
+"""Orbax checkpoints of the learner, tied to the Reverb checkpoint taken with them.
+
+A checkpoint is one Orbax step holding two items: `state` (params, optimizer
+state, RNG key) and `meta` (counters, and the path of the Reverb checkpoint taken
+just before, so a resume restores exactly that buffer, never a newer orphan).
+Orbax finalises a step by an atomic rename, so a half-written one is never listed;
+steps past `keep` are likewise renamed away before they are deleted, so a kill
+mid-delete leaves no half-deleted step listed either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+
+@dataclasses.dataclass
+class Progress:
+    """Everything besides arrays that a resume needs to continue exactly."""
+
+    learner_step: int = 0
+    policy_version: int = 0
+    actor_step: int = 0  # index of the next prompt batch in the task's stream
+    actor_version: int = 0  # the policy version of the weights the actor generates with
+    replay_counters: dict = dataclasses.field(default_factory=dict)  # the table's at the checkpoint, checked on resume
+    replay_checkpoint: Optional[str] = None  # relative to the run dir; multi-host: a JSON list, one per process
+    rows_inserted: int = 0  # by this process (multi-host: each process its own)
+    rows_sampled: int = 0
+    tokens_generated: int = 0
+    tokens_trained: int = 0
+    nonfinite_steps: int = 0  # learner steps skipped for a non-finite loss, gradient or update
+    time_generate_s: float = 0.0
+    time_train_s: float = 0.0
+    time_replay_s: float = 0.0
+    time_total_s: float = 0.0  # wall-clock seconds of the run up to this checkpoint, every invocation counted
+    warmstart_accuracy: Optional[float] = None
+    eval_accuracy: Optional[float] = None  # the latest evaluation
+    eval_tokens: int = 0  # tokens generated at the latest evaluation (train.eval_every_tokens)
+    accounting: dict = dataclasses.field(default_factory=dict)  # jaxreplay.train.accounting counters
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, or that exists but cannot be read back."""
+
+
+@contextlib.contextmanager
+def _unreadable(directory: str | Path, step: int):
+    """Orbax's many (often multi-line) errors for a damaged or mismatched step, as one line."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised with the step named
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"checkpoint step {step} in {directory} cannot be restored "
+                              f"({type(e).__name__}: {first})") from e
+
+
+_DELETED = ".deleted"  # steps past `keep` are renamed in here, then deleted
+
+
+class Checkpointer:
+    def __init__(self, directory: str | Path, keep: int):
+        self.directory = Path(directory).absolute()
+        # A step killed mid-write stays a tmp directory, never listed, deleted on the next start.
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False,
+                                                 cleanup_tmp_directories=True, todelete_subdir=_DELETED),
+        )
+        shutil.rmtree(self.directory / _DELETED, ignore_errors=True)
+
+    def latest_step(self) -> Optional[int]:
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: Any, progress: Progress) -> None:
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dataclasses.asdict(progress))
+            ),
+            force=True,
+        )
+        self._manager.wait_until_finished()
+        shutil.rmtree(self.directory / _DELETED, ignore_errors=True)
+
+    def replay_checkpoints(self) -> set[str]:
+        """The Reverb checkpoints that the kept steps refer to."""
+        paths = set()
+        for step in self._manager.all_steps():
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            if meta.get("replay_checkpoint"):
+                paths.add(meta["replay_checkpoint"])
+        return paths
+
+    def restore(self, state_like: Any, step: Optional[int] = None) -> tuple[Any, Progress]:
+        """Restores onto the structure, shapes, dtypes and shardings of `state_like`."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
+        with _unreadable(self.directory, step):
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
+            )
+            return restored.state, Progress(**restored.meta)
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def save_params(path: str | Path, params: Any) -> None:
+    """One-off params snapshot (the cached warm start)."""
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(Path(path).absolute(), params, force=True)
+
+
+def restore_params(path: str | Path, params_like: Any) -> Any:
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params_like)
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(Path(path).absolute(), abstract)
+
+
+def restore_policy_params(directory: str | Path, params_like: Any, step: Optional[int] = None) -> tuple[Any, int]:
+    """(params, step) of a training checkpoint, read alone: evaluation needs neither the
+    optimizer state nor the waiting rollouts. `params_like` may be abstract (shapes,
+    dtypes, shardings); the default device is used where it has no sharding."""
+    manager = ocp.CheckpointManager(Path(directory).absolute())
+    try:
+        step = manager.latest_step() if step is None else step
+        if step is None or step not in manager.all_steps():
+            raise CheckpointError(f"no complete checkpoint{'' if step is None else f' at step {step}'} in "
+                                  f"{directory}")
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        tree = {"params": jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or device),
+            params_like)}
+        with _unreadable(directory, step):
+            restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree), transforms={})))
+            return restored.state["params"], step
+    finally:
+        manager.close()

@@ -1,0 +1,182 @@
+"""Held-out evaluation: greedy accuracy during training; pass@1 and pass@k of a saved policy.
+
+`evaluate` is the loop's cheap check. `pass_at_k_eval` is the paper's protocol
+(`jaxreplay eval`): pass@1 from one sample per problem at temperature 0.1, top-p
+0.95, and pass@k from n samples per problem at temperature 1.0 with the unbiased
+estimator 1 - C(n-c, k) / C(n, k) (Chen et al., 2021). The two pass@1 values differ
+(temperatures 0.1 and 1.0), so every result key names its temperature.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxreplay.config import Config
+from jaxreplay.rollout.sampling import completion_ids, make_sampler
+from jaxreplay.tasks.base import Task, Tokenizer, score
+
+EVAL_BATCH = 128  # rows per sampling call, fixed so evaluation compiles once
+
+PASS1_TEMPERATURE, PASS1_TOP_P = 0.1, 0.95
+PASSK_TEMPERATURE = 1.0
+PASS1_KEY = f"pass@1_t{PASS1_TEMPERATURE}"  # eval.json keys: "pass@1_t0.1", "pass@k_t1.0" (k -> value)
+PASSK_KEY = f"pass@k_t{PASSK_TEMPERATURE}"
+
+
+def evaluate(params, task: Task, greedy_sample_fn) -> float:
+    """Fraction of eval problems answered exactly; the last batch is padded, not reshaped."""
+    problems = task.eval_problems
+    correct = 0.0
+    key = jax.random.PRNGKey(0)  # unused by greedy decoding, required by the signature
+    for start in range(0, len(problems), EVAL_BATCH):
+        chunk = problems[start:start + EVAL_BATCH]
+        padded = list(chunk) + [chunk[-1]] * (EVAL_BATCH - len(chunk))
+        prompts, prompt_mask = task.encode_prompts(padded)
+        rollout = jax.device_get(greedy_sample_fn(params, prompts, prompt_mask, key))
+        rewards, _ = score(task, chunk, completion_ids(rollout)[:len(chunk)])
+        correct += float(rewards.sum())
+    return correct / len(problems)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), computed stably."""
+    if not 0 < k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def count_correct(params, task: Task, sample_fn, n: int, key: jax.Array, batch: int = EVAL_BATCH,
+                  progress: Callable[[int], Any] = lambda samples: None) -> tuple[np.ndarray, int]:
+    """(correct samples per eval problem [P], reward errors): n samples each, a problem's n
+    samples always in one sampling call; `progress` hears how many samples each call scored."""
+    if not 0 < n <= batch:
+        raise ValueError(f"{n} samples per problem do not fit a sampling batch of {batch} rows (raise --batch)")
+    problems = list(task.eval_problems)
+    per_call = batch // n
+    correct = np.zeros(len(problems), np.int64)
+    errors = 0
+    for call, start in enumerate(range(0, len(problems), per_call)):
+        chunk = problems[start:start + per_call]
+        padded = chunk + [chunk[-1]] * (per_call - len(chunk))
+        prompts, prompt_mask = task.encode_prompts(padded)
+        prompts, prompt_mask = np.repeat(prompts, n, axis=0), np.repeat(prompt_mask, n, axis=0)
+        rollout = jax.device_get(sample_fn(params, prompts, prompt_mask, jax.random.fold_in(key, call)))
+        rows = len(chunk) * n
+        rewards, e = score(task, chunk, completion_ids(rollout)[:rows], n)
+        correct[start:start + len(chunk)] = (rewards.reshape(len(chunk), n) == 1.0).sum(axis=1)
+        errors += e
+        progress(rows)
+    return correct, errors
+
+
+def pass_at_k_eval(params, task: Task, make_sampler_fn: Callable[..., Any], ks: Sequence[int], seed: int,
+                   batch: int = EVAL_BATCH, progress: Callable[[int], Any] = lambda samples: None) -> dict[str, Any]:
+    """pass@1 (one sample at temperature 0.1, top-p 0.95) and pass@k for every k in `ks`
+    (max(ks) samples at temperature 1.0), under keys that name the temperature.
+    `make_sampler_fn(temperature=, top_p=)` builds a sampler; `progress` as in `count_correct`."""
+    key = jax.random.PRNGKey(seed)
+    n = max(ks)
+    pass1_correct, pass1_errors = count_correct(
+        params, task, make_sampler_fn(temperature=PASS1_TEMPERATURE, top_p=PASS1_TOP_P), 1,
+        jax.random.fold_in(key, 1), batch, progress)
+    correct, errors = count_correct(params, task, make_sampler_fn(temperature=PASSK_TEMPERATURE, top_p=1.0), n,
+                                    jax.random.fold_in(key, 2), batch, progress)
+    return {
+        "problems": len(task.eval_problems),
+        PASS1_KEY: float(pass1_correct.mean()),
+        f"{PASS1_KEY}_settings": {"temperature": PASS1_TEMPERATURE, "top_p": PASS1_TOP_P, "samples_per_problem": 1},
+        PASSK_KEY: {str(k): float(np.mean([pass_at_k(n, int(c), k) for c in correct])) for k in sorted(set(ks))},
+        f"{PASSK_KEY}_settings": {"temperature": PASSK_TEMPERATURE, "top_p": 1.0, "samples_per_problem": n},
+        "correct_per_problem": correct.tolist(),
+        "reward/errors": pass1_errors + errors,
+    }
+
+
+def load_policy(config: Config, *, checkpoint: Optional[str] = None, hf: Optional[str] = None,
+                step: Optional[int] = None):
+    """(model config, graphdef, params, tokenizer or None, where they came from) of a run's
+    checkpoint (a run dir or its checkpoints/) or of a Hugging Face directory."""
+    from jaxreplay.models.hf import load_hf_model, read_model_config
+    from jaxreplay.models.tokenizer import load_tokenizer
+    from jaxreplay.models.transformer import Transformer, split
+
+    m = config.model
+    own_tokenizer = config.task.name == "arithmetic"  # the embedded task always uses its CharTokenizer
+    if (checkpoint is None) == (hf is None):
+        raise ValueError("give exactly one of --checkpoint DIR and --hf PATH")
+    if hf is not None:
+        cfg, graphdef, params = load_hf_model(hf, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
+                                              max_seq_len=m.max_seq_len)
+        tokenizer = None if own_tokenizer else load_tokenizer(hf, vocab_size=cfg.vocab_size)
+        return cfg, graphdef, params, tokenizer, {"hf": str(hf)}
+
+    from jaxreplay.train.checkpoint import restore_policy_params
+
+    cfg = m if m.hf_path is None else read_model_config(
+        m.hf_path, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, max_seq_len=m.max_seq_len)
+    graphdef, abstract = split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))
+    directory = Path(checkpoint)
+    if (directory / "checkpoints").is_dir():
+        directory = directory / "checkpoints"
+    params, step = restore_policy_params(directory, abstract, step)
+    tokenizer = None if m.hf_path is None or own_tokenizer else load_tokenizer(m.hf_path, vocab_size=cfg.vocab_size)
+    return cfg, graphdef, params, tokenizer, {"checkpoint": str(directory), "step": step}
+
+
+def eval_sampler_factory(graphdef, cfg, max_new_tokens: int, tokenizer: Tokenizer, *,
+                         kv_cache_dtype: Optional[str] = None, prefill_chunk_size: int = 0) -> Callable[..., Any]:
+    """`make_sampler_fn(temperature=, top_p=)` for `pass_at_k_eval`: samplers that stop on every
+    one of the tokenizer's stop ids, as the training rollouts do, with the run's cache settings."""
+
+    def make_sampler_fn(temperature: float, top_p: float):
+        return make_sampler(graphdef, cfg, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                            stop_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id, kv_cache_dtype=kv_cache_dtype,
+                            prefill_chunk_size=prefill_chunk_size)
+
+    return make_sampler_fn
+
+
+def run_eval(config: Config, *, checkpoint: Optional[str] = None, hf: Optional[str] = None,
+             step: Optional[int] = None, ks: Sequence[int] = (1,), out: Optional[str] = None,
+             batch: int = EVAL_BATCH) -> dict[str, Any]:
+    """`jaxreplay eval`: loads the policy, samples the task's eval split (its training split is
+    never read), writes the results as JSON; a progress bar unless run.progress_bar is off."""
+    from tqdm import tqdm
+
+    from jaxreplay.tasks.registry import make_task
+
+    start = time.perf_counter()
+    cfg, graphdef, params, tokenizer, source = load_policy(config, checkpoint=checkpoint, hf=hf, step=step)
+    task = make_task(config.task, tokenizer, train=False)
+    s = config.sampling
+    if task.prompt_len + s.max_new_tokens > cfg.max_seq_len:
+        raise ValueError(f"prompts of {task.prompt_len} tokens plus sampling.max_new_tokens={s.max_new_tokens} "
+                         f"exceed model.max_seq_len={cfg.max_seq_len}")
+
+    sampler = eval_sampler_factory(graphdef, cfg, s.max_new_tokens, task.tokenizer, kv_cache_dtype=s.kv_cache_dtype,
+                                   prefill_chunk_size=s.prefill_chunk_size)
+    samples = len(task.eval_problems) * (1 + max(ks))
+    with tqdm(total=samples, desc="eval", unit="sample", disable=not config.run.progress_bar,
+              dynamic_ncols=True) as bar:
+        scores = pass_at_k_eval(params, task, sampler, ks, config.run.seed, batch, progress=bar.update)
+    results = {
+        "task": config.task.name,
+        "split": config.task.eval_split if config.task.name != "arithmetic" else "held-out",
+        **source,
+        **scores,
+        "max_new_tokens": s.max_new_tokens,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(results, indent=2) + "\n")
+    return results

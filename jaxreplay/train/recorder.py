@@ -1,0 +1,216 @@
+"""The one place that writes a run's records: config.yaml, metrics.jsonl (+ TensorBoard), summary.json.
+
+The records must say what the run did:
+- config.yaml holds exactly the settings the run used (the driver hands over the resolved
+  config: the HF architecture, the backend `auto` chose, the calibrated ratio). A resume
+  whose config would change the run is refused before anything is written, naming every such
+  key (`resume_config`); keys in `MAY_CHANGE_ON_RESUME` may change, and are recorded.
+- After a resume from step k, metrics.jsonl and TensorBoard hold each step once: rows past k
+  (and a torn last line) are dropped, and TensorBoard hides its events from step k + 1 on.
+  A fresh start in a run dir with no checkpoint drops every row of the attempt before it.
+Every rewrite is atomic (a temporary file, then `os.replace`): a kill leaves the old file or the new.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import yaml
+
+from jaxreplay.config import Config, ConfigError, read_yaml, show, to_dict
+from jaxreplay.train.metrics import METRICS_FILE, MetricsWriter
+
+CONFIG_FILE = "config.yaml"
+SUMMARY_FILE = "summary.json"
+
+# Keys (fnmatch patterns) a resume may change, and why: they say how far, how often, how
+# visibly or where the run goes on, not what it computes. Every other key (seed, model, task,
+# warm start, replay, loss, sampling, ...) changes the run, and a resume with it is refused.
+MAY_CHANGE_ON_RESUME: dict[str, str] = {
+    "train.steps": "how far to train: raising it trains further",
+    "train.eval_every": "when to evaluate the policy; evaluation does not touch training",
+    "train.learning_rate": "lowering it is how a run recovers from non-finite updates (guards.NonFiniteError)",
+    "train.max_nonfinite_steps": "how many skipped updates in a row stop the run",
+    "run.progress_bar": "terminal display only",
+    "run.dir": "where the run dir is: a copied or moved run dir resumes",
+    "*.timeout_s": "how long to wait on the table or other processes before giving up",
+    "replay.port": "the port the table's server binds, afresh in each invocation",
+    "checkpoint.every": "when checkpoints are taken",
+    "checkpoint.every_seconds": "when checkpoints are taken",
+    "checkpoint.keep": "how many checkpoints are kept",
+    "mesh.data": "the mesh sizes: the checkpoint is resharded onto the new mesh",
+    "mesh.fsdp": "the mesh sizes: the checkpoint is resharded onto the new mesh",
+    "mesh.tensor": "the mesh sizes: the checkpoint is resharded onto the new mesh",
+    "mesh.topology": "the slice the config is sized for: moving to another slice size is routine",
+    "distributed.*": "which processes run it and where they meet: a slice of another size has other ones",
+    "train.micro_batch_size": "memory only (gradients summed over the same batch): another slice may need another",
+    "train.remat": "memory only (recomputes the same activations): another slice may need another",
+    "train.logits_chunk_size": "memory only (the same logits, a chunk at a time): another slice may need another",
+    "sampling.prefill_chunk_size": "memory only (the same prefill, a chunk at a time): another slice may need another",
+    "warmstart.cache_dir": "where the shared warm start is cached, not what it holds",
+}
+
+
+def may_change(key: str) -> bool:
+    """Whether a resume may change `key` (dotted, e.g. "train.steps")."""
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in MAY_CHANGE_ON_RESUME)
+
+
+def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None] = print) -> Config:
+    """The config a resume in `run_dir` records: `config`, checked against the stored config.yaml.
+
+    Refuses (`ConfigError`, one line naming every key, old -> new) a change to a key that changes
+    the run; logs the allowed changes. `replay.backend: auto` matches the backend stored. With
+    `replay.calibrate_steps` > 0 the stored `samples_per_insert` (the calibrated one) is kept.
+    Only reads: every process of a multi-host run can call it. No config.yaml: `config` itself."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.exists():
+        return config
+    stored = read_yaml(path, "the run's stored config")
+    if not isinstance(stored, dict):
+        raise ConfigError(f"the run's stored config {path} is not a mapping of sections; move it away to start afresh")
+    old, new, default = _flat(stored), _flat(to_dict(config)), _flat(to_dict(Config()))
+    refused, allowed = [], []
+    for key, after in new.items():
+        before = old.get(key, default.get(key))  # a key added since the run began: it ran with the default
+        if before == after:  # plain YAML values both: lists for tuples
+            continue
+        change = f"{key}: {show(before)} -> {show(after)}"
+        if key == "replay.backend" and "auto" in (before, after):  # `auto` resolved to the backend the run has
+            if after == "auto":
+                config = _with_replay(config, backend=before)
+        elif key == "replay.samples_per_insert" and config.replay.calibrate_steps > 0:
+            log(f"resume: keeping the calibrated replay.samples_per_insert {before} (not {after})")
+            config = _with_replay(config, samples_per_insert=before)
+        elif may_change(key):
+            allowed.append(change)
+        else:
+            refused.append(change)
+    if refused:
+        raise ConfigError(f"{'; '.join(refused)}; these change the run in {path.parent}, so a resume with them is "
+                          "refused: use a new run.dir, or restore the old values")
+    if allowed:
+        log(f"resume with changed settings, recorded in {path}: {'; '.join(allowed)}")
+    return config
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: a config's sections and keys as dotted keys."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _with_replay(config: Config, **changes: Any) -> Config:
+    return dataclasses.replace(config, replay=dataclasses.replace(config.replay, **changes))
+
+
+class RunRecorder:
+    """Writes one run's records; `open` it once per invocation, after the checkpoint step is known."""
+
+    def __init__(self, run_dir: Path, config: Config, metrics: MetricsWriter):
+        self.run_dir, self._config, self._metrics = run_dir, config, metrics
+
+    @classmethod
+    def open(cls, run_dir: str | Path, config: Config, resume_step: Optional[int],
+             log: Callable[[str], None] = print) -> "RunRecorder":
+        """`resume_step`: the checkpoint step the run resumes from, or None for a fresh start
+        (whatever an earlier attempt without a checkpoint left is then overwritten)."""
+        run_dir = Path(run_dir)
+        if resume_step is not None:
+            config = resume_config(run_dir, config, log)  # may refuse: nothing is written before it
+        write_atomic(run_dir / CONFIG_FILE, _yaml(config))
+        dropped = keep_metrics_through(run_dir / METRICS_FILE, -1 if resume_step is None else resume_step)
+        if dropped:
+            log(f"{METRICS_FILE}: dropped {dropped} rows " + (
+                "of an earlier attempt that left no checkpoint" if resume_step is None
+                else f"past the checkpoint at step {resume_step} (or torn)"))
+        metrics = MetricsWriter(run_dir, purge_step=0 if resume_step is None else resume_step + 1)
+        return cls(run_dir, config, metrics)
+
+    @property
+    def config(self) -> Config:
+        """The config as recorded: what the run uses."""
+        return self._config
+
+    def update_config(self, config: Config) -> None:
+        """Records `config` as the run's settings (e.g. with the calibrated samples_per_insert)."""
+        self._config = config
+        write_atomic(self.run_dir / CONFIG_FILE, _yaml(config))
+
+    def write(self, step: int, record: Mapping[str, Any]) -> dict[str, Any]:
+        """Appends one step's metrics (to metrics.jsonl and TensorBoard); returns the JSON record."""
+        return self._metrics.write(step, record)
+
+    def summary(self, summary: Mapping[str, Any]) -> None:
+        write_atomic(self.run_dir / SUMMARY_FILE, json.dumps(dict(summary), indent=2) + "\n")
+
+    def last_summary(self) -> dict[str, Any]:
+        return last_summary(self.run_dir)
+
+    def close(self) -> None:
+        self._metrics.close()
+
+    def __enter__(self) -> "RunRecorder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def last_summary(run_dir: str | Path) -> dict[str, Any]:
+    """The summary the run wrote when it last stopped (read, never rewritten), or {}."""
+    try:
+        summary = json.loads((Path(run_dir) / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
+def keep_metrics_through(path: Path, step: int) -> int:
+    """Drops the rows of metrics.jsonl past `step`, and any line that is not a JSON record (a torn
+    last line from a kill mid-write); returns how many. Rewritten atomically, only if it changes."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return 0
+    kept, dropped = [], 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            past = record["step"] > step
+        except (ValueError, TypeError, KeyError):
+            past = True
+        if past:
+            dropped += 1
+        else:
+            kept.append(line + "\n")
+    new_text = "".join(kept)
+    if new_text != text:
+        write_atomic(path, new_text)
+    return dropped
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """`path` holds `text` or, after a kill at any moment, what it held before."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _yaml(config: Config) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False)

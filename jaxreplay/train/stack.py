@@ -1,0 +1,109 @@
+"""The stack a run trains: policy, optimizer, train step, samplers, actor, evaluation.
+
+One builder for every placement (placement.py says where each part lives): the policy
+comes from released HF weights, or a fresh init and the supervised warm start; the
+learner's parts live on the learner mesh, the samplers on the actor mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxreplay.config import Config
+from jaxreplay.learn.learner import TrainStep, make_optimizer, make_train_step
+from jaxreplay.models import sharding
+from jaxreplay.models.hf import load_hf_model, read_model_config
+from jaxreplay.models.tokenizer import load_tokenizer
+from jaxreplay.models.transformer import abstract_params, init_params
+from jaxreplay.rollout.actor import Actor
+from jaxreplay.rollout.rollouts import row_spec
+from jaxreplay.rollout.sampling import make_run_samplers
+from jaxreplay.tasks.base import Task
+from jaxreplay.tasks.registry import make_task
+from jaxreplay.train.eval import evaluate
+from jaxreplay.train.placement import Placement
+from jaxreplay.train.warmstart import warm_start
+
+
+@dataclasses.dataclass
+class Stack:
+    config: Config  # as the run uses it: an HF model's architecture in `model`
+    task: Task
+    spec: dict  # the rollout row (rollouts.row_spec)
+    graphdef: Any
+    params: Any  # on the learner mesh
+    ref_params: Optional[Any]  # the KL reference, when train.kl_coef > 0
+    optimizer: optax.GradientTransformation
+    opt_state: Any
+    train_step: TrainStep
+    actor: Actor
+    evaluate: Callable[[Any], float]  # params on the actor mesh -> eval accuracy
+    to_actor: Callable[[Any], Any]  # learner params -> the actor's copy (identity when they share a mesh)
+
+
+def resolved_model(config: Config) -> Config:
+    """`config` with an HF model's architecture read from its config.json (no weights read), so
+    the run's records hold the model it trains."""
+    m = config.model
+    if not m.hf_path:
+        return config
+    model = read_model_config(m.hf_path, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
+                              max_seq_len=m.max_seq_len)
+    return dataclasses.replace(config, model=model)
+
+
+def build_stack(config: Config, placement: Placement, log: Callable[[str], None]) -> Stack:
+    """Every part of the run, fresh: params from the policy source, a new optimizer state."""
+    c = resolved_model(config)
+    learner_mesh = placement.learner_mesh
+    task, graphdef, params = _policy(c, placement, log)
+    params = sharding.shard_params(params, learner_mesh)
+    tok = task.tokenizer
+    sample_fn, greedy_fn = make_run_samplers(graphdef, c, stop_ids=tok.eos_ids, pad_id=tok.pad_id,
+                                             mesh=placement.actor_mesh)
+    optimizer = make_optimizer(c.train)
+    shard = (placement.process_id, placement.processes)
+    greedy = placement.eval_sampler(greedy_fn)
+    return Stack(
+        config=c, task=task, spec=row_spec(c, task.prompt_len), graphdef=graphdef, params=params,
+        ref_params=jax.tree.map(jnp.copy, params) if c.train.kl_coef > 0 else None,
+        optimizer=optimizer, opt_state=sharding.shard_params(optimizer.init(params), learner_mesh),
+        train_step=make_train_step(graphdef, c, optimizer, learner_mesh),
+        actor=Actor(c, task, placement.rollout_sampler(sample_fn), shard=shard),
+        evaluate=lambda p: evaluate(p, task, greedy),
+        to_actor=_to_mesh(c, placement) if placement.actor_mesh is not learner_mesh else (lambda p: p),
+    )
+
+
+def _policy(c: Config, placement: Placement, log: Callable[[str], None]):
+    """(task, graphdef, params): released weights straight onto the learner mesh, or a fresh
+    init and the supervised warm start."""
+    if c.model.hf_path:
+        m = c.model
+        _, graphdef, params = load_hf_model(
+            m.hf_path, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, max_seq_len=m.max_seq_len,
+            shardings=sharding.param_shardings(placement.learner_mesh, abstract_params(c.model)))
+        task = make_task(c.task, load_tokenizer(m.hf_path, vocab_size=c.model.vocab_size))
+        log(f"loaded {m.hf_path} ({c.model.n_layers} layers, width {c.model.d_model}); no warm start")
+        return task, graphdef, params
+    task = make_task(c.task)
+    graphdef, params = init_params(c.model, c.run.seed)
+    if placement.kind == "multihost":  # the warm start runs SPMD on the global mesh, like the learner
+        params = sharding.shard_params(params, placement.learner_mesh)
+    start = time.perf_counter()
+    params, cached = warm_start(graphdef, params, task, c, log=log)  # cached by its settings, shared by a sweep
+    if c.warmstart.steps:
+        log(f"warm start {'loaded from cache' if cached else f'trained for {c.warmstart.steps} steps'} "
+            f"({time.perf_counter() - start:.1f}s)")
+    return task, graphdef, params
+
+
+def _to_mesh(c: Config, placement: Placement) -> Callable[[Any], Any]:
+    shardings = sharding.param_shardings(placement.actor_mesh, abstract_params(c.model))
+    return lambda params: jax.device_put(params, shardings)

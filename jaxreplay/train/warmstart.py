@@ -1,0 +1,163 @@
+"""Short supervised warm start so RL begins from a weak but non-zero policy.
+
+Cached by the settings that produce it (`warmstart_settings`), under `warmstart.cache_dir`
+(default: `.warmstart-cache` beside the run dir), so the runs of a sweep that share those
+settings compute it once. An entry is written whole into a temporary directory and renamed
+into place: a reader never sees half of one, and of two concurrent writers the first rename
+wins and the second keeps it. An entry that cannot be read back is recomputed with a warning.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import jax
+import optax
+from tqdm import tqdm
+
+from jaxreplay.config import Config, to_dict
+from jaxreplay.learn.losses import masked_mean
+from jaxreplay.models.transformer import forward
+from jaxreplay.rollout.sampling import token_logprobs
+from jaxreplay.tasks.arithmetic import ArithmeticTask
+from jaxreplay.train.checkpoint import restore_params, save_params
+
+# Raise when `supervised_warm_start` computes something else from the same settings: old entries then miss.
+CACHE_FORMAT = 1
+SETTINGS_FILE = "settings.json"
+PARAMS_DIR = "params"
+
+
+def make_sft_step(graphdef, optimizer: optax.GradientTransformation):
+    def loss_fn(params, tokens, attention_mask, loss_mask):
+        logits = forward(graphdef, params, tokens, attention_mask)
+        return -masked_mean(token_logprobs(logits, tokens, 1.0), loss_mask)
+
+    def step(params, opt_state, tokens, attention_mask, loss_mask):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, attention_mask, loss_mask)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def warmstart_settings(config: Config) -> dict[str, Any]:
+    """What determines the warm-start params: the initial params (the model section and run.seed:
+    `init_params`), the demonstrations (the task section, run.seed, sampling.max_new_tokens and
+    warmstart.teacher_carry_error) and the training (warmstart.*), and JAX's version, whose
+    numerics may differ. Not where they are cached, nor `model.hf_config` (only `compile` reads it)."""
+    c = to_dict(config)
+    return {
+        "format": CACHE_FORMAT,
+        "jax": jax.__version__,
+        "model": {k: v for k, v in c["model"].items() if k != "hf_config"},
+        "task": c["task"],
+        "warmstart": {k: v for k, v in c["warmstart"].items() if k != "cache_dir"},
+        "run.seed": config.run.seed,
+        "sampling.max_new_tokens": config.sampling.max_new_tokens,
+    }
+
+
+def cache_key(config: Config) -> str:
+    """A short hash of `warmstart_settings`: the name of the cache entry."""
+    text = json.dumps(warmstart_settings(config), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_root(config: Config) -> Path:
+    """`warmstart.cache_dir`, or `.warmstart-cache` in the parent of `run.dir`, so that runs
+    started side by side share it (a sweep names its own, above every setting's runs)."""
+    if config.warmstart.cache_dir:
+        return Path(config.warmstart.cache_dir)
+    return Path(config.run.dir).absolute().parent / ".warmstart-cache"
+
+
+def warm_start(graphdef, params, task: ArithmeticTask, config: Config, cache_dir: Optional[Path] = None,
+               log: Callable[[str], None] = print):
+    """Supervised next-token training on correct answers; returns (params, was_cached).
+
+    `cache_dir`: the cache's root (default `cache_root(config)`); entries are named by `cache_key`.
+    With warmstart.steps 0 there is nothing to cache. A multi-process job computes it on every
+    process (SPMD, like the learner) and caches nothing: Orbax writes there are collective."""
+    if config.warmstart.steps == 0:
+        return params, False
+    if jax.process_count() > 1:
+        return supervised_warm_start(graphdef, params, task, config), False
+    root = Path(cache_dir) if cache_dir is not None else cache_root(config)
+    settings = warmstart_settings(config)
+    entry = root / cache_key(config)
+    stale = entry.exists()
+    if stale:
+        try:
+            return _read(entry, settings, params), True
+        except Exception as e:  # noqa: BLE001 - any damage to the entry means recomputing it
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            log(f"warning: the cached warm start {entry} cannot be read ({type(e).__name__}: {first}); "
+                "recomputing it")
+    params = supervised_warm_start(graphdef, params, task, config)
+    try:
+        _publish(entry, settings, params, replace=stale)
+    except OSError as e:  # the run has its warm start; only the next one loses the cache
+        log(f"warning: cannot cache the warm start in {entry}: {e.strerror or e}")
+    return params, False
+
+
+def _read(entry: Path, settings: dict[str, Any], params_like):
+    stored = json.loads((entry / SETTINGS_FILE).read_text())
+    if stored != json.loads(json.dumps(settings)):
+        raise ValueError(f"its {SETTINGS_FILE} holds other settings than those its name hashes")
+    return restore_params(entry / PARAMS_DIR, params_like)
+
+
+def _publish(entry: Path, settings: dict[str, Any], params, replace: bool) -> None:
+    """Writes the entry in a temporary directory beside it, then renames it into place. If another
+    writer's entry appeared meanwhile, that one is kept (the same settings give the same params);
+    `replace`: an unreadable entry is there, moved aside first."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
+    try:
+        save_params(tmp / PARAMS_DIR, params)
+        (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+        if replace:
+            aside = entry.parent / f".stale-{entry.name}-{uuid.uuid4().hex[:8]}"
+            try:
+                entry.rename(aside)
+            except FileNotFoundError:  # another writer moved it already
+                pass
+            shutil.rmtree(aside, ignore_errors=True)
+        try:
+            tmp.rename(entry)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def supervised_warm_start(graphdef, params, task: ArithmeticTask, config: Config):
+    """The warm start itself, uncached: deterministic given params and config. It can take
+    minutes, so it shows a progress bar (`run.progress_bar`)."""
+    w = config.warmstart
+    optimizer = optax.adam(w.learning_rate)
+    opt_state = optimizer.init(params)
+    step = make_sft_step(graphdef, optimizer)
+    # Multi-process CPU: gloo pairs collectives by order, so no local device may start a step early.
+    lockstep = jax.process_count() > 1 and jax.default_backend() == "cpu"
+    # A stream of its own so warm-start problems are not the RL prompt stream.
+    seed = config.run.seed + 7_919
+    for i in tqdm(range(w.steps), desc="warm start", unit="step", disable=not config.run.progress_bar,
+                  dynamic_ncols=True):
+        tokens, attention_mask, loss_mask = task.supervised_batch(
+            seed, i, w.batch_size, config.sampling.max_new_tokens, carry_error=w.teacher_carry_error
+        )
+        params, opt_state, _ = step(params, opt_state, tokens, attention_mask, loss_mask)
+        if lockstep:
+            jax.block_until_ready((params, opt_state))
+    return params
