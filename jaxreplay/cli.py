@@ -176,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
 
         # One run per directory, refused before any work; a multi-host job's lock is taken by process 0
         # once it knows its index (driver.py), so here each process only checks the directory.
-        hold = contextlib.nullcontext(rundir.create(config.run.dir)) if config.distributed.enabled else \
-            rundir.claim(config.run.dir)
-        with hold, _native_logs_to(Path(config.run.dir) / "native.log"):
+        hold = rundir.attach(config.run.dir) if config.distributed.enabled else \
+            rundir.claim(config.run.dir, config.run.lease_s)
+        with hold as run_dir, _native_logs_to(run_dir / "native.log"):
             from jaxreplay.compat import describe_tier  # imports JAX: after the checks above
 
             print(f"jaxreplay {_own_version()} on {describe_tier()}", flush=True)

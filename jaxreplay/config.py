@@ -24,6 +24,8 @@ from typing import Any, Callable, Literal, Optional
 
 import yaml
 
+from jaxreplay import storage
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the offending key."""
@@ -242,9 +244,10 @@ class DistributedConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    dir: str = "runs/demo"
+    dir: str = "runs/demo"  # a local path or a bucket URL (gs://BUCKET/PATH)
     seed: int = 0
     progress_bar: bool = True
+    lease_s: float = 60.0  # a bucket run dir's lock: how long a preempted run's lease blocks the resume
 
 
 @dataclass(frozen=True)
@@ -584,7 +587,7 @@ RANGES: dict[str, Interval] = {
     "mesh.actor_devices": NON_NEGATIVE, "mesh.actor_tensor": POSITIVE,  # data/fsdp/tensor: _validate_mesh
     "distributed.num_processes": NON_NEGATIVE, "distributed.process_id": Interval(-1),
     "distributed.timeout_s": TIMEOUT, "distributed.heartbeat_timeout_s": TIMEOUT,
-    "run.seed": NON_NEGATIVE,
+    "run.seed": NON_NEGATIVE, "run.lease_s": TIMEOUT,
 }
 
 # The modules that own config keys and check them themselves (`owner_check`), in the order their checks
@@ -635,19 +638,37 @@ def validate(c: Config, local: bool = True) -> None:
     _validate_replay(c)
     _validate_mesh(c)
     _validate_distributed(c)
+    _validate_locations(c)
     for check in _owner_checks():
         check(c)
     if local:
         _validate_machine(c)
 
 
+def _validate_locations(c: Config) -> None:
+    """Paths that may be bucket URLs name a scheme the storage layer reads (storage.py)."""
+    for key, value in (("run.dir", c.run.dir), ("warmstart.cache_dir", c.warmstart.cache_dir),
+                       ("model.hf_path", c.model.hf_path), ("task.path", c.task.path)):
+        if value is not None:
+            try:
+                storage.check(value, key)
+            except storage.StorageError as e:
+                raise ConfigError(str(e)) from None
+
+
 def _validate_machine(c: Config) -> None:
-    """What this machine must have to run `c`: Reverb installed, the model directory on disk."""
+    """What this machine must have to run `c`: Reverb installed, the model directory on disk or in a bucket."""
     _require(c.replay.backend != "reverb" or importlib.util.find_spec("reverb") is not None, "replay.backend",
              "reverb is not installed (pip install 'jaxreplay[reverb]', Python 3.10/3.11), or use inprocess")
+    for key, value in (("run.dir", c.run.dir), ("warmstart.cache_dir", c.warmstart.cache_dir)):
+        # With TensorFlow installed (the Reverb lane), Orbax reaches buckets through tf.io.gfile, untested here.
+        _require(not storage.is_url(value) or importlib.util.find_spec("tensorflow") is None, key,
+                 f"{value}: run dirs and caches in buckets need the default tier (Python >= 3.12, no TensorFlow); "
+                 "the Reverb lane writes them to a disk")
     hf_path = c.model.hf_path
-    _require(hf_path is None or (Path(hf_path) / "config.json").is_file(), "model.hf_path",
-             f"{show(hf_path)} is not a Hugging Face model directory (no config.json)")
+    config_json = None if hf_path is None else storage.join(hf_path, "config.json")
+    _require(hf_path is None or (storage.exists(config_json) if storage.is_url(hf_path) else Path(config_json).is_file()),
+             "model.hf_path", f"{show(hf_path)} is not a Hugging Face model directory (no config.json)")
 
 
 def _check_numbers(c: Config) -> None:

@@ -1,5 +1,6 @@
 """The warm-start cache: keyed by the settings that produce it, shared by the runs of a sweep, written whole."""
 
+from pathlib import Path
 import json
 
 import jax
@@ -42,7 +43,7 @@ def test_runs_with_the_same_settings_compute_one_warm_start(tmp_path):
     graphdef, params = init_params(cfg.model, cfg.run.seed)
     assert same(second, supervised_warm_start(graphdef, params, make_task(cfg.task), cfg))  # the cached = the fresh
     root = tmp_path / "sweep" / ".warmstart-cache"
-    assert cache_root(cfg) == root and entries(root) == [cache_key(cfg)]  # one entry, no temporary left over
+    assert Path(cache_root(cfg)) == root and entries(root) == [cache_key(cfg)]  # one entry, no temporary left over
     assert json.loads((root / cache_key(cfg) / "settings.json").read_text())["run.seed"] == 0
 
 
@@ -90,7 +91,7 @@ def test_a_damaged_entry_is_recomputed_with_a_warning(tmp_path):
 def test_a_second_writer_keeps_the_entry_that_appeared_meanwhile(tmp_path):
     cfg = config(tmp_path / "a")
     params, _ = start(cfg)
-    entry = cache_root(cfg) / cache_key(cfg)
+    entry = Path(cache_root(cfg)) / cache_key(cfg)
     (entry / "marker").write_text("first writer")
     _publish(entry, warmstart_settings(cfg), params, replace=False)  # computed concurrently, finished second
     assert (entry / "marker").read_text() == "first writer"
@@ -102,7 +103,7 @@ def test_no_warm_start_steps_caches_nothing(tmp_path):
     cfg = config(tmp_path / "a", "warmstart.steps=0")
     graphdef, params = init_params(cfg.model, 0)
     out, cached = warm_start(graphdef, params, make_task(cfg.task), cfg)
-    assert out is params and not cached and not cache_root(cfg).exists()
+    assert out is params and not cached and not Path(cache_root(cfg)).exists()
 
 
 def test_an_unwritable_cache_warns_and_the_run_goes_on(tmp_path):

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxreplay import storage
 from jaxreplay.compat import is_variable, value_of, with_value
 from jaxreplay.config import DType, ModelConfig
 from jaxreplay.models.errors import HFModelError
@@ -190,10 +191,10 @@ def read_model_config(path: str | Path, *, param_dtype: DType = "float32", compu
 
     Its `hf_path` is `path`: a config that replaces the user's still says where the model came from.
     """
-    path = Path(path)
+    named, path = str(path), storage.staged(path)  # a bucket's directory is read from its local copy
     cfg = model_config_from_hf(_read_hf_config(path), param_dtype=param_dtype, compute_dtype=compute_dtype,
-                               max_seq_len=max_seq_len, source=str(path / "config.json"))
-    return dataclasses.replace(cfg, hf_path=str(path))
+                               max_seq_len=max_seq_len, source=storage.join(named, "config.json"))
+    return dataclasses.replace(cfg, hf_path=named)
 
 
 def family_of(cfg: ModelConfig) -> str:
@@ -329,8 +330,8 @@ def load_hf_model(path: str | Path, *, param_dtype: DType = "float32", compute_d
     parameter, or a function from the abstract params (shapes, dtypes, logical axes) to
     that tree, e.g. `lambda abstract: sharding.param_shardings(mesh, abstract)`.
     """
-    path = Path(path)
     cfg = read_model_config(path, param_dtype=param_dtype, compute_dtype=compute_dtype, max_seq_len=max_seq_len)
+    path = storage.staged(path)
     graphdef, abstract = split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))
     targets = {tuple(p): var for p, var in nnx.to_flat_state(abstract)}
     placement = {}

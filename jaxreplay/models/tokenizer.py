@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from jaxreplay import storage
 from jaxreplay.models.errors import HFModelError
 
 
@@ -110,7 +111,7 @@ def load_tokenizer(path: str | Path, *, vocab_size: Optional[int] = None) -> HFT
     """
     import transformers  # imported here: the demo path never needs it
 
-    path = Path(path)
+    path = storage.staged(path)  # a bucket's directory is read from its local copy
     if not path.is_dir():
         raise HFModelError(f"tokenizer directory {path} does not exist")
     try:

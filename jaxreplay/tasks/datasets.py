@@ -26,6 +26,7 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
+from jaxreplay import storage
 from jaxreplay.config import Config, ConfigError, TaskConfig
 from jaxreplay.tasks.base import ByteTokenizer, Tokenizer
 from jaxreplay.tasks.rewards import REWARDS, get_reward
@@ -124,6 +125,7 @@ _SHARD = re.compile(r"-(\d+)-of-(\d+)(?:-[0-9a-f]+)?\.\w+$")  # train-00001-of-0
 def split_files(path: str, split: str) -> list[Path]:
     """The files of `split`, sorted: `path` with `{split}` filled in and globbed, or a Hub
     repository's (or one config's) directory. An incomplete set of shards is an error."""
+    path = _staged(path)
     pattern = path.replace("{split}", split) if "{split}" in path else _hub_pattern(Path(path), split)
     files = sorted(Path(f) for f in glob.glob(pattern))
     if not files:
@@ -138,6 +140,18 @@ def split_files(path: str, split: str) -> list[Path]:
         raise DatasetError(f"split {split!r}: shards {found} of {sorted(totals)} in {pattern}: an incomplete or "
                            f"mixed download; fetch the split again")
     return files
+
+
+def _staged(path: str) -> str:
+    """A bucket's `task.path` as a local one: the directory above its first wildcard, copied to the cache."""
+    if not storage.is_url(path):
+        return path
+    wild = min((i for i, ch in enumerate(path) if ch in "{*?["), default=len(path))
+    base = path[:wild].rstrip("/") if wild == len(path) else path[:wild].rsplit("/", 1)[0]
+    try:
+        return str(storage.staged(base)) + path[len(base):]
+    except FileNotFoundError:
+        raise DatasetError(f"task.path {path}: nothing in the bucket at {base}") from None
 
 
 def _hub_pattern(root: Path, split: str) -> str:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import jax
 import orbax.checkpoint as ocp
+
+from jaxreplay import storage
 
 
 @dataclasses.dataclass
@@ -64,15 +67,23 @@ _DELETED = ".deleted"  # steps past `keep` are renamed in here, then deleted
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, keep: int):
-        self.directory = Path(directory).absolute()
-        # A step killed mid-write stays a tmp directory, never listed, deleted on the next start.
+    def __init__(self, directory: Any, keep: int):
+        """`directory`: a local path or a bucket URL (either as `storage.orbax_path` gives it)."""
+        self.directory = storage.orbax_path(directory) if isinstance(directory, (str, os.PathLike)) else directory
+        # A step killed mid-write stays a tmp directory, never listed, deleted on the next start. On a
+        # bucket (no rename) steps past `keep` are deleted where they are.
+        local = isinstance(self.directory, Path)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False,
-                                                 cleanup_tmp_directories=True, todelete_subdir=_DELETED),
+                                                 cleanup_tmp_directories=True,
+                                                 todelete_subdir=_DELETED if local else None),
         )
-        shutil.rmtree(self.directory / _DELETED, ignore_errors=True)
+        self._clear_deleted()
+
+    def _clear_deleted(self) -> None:
+        if isinstance(self.directory, Path):
+            shutil.rmtree(self.directory / _DELETED, ignore_errors=True)
 
     def latest_step(self) -> Optional[int]:
         return self._manager.latest_step()
@@ -86,7 +97,7 @@ class Checkpointer:
             force=True,
         )
         self._manager.wait_until_finished()
-        shutil.rmtree(self.directory / _DELETED, ignore_errors=True)
+        self._clear_deleted()
 
     def replay_checkpoints(self) -> set[str]:
         """The Reverb checkpoints that the kept steps refer to."""
@@ -117,20 +128,20 @@ class Checkpointer:
 def save_params(path: str | Path, params: Any) -> None:
     """One-off params snapshot (the cached warm start)."""
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(Path(path).absolute(), params, force=True)
+        ckptr.save(storage.orbax_path(path), params, force=True)
 
 
 def restore_params(path: str | Path, params_like: Any) -> Any:
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params_like)
     with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(Path(path).absolute(), abstract)
+        return ckptr.restore(storage.orbax_path(path), abstract)
 
 
 def restore_policy_params(directory: str | Path, params_like: Any, step: Optional[int] = None) -> tuple[Any, int]:
     """(params, step) of a training checkpoint, read alone: evaluation needs neither the
     optimizer state nor the waiting rollouts. `params_like` may be abstract (shapes,
     dtypes, shardings); the default device is used where it has no sharding."""
-    manager = ocp.CheckpointManager(Path(directory).absolute())
+    manager = ocp.CheckpointManager(storage.orbax_path(directory))
     try:
         step = manager.latest_step() if step is None else step
         if step is None or step not in manager.all_steps():

@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from jaxreplay import storage
 from jaxreplay.compat import multiprocess_checkpoint_gap
 from jaxreplay.config import Config, ConfigError
 from jaxreplay.replay.multiprocess import open_replay
@@ -53,7 +54,7 @@ def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     """
     if config.distributed.enabled:
         return _as_job_process(config, log)
-    with rundir.claim(config.run.dir) as run_dir:
+    with rundir.claim(config.run.dir, config.run.lease_s) as run_dir:
         return _train(config, run_dir, log)
 
 
@@ -68,13 +69,14 @@ def _as_job_process(config: Config, log: Callable[[str], None]) -> dict[str, Any
     pid = jax.process_index()
     try:
         # One job, one lock: process 0 holds run.dir's; the others share the directory.
-        with rundir.claim(config.run.dir) if pid == 0 else contextlib.nullcontext(Path(config.run.dir)) as run_dir:
-            return _train(config, Path(run_dir), log if pid == 0 else (lambda _: None))
+        with rundir.claim(config.run.dir, config.run.lease_s) if pid == 0 else rundir.attach(config.run.dir) \
+                as run_dir:
+            return _train(config, run_dir, log if pid == 0 else (lambda _: None))
     except BaseException as e:
         if not isinstance(e, Preempted):
-            with contextlib.suppress(OSError):  # run.dir itself may be what is wrong
-                Path(config.run.dir).mkdir(parents=True, exist_ok=True)
-                (Path(config.run.dir) / f"process-{pid}.error").write_text(traceback.format_exc())
+            with contextlib.suppress(Exception):  # run.dir itself may be what is wrong
+                storage.makedirs(config.run.dir)
+                storage.write_text(storage.join(config.run.dir, f"process-{pid}.error"), traceback.format_exc())
         kind = ("config error" if isinstance(e, ConfigError) else "stopped" if isinstance(e, Preempted)
                 else f"error: {type(e).__name__}")
         sys.stdout.flush()
@@ -83,11 +85,11 @@ def _as_job_process(config: Config, log: Callable[[str], None]) -> dict[str, Any
         os._exit(2 if isinstance(e, ConfigError) else 128 + signal.SIGTERM if isinstance(e, Preempted) else 1)
 
 
-def _train(config: Config, run_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
+def _train(config: Config, run_dir: rundir.RunDir, log: Callable[[str], None]) -> dict[str, Any]:
     start = time.perf_counter()
     resume = latest_step(run_dir, config.checkpoint.keep)
     if resume is not None and resume >= config.train.steps:
-        log(f"nothing to run: no step ran, because the checkpoint in {run_dir / 'checkpoints'} is already at "
+        log(f"nothing to run: no step ran, because the checkpoint in {run_dir.checkpoints()} is already at "
             f"step {resume} >= train.steps={config.train.steps}; raise train.steps to train further")
         return {**last_summary(run_dir), "steps": resume, "steps_run": 0}
     placement = placement_for(config)
@@ -98,6 +100,7 @@ def _train(config: Config, run_dir: Path, log: Callable[[str], None]) -> dict[st
     # Refused before anything is written when the config changes the run; only the leader records.
     recorder = RunRecorder.open(run_dir, c, resume, log) if placement.is_leader else None
     c = recorder.config if recorder else resume_config(run_dir, c, log) if resume is not None else c
+    run_dir.sync()
     try:
         log(placement.describe())
         stack = build_stack(c, placement, log)
@@ -111,6 +114,7 @@ def _train(config: Config, run_dir: Path, log: Callable[[str], None]) -> dict[st
             run.config = c = stack.config = _calibrated(run, run_dir, coord, log)
             if recorder:
                 recorder.update_config(c)
+                run_dir.sync()
             with _tables(run, placement, run_dir, coord) as schedule:
                 try:
                     schedule()
@@ -134,27 +138,27 @@ def _with_backend(config: Config, placement: Placement, log: Callable[[str], Non
     return dataclasses.replace(config, replay=dataclasses.replace(config.replay, backend=backend))
 
 
-def latest_step(run_dir: Path, keep: int) -> Optional[int]:
+def latest_step(run_dir: rundir.RunDir, keep: int) -> Optional[int]:
     """The step of the latest complete checkpoint in `run_dir`, if any."""
-    if not (run_dir / "checkpoints").is_dir():
+    if not run_dir.has_checkpoints():
         return None
-    checkpointer = Checkpointer(run_dir / "checkpoints", keep=keep)
+    checkpointer = Checkpointer(run_dir.checkpoints(), keep=keep)
     try:
         return checkpointer.latest_step()
     finally:
         checkpointer.close()
 
 
-def _run_state(stack, placement: Placement, recorder: Optional[RunRecorder], run_dir: Path, resume: Optional[int],
-               start: float, log: Callable[[str], None]) -> Run:
+def _run_state(stack, placement: Placement, recorder: Optional[RunRecorder], run_dir: rundir.RunDir,
+               resume: Optional[int], start: float, log: Callable[[str], None]) -> Run:
     """The run as the latest checkpoint left it (onto this placement's meshes), or fresh."""
     c = stack.config
-    checkpointer = Checkpointer(run_dir / "checkpoints", keep=c.checkpoint.keep)
+    checkpointer = Checkpointer(run_dir.checkpoints(), keep=c.checkpoint.keep)
     progress = Progress()  # its accounting dict is the one the checkpoints save
     run = Run(config=c, placement=placement, stack=stack, recorder=recorder, checkpointer=checkpointer,
               progress=progress, params=stack.params, opt_state=stack.opt_state,
               accounting=Accounting(param_count(stack.params), progress.accounting), start=start,
-              notice=PreemptionNotice(), log=log,
+              notice=PreemptionNotice(), log=log, run_dir=run_dir,
               actor_params=stack.to_actor(stack.params) if placement.concurrent else None)
     if resume is None:
         run.progress.warmstart_accuracy = run.progress.eval_accuracy = run.evaluate()
@@ -176,7 +180,7 @@ def _run_state(stack, placement: Placement, recorder: Optional[RunRecorder], run
     return run
 
 
-def _calibrated(run: Run, run_dir: Path, coord: Optional[distributed.Coordinator],
+def _calibrated(run: Run, run_dir: rundir.RunDir, coord: Optional[distributed.Coordinator],
                 log: Callable[[str], None]) -> Config:
     """The config with the measured replay ratio (replay.calibrate_steps), before any table exists.
     Multi-host, every process measures (the calls are collective) and all take the leader's figures."""
@@ -193,11 +197,12 @@ def _calibrated(run: Run, run_dir: Path, coord: Optional[distributed.Coordinator
 
 
 @contextlib.contextmanager
-def _tables(run: Run, placement: Placement, run_dir: Path,
+def _tables(run: Run, placement: Placement, run_dir: rundir.RunDir,
             coord: Optional[distributed.Coordinator]) -> Iterator[Callable[[], None]]:
     """The placement's tables, restored from the checkpoint's, and the schedule that runs on them."""
     c, spec, progress = run.config, run.stack.spec, run.progress
-    root = run_dir / "replay"
+    root = run_dir / rundir.REPLAY_DIR
+    run_dir.pull_replay(run.own_replay_checkpoint(progress.replay_checkpoint))
     if coord is not None:
         names = json.loads(progress.replay_checkpoint) if progress.replay_checkpoint else None
         replay = open_replay(c, spec, coord, checkpoint_root=root,
@@ -237,7 +242,7 @@ def _check_restored(run: Run, table: Callable[[], Any]) -> None:
     run.log(f"table restored as checkpointed ({', '.join(f'{k}={v}' for k, v in saved.items())})")
 
 
-def _summary(run: Run, recorder: RunRecorder, run_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
+def _summary(run: Run, recorder: RunRecorder, run_dir: rundir.RunDir, log: Callable[[str], None]) -> dict[str, Any]:
     c, p, placement = run.config, run.progress, run.placement
     summary = {
         "placement": placement.kind,
@@ -267,6 +272,7 @@ def _summary(run: Run, recorder: RunRecorder, run_dir: Path, log: Callable[[str]
             json.dumps({**summary, "process_id": placement.process_id}, indent=2) + "\n")
     if recorder:
         recorder.summary(summary)
+    run_dir.sync()
     log(f"done: {summary['steps']} steps in {summary['seconds']}s | eval/accuracy "
         f"{summary['eval/accuracy_start']:.3f} -> {summary['eval/accuracy_end']:.3f} | replay/ratio "
         f"{summary['replay/ratio']:.2f} (target {summary['replay/samples_per_insert_target']:g}) | "

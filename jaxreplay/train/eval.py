@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxreplay import storage
 from jaxreplay.config import Config
 from jaxreplay.rollout.sampling import completion_ids, make_sampler
 from jaxreplay.tasks.base import Task, Tokenizer, score
@@ -124,9 +125,9 @@ def load_policy(config: Config, *, checkpoint: Optional[str] = None, hf: Optiona
     cfg = m if m.hf_path is None else read_model_config(
         m.hf_path, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, max_seq_len=m.max_seq_len)
     graphdef, abstract = split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))
-    directory = Path(checkpoint)
-    if (directory / "checkpoints").is_dir():
-        directory = directory / "checkpoints"
+    directory = str(checkpoint)  # a run dir or its checkpoints/, on a disk or in a bucket
+    if storage.isdir(storage.join(directory, "checkpoints")):
+        directory = storage.join(directory, "checkpoints")
     params, step = restore_policy_params(directory, abstract, step)
     tokenizer = None if m.hf_path is None or own_tokenizer else load_tokenizer(m.hf_path, vocab_size=cfg.vocab_size)
     return cfg, graphdef, params, tokenizer, {"checkpoint": str(directory), "step": step}

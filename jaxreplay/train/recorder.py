@@ -38,6 +38,7 @@ MAY_CHANGE_ON_RESUME: dict[str, str] = {
     "train.max_nonfinite_steps": "how many skipped updates in a row stop the run",
     "run.progress_bar": "terminal display only",
     "run.dir": "where the run dir is: a copied or moved run dir resumes",
+    "run.lease_s": "how long a bucket run dir's lock outlives its holder",
     "*.timeout_s": "how long to wait on the table or other processes before giving up",
     "replay.port": "the port the table's server binds, afresh in each invocation",
     "checkpoint.every": "when checkpoints are taken",

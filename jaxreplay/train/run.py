@@ -16,6 +16,7 @@ named relative to the run dir.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -34,6 +35,7 @@ from jaxreplay.train.checkpoint import Checkpointer, Progress
 from jaxreplay.train.guards import NonFiniteStreak, PreemptionNotice
 from jaxreplay.train.placement import Placement
 from jaxreplay.train.recorder import RunRecorder
+from jaxreplay.train.rundir import RunDir
 from jaxreplay.train.stack import Stack
 
 ACTOR_STATS = ("reward_mean", "reward_std", "accuracy", "completion_length", "reward/errors")
@@ -53,6 +55,7 @@ class Run:
     start: float  # perf_counter at the run's start, earlier invocations included
     notice: PreemptionNotice
     log: Callable[[str], None]
+    run_dir: Optional[RunDir] = None  # where records and replay checkpoints go; None: nowhere (tests)
     actor_params: Any = None  # the actor's copy, where it has one (disaggregated)
     actor_version: int = 0  # the policy version of `actor_params`
     pending: Optional[rollouts.Rows] = None  # generated rollouts the table has not admitted yet
@@ -246,10 +249,26 @@ class Run:
         p.actor_version = self.actor_version
         p.replay_counters = table_counters(table())
         p.replay_checkpoint = replay_checkpoint()
+        if self.run_dir is not None:  # in the bucket before the step that covers them (a resume drops rows past it)
+            self.run_dir.sync()
+            self.run_dir.push_replay(self.own_replay_checkpoint(p.replay_checkpoint))
         p.time_replay_s += time.perf_counter() - t0
         self.checkpointer.save(p.learner_step, self.state_tree(), p)
-        prune(self.checkpointer.replay_checkpoints())
+        kept = self.checkpointer.replay_checkpoints()
+        prune(kept)
+        if self.run_dir is not None and self.placement.is_leader:
+            self.run_dir.prune_replay(name for names in kept for name in self._replay_names(names))
         self.last_saved = (p.learner_step, time.perf_counter())
+
+    def own_replay_checkpoint(self, saved: Optional[str]) -> Optional[str]:
+        """This process's replay checkpoint among those a step names (multi-host: one per process)."""
+        names = self._replay_names(saved)
+        return names[self.placement.process_id] if len(names) > 1 else (names[0] if names else None)
+
+    def _replay_names(self, saved: Optional[str]) -> list[str]:
+        if not saved:
+            return []
+        return json.loads(saved) if self.placement.kind == "multihost" else [saved]
 
     def close(self) -> None:
         if self._bar is not None:

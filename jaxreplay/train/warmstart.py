@@ -22,6 +22,7 @@ import jax
 import optax
 from tqdm import tqdm
 
+from jaxreplay import storage
 from jaxreplay.config import Config, to_dict
 from jaxreplay.learn.losses import masked_mean
 from jaxreplay.models.transformer import forward
@@ -71,15 +72,18 @@ def cache_key(config: Config) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def cache_root(config: Config) -> Path:
-    """`warmstart.cache_dir`, or `.warmstart-cache` in the parent of `run.dir`, so that runs
-    started side by side share it (a sweep names its own, above every setting's runs)."""
+def cache_root(config: Config) -> str:
+    """`warmstart.cache_dir`, or `.warmstart-cache` in the parent of `run.dir` (on a disk or in a
+    bucket), so that runs started side by side share it (a sweep names its own, above every
+    setting's runs)."""
     if config.warmstart.cache_dir:
-        return Path(config.warmstart.cache_dir)
-    return Path(config.run.dir).absolute().parent / ".warmstart-cache"
+        return config.warmstart.cache_dir
+    if storage.is_url(config.run.dir):
+        return storage.join(config.run.dir.rstrip("/").rsplit("/", 1)[0], ".warmstart-cache")
+    return str(Path(config.run.dir).absolute().parent / ".warmstart-cache")
 
 
-def warm_start(graphdef, params, task: ArithmeticTask, config: Config, cache_dir: Optional[Path] = None,
+def warm_start(graphdef, params, task: ArithmeticTask, config: Config, cache_dir: Optional[str | Path] = None,
                log: Callable[[str], None] = print):
     """Supervised next-token training on correct answers; returns (params, was_cached).
 
@@ -90,10 +94,10 @@ def warm_start(graphdef, params, task: ArithmeticTask, config: Config, cache_dir
         return params, False
     if jax.process_count() > 1:
         return supervised_warm_start(graphdef, params, task, config), False
-    root = Path(cache_dir) if cache_dir is not None else cache_root(config)
+    root = str(cache_dir) if cache_dir is not None else cache_root(config)
     settings = warmstart_settings(config)
-    entry = root / cache_key(config)
-    stale = entry.exists()
+    entry = storage.join(root, cache_key(config))
+    stale = storage.exists(entry)
     if stale:
         try:
             return _read(entry, settings, params), True
@@ -103,17 +107,28 @@ def warm_start(graphdef, params, task: ArithmeticTask, config: Config, cache_dir
                 "recomputing it")
     params = supervised_warm_start(graphdef, params, task, config)
     try:
-        _publish(entry, settings, params, replace=stale)
-    except OSError as e:  # the run has its warm start; only the next one loses the cache
-        log(f"warning: cannot cache the warm start in {entry}: {e.strerror or e}")
+        if storage.is_url(entry):
+            _publish_to_bucket(entry, settings, params)
+        else:
+            _publish(Path(entry), settings, params, replace=stale)
+    except Exception as e:  # noqa: BLE001 - the run has its warm start; only the next one loses the cache
+        log(f"warning: cannot cache the warm start in {entry}: {getattr(e, 'strerror', None) or e}")
     return params, False
 
 
-def _read(entry: Path, settings: dict[str, Any], params_like):
-    stored = json.loads((entry / SETTINGS_FILE).read_text())
+def _read(entry: str, settings: dict[str, Any], params_like):
+    stored = json.loads(storage.read_text(storage.join(entry, SETTINGS_FILE)))
     if stored != json.loads(json.dumps(settings)):
         raise ValueError(f"its {SETTINGS_FILE} holds other settings than those its name hashes")
-    return restore_params(entry / PARAMS_DIR, params_like)
+    return restore_params(storage.join(entry, PARAMS_DIR), params_like)
+
+
+def _publish_to_bucket(entry: str, settings: dict[str, Any], params) -> None:
+    """A bucket has no rename: the params first, then the settings file, which marks the entry
+    complete (`_read` fails without it, and the entry is written again)."""
+    storage.rmtree(entry)
+    save_params(storage.join(entry, PARAMS_DIR), params)
+    storage.write_text(storage.join(entry, SETTINGS_FILE), json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
 def _publish(entry: Path, settings: dict[str, Any], params, replace: bool) -> None:

@@ -1,0 +1,150 @@
+"""Run dirs and inputs in a bucket, on a real GCS server (gcs_emulator.py): the storage layer's
+promises, the run dir's lease, and training runs killed and resumed from the bucket."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gcs_emulator import bucket, gcs_emulator  # noqa: F401 - fixtures
+from jaxreplay import storage
+from jaxreplay.config import ConfigError, load_config
+from jaxreplay.train import rundir
+from test_train import DEMO, ROOT, TINY
+
+
+def test_files_round_trip_through_a_bucket(bucket, tmp_path):
+    storage.write_text(storage.join(bucket, "a", "b.txt"), "hello")
+    assert storage.read_text(storage.join(bucket, "a", "b.txt")) == "hello"
+    assert storage.exists(storage.join(bucket, "a")) and storage.isdir(storage.join(bucket, "a"))
+    assert storage.listdir(bucket) == ["a"] and storage.listdir(storage.join(bucket, "a")) == ["b.txt"]
+    with pytest.raises(FileNotFoundError):
+        storage.read_bytes(storage.join(bucket, "missing"))
+    storage.rmtree(storage.join(bucket, "a"))
+    assert storage.listdir(bucket) == [] and not storage.exists(storage.join(bucket, "a", "b.txt"))
+
+
+def test_a_directory_is_uploaded_with_its_marker_last_and_staged_afresh_when_it_changes(bucket, tmp_path):
+    local = tmp_path / "ckpt"
+    (local / "sub").mkdir(parents=True)
+    for name in ("DONE", "a.npz", "sub/b.json"):
+        (local / name).write_text(name)
+    storage.upload(local, storage.join(bucket, "ckpt"), last=["DONE"])
+    staged = storage.staged(storage.join(bucket, "ckpt"))
+    assert sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file()) == \
+        ["DONE", "a.npz", "sub/b.json"]
+    assert storage.staged(storage.join(bucket, "ckpt")) == staged  # unchanged: the same copy
+    storage.write_text(storage.join(bucket, "ckpt", "a.npz"), "new")
+    again = storage.staged(storage.join(bucket, "ckpt"))
+    assert again != staged and (again / "a.npz").read_text() == "new"
+
+
+def test_local_writes_are_whole_or_absent(tmp_path):
+    path = tmp_path / "f.json"
+    storage.write_text(path, "one")
+    storage.write_text(path, "two")
+    assert path.read_text() == "two" and sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("run.dir", "s3://b/run", "only local paths and gs:// URLs are supported"),
+    ("run.dir", "gs://", "does not name a bucket"),
+    ("task.path", "https://example.com/{split}.jsonl", "only local paths and gs:// URLs are supported"),
+])
+def test_unsupported_urls_are_config_errors_naming_the_key(key, value, why):
+    with pytest.raises(ConfigError, match=f"^{key}: .*{why}"):
+        load_config(DEMO, [f"{key}={value}"], local=False)
+
+
+HOLD = textwrap.dedent("""
+    import sys, time
+    from jaxreplay.train import rundir
+    with rundir.claim(sys.argv[1], lease_s=float(sys.argv[2])):
+        print("held", flush=True)
+        time.sleep(600)
+""")
+
+
+def test_a_live_lease_refuses_a_second_run_and_a_killed_holders_lease_is_taken_once_expired(bucket):
+    lease_s = 4.0
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, bucket, str(lease_s)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        waited = []
+        with pytest.raises(rundir.RunDirError, match=rf"in use by another run \(process {holder.pid} on .*renewed"):
+            with rundir.claim(bucket, lease_s=lease_s, log=waited.append):
+                pass
+        assert waited and "waiting to see whether it is" in waited[0]
+    finally:
+        holder.kill()
+        holder.wait()
+    killed_at = time.monotonic()
+    with rundir.claim(bucket, lease_s=lease_s, log=lambda _: None) as run_dir:  # waits for the dead holder's lease
+        taken_after = time.monotonic() - killed_at
+        held = json.loads(storage.read_text(storage.join(bucket, rundir.LOCK_FILE)))
+        assert held["pid"] == os.getpid() and run_dir.remote
+    assert taken_after <= lease_s + 2
+    assert not storage.exists(storage.join(bucket, rundir.LOCK_FILE))  # released at the end of the claim
+
+
+# -- training runs in a bucket ---------------------------------------------------------------------
+
+STEPS, EVERY = 30, 10
+RUN = [*TINY, f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "checkpoint.keep=2", "train.eval_every=1000",
+       "run.progress_bar=false", "run.lease_s=8"]  # a short lease: the resume waits for the killed run's to expire
+
+
+def train_cli(run_dir: str, *overrides: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jaxreplay.cli", "train", str(DEMO), *RUN, *overrides,
+                             f"run.dir={run_dir}"], cwd=popen.pop("cwd"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def bucket_steps(url: str) -> list[int]:
+    """Finished Orbax steps: on a bucket (no rename) Orbax marks a finished step with commit_success.txt."""
+    root = storage.join(url, "checkpoints")
+    return sorted(int(name) for name in storage.listdir(root)
+                  if name.isdigit() and storage.exists(storage.join(root, name, "commit_success.txt")))
+
+
+def metric_steps(url: str) -> list[int]:
+    text = storage.read_text(storage.join(url, "metrics.jsonl"))
+    return [json.loads(line)["step"] for line in text.splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", [[], ["mesh.actor_devices=1"]], ids=["colocated", "disaggregated"])
+def test_a_bucket_run_killed_after_its_second_checkpoint_resumes_from_the_bucket(bucket, tmp_path, placement):
+    from conftest import cpu_devices_env
+    env = cpu_devices_env(2) if placement else dict(os.environ)
+    run_url = storage.join(bucket, "run")
+    first = train_cli(run_url, *placement, cwd=tmp_path, env=env)
+    deadline = time.monotonic() + 600
+    while len(bucket_steps(run_url)) < 2 or bucket_steps(run_url)[-1] < 2 * EVERY:
+        assert first.poll() is None, first.stdout.read()
+        assert time.monotonic() < deadline, "no second checkpoint in the bucket"
+        time.sleep(0.5)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+
+    second = train_cli(run_url, *placement, cwd=tmp_path, env=env)
+    out = second.communicate(timeout=600)[0]
+    assert second.returncode == 0, out
+    resumed = int(out.split("resumed from step ")[1].split()[0])
+    assert resumed >= 2 * EVERY, out
+    assert metric_steps(run_url) == list(range(0, STEPS + 1))  # each step once (0: the start-up evaluation)
+    assert json.loads(storage.read_text(storage.join(run_url, "summary.json")))["steps"] == STEPS
+    stored = yaml.safe_load(storage.read_text(storage.join(run_url, "config.yaml")))
+    assert stored["run"]["dir"] == run_url and stored["train"]["steps"] == STEPS
+    assert not (tmp_path / "gs:").exists() and not any(p.name.startswith("gs:") for p in tmp_path.rglob("*"))
+    kept = storage.listdir(storage.join(run_url, "replay"))
+    assert 1 <= len(kept) <= 2, kept  # the kept steps' replay checkpoints, no more
