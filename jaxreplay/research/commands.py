@@ -18,6 +18,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     report.add_argument("--baseline", help="setting to compare against (default: the on-policy one)")
     report.add_argument("--mu", help="generation / training cost per rollout to model compute at, besides the "
                         "measured one, e.g. 5.28,6.84 (the paper's Qwen2.5-7B and Qwen3-0.6B)")
+    report.add_argument("--sweep", help="the sweep file whose claims to decide (default: the claims.yaml its "
+                        "sweep wrote beside the setting folders, if any)")
     theory = sub.add_parser("theory", help="optimal staleness horizon and replay ratio of the cost model")
     theory.add_argument("--mu", help="generation / training cost per rollout; several as in report: 5.28,6.84")
     theory.add_argument("--rho", type=float, help="batch-variance weight of the cost model")
@@ -48,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
         from jaxreplay.research.report import report
         from jaxreplay.research.report_stats import parse_mus
 
-        print(report(args.run_dirs, args.out, baseline=args.baseline, mus=parse_mus(args.mu)), end="")
+        print(report(args.run_dirs, args.out, baseline=args.baseline, mus=parse_mus(args.mu), sweep=args.sweep),
+              end="")
         print(f"report: {args.out}/report.md")
         return 0
     if args.command == "theory":
