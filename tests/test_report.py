@@ -417,10 +417,15 @@ def test_claims_get_verdicts_from_the_rules_the_sweep_file_declared(sweep_dirs, 
 
 
 def test_a_sweep_writes_its_claims_before_any_run_and_a_bad_claim_is_refused(tmp_path):
-    from jaxreplay.research.sweep import load_sweep
+    from jaxreplay.research.sweep import load_sweep, run_sweep
 
     sweep = load_sweep(_sweep_file(tmp_path, tmp_path / "runs"))
     assert set(sweep.claims) == {"keeps_peak", "beats_peak", "faster", "spi8_peak"}
+    for run in sweep.runs:  # all finished: the sweep skips them, but writes its claims first
+        run.dir.mkdir(parents=True)
+        (run.dir / "summary.json").write_text(json.dumps({"steps": run.config.train.steps}))
+    run_sweep(sweep, log=lambda _: None)
+    assert yaml.safe_load((tmp_path / "runs" / "claims.yaml").read_text()) == yaml.safe_load(CLAIMS)["claims"]
     bad = _sweep_file(tmp_path, tmp_path / "runs")
     bad.write_text(bad.read_text().replace("settings: [spi8]", "settings: [spi16]"))
     with pytest.raises(ConfigError, match="sweep.claims.spi8_peak.settings: spi16 is not one of the settings"):

@@ -96,7 +96,7 @@ def parse_mus(text: Optional[str]) -> tuple[float, ...]:
         except ValueError:
             raise ConfigError(f"--mu: {part.strip()!r} is not a number (expected e.g. --mu 5.28,6.84)") from None
         if not (math.isfinite(mu) and mu > 0):
-            raise ConfigError(f"--mu must be positive and finite, got {part.strip()}")
+            raise ConfigError(f"--mu must be a positive finite number, got {part.strip()}")
         mus.append(mu)
     return tuple(mus)
 
