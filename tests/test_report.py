@@ -468,3 +468,14 @@ def test_committed_results_keep_their_runs():
     out = subprocess.run(["git", "check-ignore", "-q", "results/sweep/runs/on_policy/seed0/metrics.jsonl"],
                          cwd=ROOT, timeout=30)
     assert out.returncode == 1  # not ignored (0 would be: ignored)
+
+
+def test_coverage_compares_the_baselines_compute_with_the_most_any_other_run_reached(md):
+    rows = _tables(md)["Compute budget coverage"]
+    # At µ = 5.28 on_policy ends at 120 trained + 5.28 x 120 generated rollouts, spi2 (the most) at
+    # 120 + 5.28 x 60; to cover spi8 at equal tokens it would need (8 + 5.28)/(1 + 5.28) their tokens.
+    row = rows["µ = 5.28"]
+    assert _numbers(_column(row, "on_policy's median final compute")) == \
+        pytest.approx([(120 + 5.28 * 120) / (120 + 5.28 * 60)], rel=5e-3)
+    assert _column(row, "on_policy's median final compute").endswith("(full)")
+    assert _numbers(_column(row, "(y_max + µ)/(1 + µ)")) == pytest.approx([(8 + 5.28) / 6.28], rel=5e-3)
