@@ -32,7 +32,6 @@ import numpy as np
 import yaml
 
 from jaxreplay.config import ConfigError
-
 from jaxreplay.train.eval import PASSK_KEY
 from jaxreplay.train.metrics import read_metrics
 
