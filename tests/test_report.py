@@ -4,15 +4,17 @@ Three settings, R = 4 rollouts per actor step, B = 4, evaluations at steps 0, 10
 - on_policy (3 seeds): 4 rollouts generated and 4 trained per step, 10 tokens per rollout;
 - spi2 (3 seeds): 2 generated and 4 trained per step; max_size 32 (N/R = 8, 16 learner steps);
 - spi8 (2 seeds): 0.5 generated and 4 trained per step; max_size 16 (N/R = 4, 32 learner steps).
-The on-policy median curve (tokens identical across its seeds) is 0.2, 0.4, 0.6, 0.6 at
-0, 400, 800, 1200 tokens: the baseline peak is 0.6. Its seeds reach it at steps 20, 30, 20,
-so the baseline spent (median) what step 20 costs: 800 tokens, 80 (1 + mu) compute units.
+Every run starts at 0.2. Targets are shares of the same seed's on_policy gain: seed 0 gains 0.4
+(peak 0.6), seed 1 0.4 (peak 0.6), seed 2 0.5 (peak 0.7), so the 90% targets are 0.56, 0.56, 0.65,
+which the on_policy seeds first reach at steps 20, 30, 20.
 """
 
 import json
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import matplotlib.image
 import numpy as np
@@ -21,9 +23,9 @@ import yaml
 
 from jaxreplay.config import ConfigError
 from jaxreplay.research import report_plots
-from jaxreplay.research.report import baseline_peak, report
+from jaxreplay.research.report import report
 from jaxreplay.research.report_data import RunData, group_settings, load_runs, pick_baseline
-from jaxreplay.research.report_stats import band, parse_mus
+from jaxreplay.research.report_stats import band, bootstrap_ci, iqm, parse_mus
 
 EVAL_STEPS = (0, 10, 20, 30)
 SETTINGS = {  # name: (mode, samples_per_insert, max_size, rollouts generated per learner step)
@@ -42,6 +44,7 @@ RUNS = [  # setting, seed, accuracy at EVAL_STEPS, last cost/mu, entropy at step
     ("spi8", 1, [0.2, 0.3, 0.4, 0.45], 0.7, 1.0),  # never
 ]
 MEASURED_MU = 0.5  # median of the eight runs' last cost/mu
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run_dir(root, setting, seed, acc, mu, entropy0):
@@ -126,7 +129,6 @@ def test_seeds_group_into_settings_and_the_on_policy_one_is_the_baseline(sweep_d
     settings = group_settings(load_runs(sweep_dirs))
     assert [(s.name, len(s.runs)) for s in settings] == [("on_policy", 3), ("spi2", 3), ("spi8", 2)]
     assert pick_baseline(settings, None).name == "on_policy"
-    assert baseline_peak(settings[0]) == pytest.approx(0.6)
     assert [s.horizon() for s in settings] == [None, (8.0, 16.0), (4.0, 32.0)]
     with pytest.raises(ConfigError, match="not one of the settings"):
         pick_baseline(settings, "spi16")
@@ -151,6 +153,7 @@ def test_seeds_kept_differently_are_one_setting_and_a_changed_setting_is_another
 def test_accuracy_is_the_median_and_iqr_over_seeds_and_entropy_the_mean_of_the_last_ten_steps(md):
     rows = _tables(md)["Per setting"]
     on, spi8 = rows["on_policy (baseline)"], rows["spi8"]
+    assert _numbers(on["start eval accuracy"]) == pytest.approx([0.2] * 3)
     assert _numbers(on["peak eval accuracy"]) == pytest.approx([0.6, 0.6, 0.65])
     assert _numbers(on["final eval accuracy"]) == pytest.approx([0.6, 0.55, 0.65])
     assert _numbers(spi8["peak eval accuracy"]) == pytest.approx([0.475, 0.4625, 0.4875], abs=6e-4)
@@ -158,66 +161,105 @@ def test_accuracy_is_the_median_and_iqr_over_seeds_and_entropy_the_mean_of_the_l
     assert _numbers(_column(on, "entropy at end")) == pytest.approx([0.845, 0.795, 0.895])
     # median [IQR] (target) of the last replay/ratio, spi * 30 / 31 in every seed
     assert _numbers(_column(rows["spi2"], "replay ratio")) == pytest.approx([60 / 31] * 3 + [2], rel=5e-3)
-    assert "median over a setting's seeds, with the interquartile range" in md
+    assert "`median [q25, q75]` over seeds" in md
 
 
-def test_tokens_to_the_baseline_peak_are_multiples_of_the_baseline_median(md):
-    rows = _tables(md)["Per setting"]
-    # Baseline seeds reach 0.6 at 800, 1200, 800 tokens; the reference is their median, 800.
-    assert _numbers(_column(rows["on_policy (baseline)"], "tokens to")) == pytest.approx([*_iqr([1, 1.5, 1]), 3, 3])
-    # spi2 reaches it at 200 (step 10) and 400 tokens (step 20); its third seed never does.
-    assert _numbers(_column(rows["spi2"], "tokens to")) == pytest.approx([*_iqr([0.25, 0.5]), 2, 3], rel=5e-3)
-    assert _column(rows["spi8"], "tokens to") == "never reaches 0.600 (0/2)"
-    assert "tokens to on_policy peak 0.600 (multiple of 800 tokens)" in md
+TARGET_90 = "Cost to 90% of the seed's on_policy gain, × the same seed's on_policy run"
+
+
+def test_tokens_to_a_target_are_paired_censored_ratios_to_the_same_seeds_baseline(md):
+    rows = _tables(md)[TARGET_90]
+    # spi2 reaches its seed's 0.56, 0.56, 0.65 at steps 10, 20, never: 200 and 400 tokens (20 a step)
+    # against on_policy's 800 and 1200 (40 a step, steps 20 and 30); seed 2 is censored: +inf.
+    ratios = [200 / 800, 400 / 1200, np.inf]
+    assert rows["spi2"]["seeds that reach it"] == "2/3"
+    med, q1 = np.median(ratios[:2] + [ratios[1]]), 0.25 + 0.5 * (400 / 1200 - 0.25)
+    assert rows["spi2"]["generated tokens"] == f"{1 / 3:.3g} [{q1:.3g}, > budget]; IQM > budget [0.25, > budget]"
+    assert med == pytest.approx(1 / 3)
+    assert rows["spi2"]["generated rollouts"] == rows["spi2"]["generated tokens"]  # 10 tokens a rollout
+    # The baseline against itself: 1 on every seed.
+    assert rows["on_policy (baseline)"]["generated tokens"] == "1 [1, 1]; IQM 1 [1, 1]"
+    assert rows["spi8"]["seeds that reach it"] == "0/2" and rows["spi8"]["generated tokens"].startswith("> budget")
+
+
+def test_lower_targets_are_lower_shares_of_the_same_seeds_gain(md):
+    rows = _tables(md)["Cost to 50% of the seed's on_policy gain, × the same seed's on_policy run"]
+    # 50% targets: 0.4, 0.4, 0.45. spi8 (5 tokens a step) reaches 0.4 at step 20: 100 tokens against
+    # on_policy's 400 (step 10) on seeds 0 and 1.
+    assert rows["spi8"]["seeds that reach it"] == "2/2"
+    assert rows["spi8"]["generated tokens"] == "0.25 [0.25, 0.25]; IQM 0.25 [0.25, 0.25]"
 
 
 @pytest.mark.parametrize("mu", [MEASURED_MU, 5.28, 6.84])
-def test_compute_at_mu_is_trained_plus_mu_generated_rollouts_as_a_multiple_of_the_baseline(md, mu):
-    table = _tables(md)["Compute to the baseline peak, × the baseline's"]
-    label = f"measured µ = {mu:g}" if mu == MEASURED_MU else f"µ = {mu:g}"
-    ref = 4 * 20 + mu * 4 * 20  # the baseline at step 20: 80 trained and 80 generated rollouts
-    header = f"{label} (× {ref:.3g} units)"
-    spi2 = [(4 * s + mu * 2 * s) / ref for s in (10, 20)]  # 4 trained and 2 generated per step
-    assert _numbers(table["spi2"][header]) == pytest.approx([*_iqr(spi2), 2, 3], rel=5e-3)
-    assert _numbers(table["on_policy (baseline)"][header]) == pytest.approx([*_iqr([1, 1.5, 1]), 3, 3])
-    assert table["spi8"][header] == "never reaches 0.600 (0/2)"
-
-
-def test_the_main_table_models_compute_at_the_measured_mu_and_the_first_given(md):
-    row = _tables(md)["Per setting"]["spi2"]
-    measured = _column(row, f"compute to on_policy peak at measured µ = {MEASURED_MU:g}")
-    at_528 = _column(row, "compute to on_policy peak at µ = 5.28")
-    assert _numbers(measured)[0] == pytest.approx(np.median([(40 + 10) / 120, (80 + 20) / 120]), rel=5e-3)
-    assert _numbers(at_528)[0] == pytest.approx(np.median([(40 + 5.28 * 20) / 502.4, (80 + 5.28 * 40) / 502.4]),
-                                                 rel=5e-3)
-    assert not [k for k in row if "6.84" in k]
-
-
-def test_speed_is_accuracy_at_shares_of_the_common_token_budget_and_stability_the_largest_fall(md):
-    """Every run spent at least 150 tokens (spi8's 30 steps x 5): accuracy is read at 37.5, 75 and
-    150 tokens, interpolated between evaluations (on-policy evaluates at 0 and 400 tokens)."""
-    rows = _tables(md)["Learning speed and stability"]
-    on_policy = [np.interp([37.5, 75, 150], [0, 400], [0.2, acc]) for acc in (0.4, 0.5, 0.3)]
-    assert _numbers(_column(rows["on_policy (baseline)"], "accuracy at 100% of 150"))[:3] == \
-        pytest.approx(_iqr([a[2] for a in on_policy]), rel=5e-3)
-    assert _numbers(_column(rows["spi8"], "accuracy at 25%"))[:3] == pytest.approx(_iqr([0.275, 0.275]), rel=5e-3)
-    assert _numbers(_column(rows["spi8"], "accuracy at 100%"))[:3] == pytest.approx(_iqr([0.5, 0.45]), rel=5e-3)
-    falls = {"on_policy (baseline)": [0.1, 0, 0], "spi2": [0, 0.05, 0], "spi8": [0, 0]}
-    for name, values in falls.items():
-        assert _numbers(_column(rows[name], "largest fall"))[:3] == pytest.approx(_iqr(values), abs=1e-9)
+def test_compute_at_mu_is_trained_plus_mu_generated_rollouts_over_the_same_seeds_baseline(md, mu):
+    row = _tables(md)[TARGET_90]["spi2"]
+    label = f"compute at measured µ = {mu:g}" if mu == MEASURED_MU else f"compute at µ = {mu:g}"
+    # spi2 trains 4 and generates 2 a step; on_policy 4 and 4: seed 0 at steps 10 vs 20, seed 1 at 20 vs 30.
+    ratios = [(40 + mu * 20) / (80 + mu * 80), (80 + mu * 40) / (120 + mu * 120)]
+    assert _numbers(row[label])[:2] == pytest.approx([max(ratios), min(ratios) + 0.5 * abs(ratios[1] - ratios[0])],
+                                                     rel=5e-3)
 
 
 def test_paired_differences_subtract_the_baseline_run_of_the_same_seed(md):
     rows = _tables(md)["Paired by seed: each run minus the on_policy run of the same seed"]
     assert set(rows) == {"spi2", "spi8"}  # the baseline is not paired with itself
     peaks = {"on_policy": [0.6, 0.6, 0.7], "spi2": [0.7, 0.65, 0.55], "spi8": [0.5, 0.45]}
-    spi2 = np.subtract(peaks["spi2"], peaks["on_policy"])
+    spi2 = np.subtract(peaks["spi2"], peaks["on_policy"])  # 0.1, 0.05, -0.15
     assert rows["spi2"]["seeds paired"] == "3" and rows["spi8"]["seeds paired"] == "2"
-    assert _numbers(_column(rows["spi2"], "peak accuracy"))[:3] == pytest.approx(_iqr(spi2), rel=5e-3)
-    assert _numbers(_column(rows["spi8"], "final accuracy"))[:3] == pytest.approx(_iqr([0.0, -0.15]), rel=5e-3)
+    cell = _column(rows["spi2"], "peak")
+    assert _numbers(cell)[:3] == pytest.approx(_iqr(spi2), rel=5e-3)
+    assert cell.endswith("above in 2/3")
+    assert _numbers(_column(rows["spi8"], "final"))[:3] == pytest.approx(_iqr([0.0, -0.15]), rel=5e-3)
     # pass@4 exists for on_policy seeds 0 and 1 and spi2 seed 0: one pair.
-    assert _numbers(_column(rows["spi2"], "pass@4")) == pytest.approx([0.6 - 0.5])
+    assert _column(rows["spi2"], "pass@4") == "0.1; above in 1/1"
     assert _column(rows["spi8"], "pass@4") == "n/a"
+
+
+def _iqm_by_hand(values):
+    """Cut floor(n/4) values from each end of the sorted values, average the rest."""
+    v = sorted(values)
+    cut = len(v) // 4
+    return sum(v[cut:len(v) - cut]) / (len(v) - 2 * cut)
+
+
+def _ci_by_hand(strata, reps=10_000, seed=0):
+    """The documented bootstrap: per replicate, every stratum redrawn with replacement
+    (indices from default_rng(seed).integers(0, n, (reps, n)), stratum after stratum)."""
+    rng = np.random.default_rng(seed)
+    draws = [rng.integers(0, len(s), size=(reps, len(s))) for s in strata]
+    stats = [_iqm_by_hand([strata[j][i] for j, d in enumerate(draws) for i in d[r]]) for r in range(reps)]
+    return np.percentile(stats, 2.5), np.percentile(stats, 97.5)
+
+
+def test_iqm_and_its_stratified_bootstrap_interval_by_hand():
+    values = [0.3, -0.1, 0.05, 0.2, 0.0, 0.12, -0.4, 0.08]
+    assert iqm(values) == pytest.approx((0.0 + 0.05 + 0.08 + 0.12) / 4)  # the middle four of eight
+    assert iqm([1, 2, 3]) == pytest.approx(2) and iqm([5, 1, 100, 2]) == pytest.approx(3.5)
+    strata = [values[:5], values[5:]]
+    assert bootstrap_ci(strata) == pytest.approx(_ci_by_hand(strata))
+    # Every replicate's IQM lies between the smallest and largest value, and the interval holds the IQM.
+    lo, hi = bootstrap_ci(strata)
+    assert -0.4 <= lo < iqm(values) < hi <= 0.3
+
+
+def test_the_report_prints_the_iqm_and_interval_of_paired_differences_on_made_up_runs(tmp_path):
+    """Four seeds each of on_policy and spi4 with known peaks: the paired peak differences, their
+    IQM (the middle two) and the bootstrap interval, all computed here."""
+    base = [0.5, 0.6, 0.55, 0.7]
+    spi = [0.45, 0.62, 0.5, 0.75]
+    dirs = []
+    for seed, (b, r) in enumerate(zip(base, spi)):
+        dirs.append(_run_dir(tmp_path, "on_policy", seed, [0.2, 0.3, b, b], 0.5, 1.0))
+        dirs.append(_run_dir(tmp_path, "spi2", seed, [0.2, 0.3, r, r], 0.5, 1.0))
+    report(dirs, tmp_path / "out")
+    row = _tables((tmp_path / "out" / "report.md").read_text())[
+        "Paired by seed: each run minus the on_policy run of the same seed"]["spi2"]
+    diffs = list(np.subtract(spi, base))  # -0.05, 0.02, -0.05, 0.05
+    lo, hi = _ci_by_hand([diffs])
+    med, q1, q3 = _iqr(diffs)
+    expected = (f"{med:.3g} [{q1:.3g}, {q3:.3g}]; IQM {_iqm_by_hand(diffs):.3g} [{lo:.3g}, {hi:.3g}]; "
+                "above in 2/4")
+    assert _column(row, "peak") == expected
 
 
 def test_pass_at_k_comes_from_eval_json(md):
@@ -293,12 +335,13 @@ def test_runs_that_never_measured_mu_are_modelled_at_the_given_mu_only(tmp_path)
     dirs = [_run_dir(tmp_path, "on_policy", 0, [0.2, 0.4, 0.6, 0.5], None, 1.0),
             _run_dir(tmp_path, "spi2", 0, [0.2, 0.6, 0.7, 0.7], None, 1.0)]
     report(dirs, tmp_path / "none")
-    assert "No µ: no run logged cost/mu and none was given" in (tmp_path / "none" / "report.md").read_text()
+    md = (tmp_path / "none" / "report.md").read_text()
+    assert "No run logged cost/mu" in md and "compute at" not in md
     assert not list((tmp_path / "none").glob("accuracy_vs_compute*"))
     report(dirs, tmp_path / "given", mus=(5.28,))
-    row = _tables((tmp_path / "given" / "report.md").read_text())["Per setting"]["spi2"]
-    assert _numbers(_column(row, "compute to on_policy peak at µ = 5.28")) == \
-        pytest.approx([(40 + 5.28 * 20) / (80 + 5.28 * 80), 1, 1], rel=5e-3)
+    row = _tables((tmp_path / "given" / "report.md").read_text())[TARGET_90]["spi2"]
+    # spi2 reaches seed 0's 0.56 at step 10, on_policy at step 20.
+    assert _numbers(row["compute at µ = 5.28"]) == pytest.approx([(40 + 5.28 * 20) / (80 + 5.28 * 80)], rel=5e-3)
     assert sorted(p.name for p in (tmp_path / "given").glob("accuracy_vs_compute*")) == \
         ["accuracy_vs_compute_mu5_28.png"]
 
@@ -321,3 +364,118 @@ def test_the_cli_refuses_a_bad_mu_with_one_line_and_exit_2(sweep_dirs, tmp_path,
                           str(tmp_path / "out"), f"--mu={mu}"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "--mu" in out.stderr and not (tmp_path / "out").exists()
+
+
+CLAIMS = """
+claims:
+  keeps_peak:
+    text: spi 2 keeps the peak
+    settings: [spi2]
+    measure: peak
+    above: -0.2
+  beats_peak:
+    text: spi 2 raises the peak
+    settings: [spi2]
+    measure: peak
+    above: 0.2
+  faster:
+    text: spi 2 reaches 90% of the gain with fewer tokens
+    settings: [spi2]
+    measure: tokens_to_90
+    below: 1.0
+  spi8_peak:
+    text: spi 8 keeps the peak
+    settings: [spi8]
+    measure: peak
+    above: -0.01
+    ceiling: 0.55
+"""
+
+
+def _sweep_file(tmp_path, root):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"base: {ROOT / 'configs' / 'demo.yaml'}\nout: {root}\nseeds: [0, 1, 2]\n"
+                    "settings:\n  on_policy: [replay.mode=on_policy]\n  spi2: []\n  spi8: []\n" + CLAIMS)
+    return path
+
+
+def test_claims_get_verdicts_from_the_rules_the_sweep_file_declared(sweep_dirs, tmp_path):
+    report(sweep_dirs, tmp_path / "out", sweep=_sweep_file(tmp_path, tmp_path / "runs"))
+    rows = _tables((tmp_path / "out" / "report.md").read_text())["Claims and verdicts"]
+    keeps = rows["spi 2 keeps the peak"]
+    # Paired peak differences 0.1, 0.05, -0.15: IQM (three seeds: nothing cut) 0; a replicate of
+    # three -0.15 (1 in 27) puts the 2.5% point at -0.15, three 0.1 the 97.5% point at 0.1.
+    assert keeps["rule (declared in the sweep file)"] == "paired IQM of peak − on_policy's > -0.2"
+    assert keeps["paired numbers"] == "IQM 0 [-0.15, 0.1] over 3 paired seeds; above on_policy in 2/3"
+    assert keeps["verdict"] == "holds"
+    assert rows["spi 2 raises the peak"]["verdict"] == "fails"
+    faster = rows["spi 2 reaches 90% of the gain with fewer tokens"]  # 0.25, 0.333, never
+    assert faster["paired numbers"].startswith("IQM > budget [0.25, > budget]") and faster["verdict"] == "inconclusive"
+    assert faster["paired numbers"].endswith("reached in 2/3")
+    assert rows["spi 8 keeps the peak"]["verdict"] == \
+        "not testable here: on_policy's median peak is 0.6, at or above the ceiling 0.55"
+
+
+def test_a_sweep_writes_its_claims_before_any_run_and_a_bad_claim_is_refused(tmp_path):
+    from jaxreplay.research.sweep import load_sweep, run_sweep
+
+    sweep = load_sweep(_sweep_file(tmp_path, tmp_path / "runs"))
+    assert set(sweep.claims) == {"keeps_peak", "beats_peak", "faster", "spi8_peak"}
+    for run in sweep.runs:  # all finished: the sweep skips them, but writes its claims first
+        run.dir.mkdir(parents=True)
+        (run.dir / "summary.json").write_text(json.dumps({"steps": run.config.train.steps}))
+    run_sweep(sweep, log=lambda _: None)
+    assert yaml.safe_load((tmp_path / "runs" / "claims.yaml").read_text()) == yaml.safe_load(CLAIMS)["claims"]
+    bad = _sweep_file(tmp_path, tmp_path / "runs")
+    bad.write_text(bad.read_text().replace("settings: [spi8]", "settings: [spi16]"))
+    with pytest.raises(ConfigError, match="sweep.claims.spi8_peak.settings: spi16 is not one of the settings"):
+        load_sweep(bad)
+    bad.write_text(bad.read_text().replace("measure: tokens_to_90", "measure: tokens_to_80"))
+    with pytest.raises(ConfigError, match="sweep.claims.faster.measure"):
+        load_sweep(bad)
+
+
+def test_the_report_rebuilds_byte_for_byte_from_its_copied_runs_alone(tmp_path):
+    """Report a sweep, delete its run dirs, report again from OUT/runs: identical report and plots."""
+    root = tmp_path / "sweep"
+    dirs = [_run_dir(root, *run) for run in RUNS]
+    (dirs[0] / "eval.json").write_text(json.dumps({"pass@1_t0.1": 0.3, "pass@k_t1.0": {"1": 0.3, "4": 0.5}}))
+    (dirs[0] / "checkpoints" / "30").mkdir(parents=True)  # never copied: not read by the report
+    with open(dirs[0] / "metrics.jsonl", "a") as f:  # keys no table reads are trimmed away
+        f.write(json.dumps({"step": 31, "loss": 0.5, "grad_norm": 1.0}) + "\n")
+    (root / "claims.yaml").write_text(yaml.safe_dump(yaml.safe_load(CLAIMS)["claims"]))
+    first = tmp_path / "first"
+    report(dirs, first, mus=(5.28,))
+    shutil.rmtree(root)
+    copies = sorted(p for p in (first / "runs").glob("*/*") if p.is_dir())
+    assert [p.relative_to(first / "runs").as_posix() for p in copies] == \
+        [f"{s}/seed{n}" for s, n, *_ in RUNS]
+    assert not (first / "runs" / "on_policy" / "seed0" / "checkpoints").exists()
+    kept = [json.loads(line) for line in (first / "runs" / "on_policy" / "seed0" / "metrics.jsonl").open()]
+    assert kept[-1]["step"] == 30 and "eval/accuracy" in kept[-1] and not any("loss" in r for r in kept)
+    second = tmp_path / "second"
+    report(copies, second, mus=(5.28,))
+    md = (first / "report.md").read_text()
+    assert (second / "report.md").read_text() == md
+    assert "Claims and verdicts" in md and str(tmp_path) not in md
+    for png in first.glob("*.png"):
+        assert (second / png.name).read_bytes() == png.read_bytes(), png.name
+    report(copies, first, mus=(5.28,))  # in place, as results/*/ are rebuilt
+    assert (first / "report.md").read_text() == md
+
+
+def test_committed_results_keep_their_runs():
+    out = subprocess.run(["git", "check-ignore", "-q", "results/sweep/runs/on_policy/seed0/metrics.jsonl"],
+                         cwd=ROOT, timeout=30)
+    assert out.returncode == 1  # not ignored (0 would be: ignored)
+
+
+def test_coverage_compares_the_baselines_compute_with_the_most_any_other_run_reached(md):
+    rows = _tables(md)["Compute budget coverage"]
+    # At µ = 5.28 on_policy ends at 120 trained + 5.28 x 120 generated rollouts, spi2 (the most) at
+    # 120 + 5.28 x 60; to cover spi8 at equal tokens it would need (8 + 5.28)/(1 + 5.28) their tokens.
+    row = rows["µ = 5.28"]
+    assert _numbers(_column(row, "on_policy's median final compute")) == \
+        pytest.approx([(120 + 5.28 * 120) / (120 + 5.28 * 60)], rel=5e-3)
+    assert _column(row, "on_policy's median final compute").endswith("(full)")
+    assert _numbers(_column(row, "(y_max + µ)/(1 + µ)")) == pytest.approx([(8 + 5.28) / 6.28], rel=5e-3)

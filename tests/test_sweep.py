@@ -28,6 +28,19 @@ def test_the_committed_demo_sweep_is_4_settings_by_3_seeds():
     assert spi["on_policy"][0] == "on_policy" and spi["spi8"] == ("replay", 8.0)
 
 
+def test_the_testbed_sweep_covers_the_replay_runs_compute_at_the_papers_mu_and_declares_its_claims():
+    sweep = load_sweep(DEMO.parent / "sweep_testbed.yaml")
+    assert {(r.setting, r.seed) for r in sweep.runs} == {
+        (s, seed) for s in ("on_policy", *(f"spi{y}_nr{n}" for y in (2, 4, 8) for n in (2, 16))) for seed in range(5)}
+    budget = {r.setting: r.config.train.max_generated_tokens for r in sweep.runs}
+    spi = {r.setting: r.config.replay.samples_per_insert for r in sweep.runs if r.config.replay.mode == "replay"}
+    for mu in (5.28, 6.84):  # on-policy spends 1 + mu per generated rollout, replay y + mu
+        assert budget["on_policy"] >= (max(spi.values()) + mu) / (1 + mu) * \
+            max(v for k, v in budget.items() if k != "on_policy")
+    assert all(r.config.task.eval_size >= 1024 for r in sweep.runs)
+    assert "moderate_reuse_keeps_peak" in sweep.claims
+
+
 def test_command_line_overrides_apply_to_every_run_after_the_files_own(tmp_path):
     path = _write(tmp_path, "seeds: [0, 1]\noverrides: [train.steps=7]\nsettings:\n  a: [train.batch_size=32]\n")
     sweep = load_sweep(path, ["train.steps=9", "train.batch_size=16"])

@@ -9,8 +9,8 @@ import pytest
 
 from jaxreplay.config import load_config
 from jaxreplay.replay.theory import (
-    cost, describe, numeric_optimum, optimum, realised_horizon, replay_ratio, reverb_settings,
-    split_compute_ratio)
+    PAPER_TABLE_GAMMA, cost, describe, fit_table, numeric_optimum, optimum, realised_horizon, replay_ratio,
+    reverb_settings, split_compute_ratio)
 from jaxreplay.train.calibrate import horizon_mismatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,9 +89,69 @@ def test_theory_command_prints_the_batch_size_and_the_device_split_table():
                           "0.1", "--rollouts-per-step", "64", "--batch-size", "64"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "train.batch_size=357 replay.max_size=916" in out.stdout
+    # y*R = 356.9 rollouts, rounded to whole groups of the demo's 8.
+    assert "train.batch_size=360 replay.max_size=916" in out.stdout
     assert "train.batch_size=64 replay.max_size=164" in out.stdout
     assert "  6  2  0.64" in out.stdout and "gamma = (1 + W/T)/(1 + mu)" in out.stdout
+
+
+def _theory(*args):
+    return subprocess.run([sys.executable, "-m", "jaxreplay.cli", "theory", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_demo_group_size_is_the_default_batch_unit():
+    from jaxreplay.research.commands import DEMO_GROUP_SIZE
+
+    assert load_config(ROOT / "configs" / "demo.yaml").train.group_size == DEMO_GROUP_SIZE
+
+
+def test_a_config_gives_the_group_size_rollouts_and_batch_size(tmp_path):
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    raw["train"].update(group_size=6, prompts_per_step=10, batch_size=60)  # R = 60
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    out = _theory("--mu", "5.28", "--rho", "0.1", "--alpha", "0.1", "--config", str(tmp_path / "c.yaml"))
+    assert out.returncode == 0, out.stderr
+    # y*R = 5.576 * 60 = 334.6: the nearest multiple of 6 is 336; at the config's B = 60, N = x*B/y* = 154.
+    assert "R=60" in out.stdout and "train.batch_size=336 replay.max_size=859" in out.stdout
+    assert "train.batch_size=60 replay.max_size=154" in out.stdout
+
+
+def test_both_gamma_forms_are_printed_with_the_y_each_implies():
+    out = _theory("--mu", "5.28", "--rho", "0.1", "--alpha", "0.1")
+    assert out.returncode == 0, out.stderr
+    # (1 + W/T)/(1 + mu) equals (1 + mu/y)/(1 + mu) at y = mu T/W: 5.28 * 2/6 = 1.76 for (6,2);
+    # the paper's measured y = 2.2 there gives (1 + 5.28/2.2)/6.28 = 0.54.
+    row = next(line for line in out.stdout.splitlines() if line.startswith("  6  2"))
+    assert row.split()[2:5] == ["0.64", "1.76", "|"] and row.split()[5:] == ["2.2", "0.54"]
+    assert "W/T = mu/y* = 0.947" in out.stdout  # 5.28 / 5.576
+
+
+def test_table_1_is_fit_by_mu_5_2_not_5_28():
+    fit = fit_table()
+    assert fit.mu == pytest.approx(5.195, abs=0.001)
+    assert fit.lo == pytest.approx(8 / 1.295 - 1) and fit.hi == pytest.approx(4 / 0.645 - 1)  # (7,1) and (6,2) bind
+    assert fit.lo < 5.2 < fit.hi < 5.28
+    for split, gamma in PAPER_TABLE_GAMMA.items():
+        assert round(split_compute_ratio(*split, mu=fit.mu), 2) == gamma
+    assert [round(split_compute_ratio(*s, mu=5.28), 2) for s in PAPER_TABLE_GAMMA] == [1.27, 0.64, 0.42, 0.32]
+
+
+def test_fit_table_needs_no_other_flag():
+    out = _theory("--fit-table")
+    assert out.returncode == 0, out.stderr
+    assert "mu = 5.195 (least squares)" in out.stdout and "[5.178, 5.202]" in out.stdout
+
+
+def test_several_mu_print_one_optimum_each_and_missing_constants_are_refused():
+    out = _theory("--mu", "5.28,6.84", "--rho", "0.1", "--alpha", "0.1")
+    assert out.returncode == 0 and out.stdout.count("cost model: mu=") == 2, out.stderr
+    assert "mu=6.84" in out.stdout
+    out = _theory("--mu", "5.28")
+    assert out.returncode == 2 and out.stderr.strip() == \
+        "jaxreplay: config error: theory: --rho and --alpha required (or --fit-table)"
 
 
 @pytest.mark.parametrize("args", [["--mu", "0"], ["--mu", "nan"], ["--rho", "inf"], ["--alpha", "0.5"],

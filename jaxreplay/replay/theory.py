@@ -14,6 +14,11 @@ x* = y*^2 / (2*alpha*(mu + y*)). An x* below 1 (a window shorter than one actor 
 means replay does not pay: train on-policy. The model takes one learner update per actor
 step, so B = y*R: a run with another batch size realises another horizon
 (`realised_horizon`), and `reverb_settings` gives both ways to realise x*.
+
+The paper writes the compute ratio two ways, (1 + mu/y)/(1 + mu) with the replay ratio y
+and (1 + W/T)/(1 + mu) with a split of W inference and T trainer devices; they agree only
+at y = mu T/W, so `split_table` prints both, and `fit_table` recovers the mu behind its
+Table 1.
 """
 
 from __future__ import annotations
@@ -125,9 +130,11 @@ def reverb_settings(opt: Optimum, rollouts_per_step: int, batch_size: Optional[i
     return settings
 
 
-# The paper's Table 1 splits of 8 devices into W inference and T trainer devices. The replay
-# ratios its runs reached there were measured (Qwen3-0.6B), not given by this model.
+# The paper's Table 1 splits of 8 devices into W inference and T trainer devices, the gammas it
+# prints for them, and the replay ratios its runs reached there (measured on Qwen3-0.6B, not given
+# by this model).
 PAPER_SPLITS = ((7, 1), (6, 2), (5, 3), (4, 4))
+PAPER_TABLE_GAMMA = {(7, 1): 1.29, (6, 2): 0.65, (5, 3): 0.43, (4, 4): 0.32}
 PAPER_MEASURED_RATIO = {(7, 1): 1.0, (6, 2): 2.2, (5, 3): 5.6, (4, 4): 17.6}
 
 
@@ -136,12 +143,62 @@ def split_compute_ratio(inference: int, trainers: int, mu: float) -> float:
     return (1.0 + inference / trainers) / (1.0 + mu)
 
 
+def ratio_compute_ratio(y: float, mu: float) -> float:
+    """gamma = (1 + mu/y) / (1 + mu): the same ratio written with the replay ratio y."""
+    return (1.0 + mu / y) / (1.0 + mu)
+
+
+def split_replay_ratio(inference: int, trainers: int, mu: float) -> float:
+    """The y at which the two gamma forms agree: 1 + mu/y = 1 + W/T, so y = mu T / W."""
+    return mu * trainers / inference
+
+
+@dataclasses.dataclass(frozen=True)
+class TableFit:
+    mu: float  # least squares over the table's gammas
+    per_split: dict[tuple[int, int], float]  # the mu that gives each gamma exactly
+    lo: float  # every mu in [lo, hi] rounds all gammas to the table's (nan, nan: none does)
+    hi: float
+
+
+def fit_table(table: dict[tuple[int, int], float] = PAPER_TABLE_GAMMA, decimals: int = 2) -> TableFit:
+    """The mu behind a table of gamma = (1 + W/T)/(1 + mu): least squares in z = 1/(1 + mu) (the
+    gammas are linear in it), each split's own exact mu, and the interval of mu that rounds every
+    gamma to the table's `decimals`."""
+    a = np.array([1.0 + w / t for w, t in table], np.float64)
+    g = np.array(list(table.values()), np.float64)
+    mu = 1.0 / float(a @ g / (a @ a)) - 1.0
+    half = 0.5 * 10.0 ** -decimals
+    lo = float(np.max(a / (g + half))) - 1.0
+    hi = float(np.min(a / (g - half))) - 1.0
+    if lo > hi:
+        lo = hi = math.nan
+    return TableFit(mu=mu, per_split={s: (1.0 + s[0] / s[1]) / v - 1.0 for s, v in table.items()}, lo=lo, hi=hi)
+
+
+def describe_fit(fit: TableFit, table: dict[tuple[int, int], float] = PAPER_TABLE_GAMMA) -> str:
+    """What `jaxreplay theory --fit-table` prints."""
+    rounding = ("no mu rounds all four" if math.isnan(fit.lo) else
+                f"every mu in [{fit.lo:.3f}, {fit.hi:.3f}] rounds all of them to the table's")
+    lines = [f"Table 1's gammas, solved for mu in gamma = (1 + W/T)/(1 + mu): mu = {fit.mu:.3f} (least squares)",
+             f"  {rounding}",
+             "  W  T  table gamma  mu for it  gamma at fitted mu"]
+    for (w, t), gamma in table.items():
+        lines.append(f"  {w}  {t}  {gamma:.2f}         {fit.per_split[(w, t)]:.3f}      "
+                     f"{split_compute_ratio(w, t, fit.mu):.3f}")
+    return "\n".join(lines)
+
+
 def split_table(mu: float, splits=PAPER_SPLITS) -> str:
-    lines = [f"(W,T) device splits at mu={mu:g}: gamma = (1 + W/T)/(1 + mu); y as measured in the paper's runs",
-             "  W  T  gamma  paper's measured y"]
+    """Both forms of gamma per split: (1 + W/T)/(1 + mu) and the y = mu T/W at which it equals
+    (1 + mu/y)/(1 + mu); and the paper's measured y with the gamma (1 + mu/y)/(1 + mu) it gives."""
+    lines = [f"(W,T) device splits at mu={mu:g}: the two gamma forms agree only at y = mu T/W",
+             "  W  T  gamma = (1 + W/T)/(1 + mu)  y = mu T/W  | paper's measured y  gamma = (1 + mu/y)/(1 + mu)"]
     for w, t in splits:
         measured = PAPER_MEASURED_RATIO.get((w, t))
-        lines.append(f"  {w}  {t}  {split_compute_ratio(w, t, mu):.2f}   {'' if measured is None else f'{measured:g}'}")
+        tail = "" if measured is None else f"{measured:<18g}  {ratio_compute_ratio(measured, mu):.2f}"
+        lines.append(f"  {w}  {t}  {split_compute_ratio(w, t, mu):.2f}                       "
+                     f"{split_replay_ratio(w, t, mu):<10.3g}  | {tail}")
     return "\n".join(lines)
 
 
@@ -155,7 +212,8 @@ def describe(opt: Optimum, rollouts_per_step: int, batch_size: Optional[int] = N
     if opt.on_policy:
         lines.append("x* < 1: replay does not pay at these constants; train on-policy")
     else:
-        lines.append(f"compute per trained rollout vs on-policy: gamma = (1 + mu/y*)/(1 + mu) = {opt.compute_ratio:.3f}")
+        lines.append(f"compute per trained rollout vs on-policy: gamma = (1 + mu/y*)/(1 + mu) = {opt.compute_ratio:.3f}"
+                     f" = (1 + W/T)/(1 + mu) at W/T = mu/y* = {opt.mu / opt.y:.3f}")
         if opt.y < 1:
             lines.append("y* < 1: fewer samples than rollouts generated; replay saves no compute here (gamma > 1)")
     show = lambda s: " ".join(f"{k}={v}" for k, v in s.items())  # noqa: E731

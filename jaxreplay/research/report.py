@@ -1,76 +1,115 @@
-"""`jaxreplay report RUN_DIR... --out DIR [--baseline NAME] [--mu 5.28,6.84]`: tables and plots.
+"""`jaxreplay report RUN_DIR... --out DIR [--baseline NAME] [--mu 5.28,6.84] [--sweep FILE]`.
 
-Every number is a median over the seeds of a setting with its interquartile range
-(report_stats). The baseline is the on-policy setting unless `--baseline` names
-another; its peak is the peak of its median eval-accuracy curve against generated
-tokens. A run reaches that peak at its first evaluation at or above it; what it spent
-until then (generated tokens, modelled compute at each mu) is divided by the
-baseline's median over its seeds that reach it, so the baseline's own row sits near
-1 and a setting below 1 got there cheaper. Only the seeds that reach the peak enter
-that median; the table says how many did.
+The report first copies what it reads into OUT/runs/SETTING/RUN (report_data.copy_run)
+and then builds every table and plot from those copies alone, so `jaxreplay report
+OUT/runs/*/seed* --out OUT` rebuilds it byte for byte (the bootstrap is seeded; no
+table holds a path or a time of day).
+
+Every comparison is paired by seed with the baseline (on-policy unless `--baseline`):
+a sweep's seed fixes the warm start and the prompt stream. Accuracy measures are
+differences from the same seed's baseline run; costs to a target are ratios to what
+the same seed's baseline spent. Targets are 50, 75 and 90% of that seed's baseline gain
+(its peak minus its start); a run that never reaches one is right-censored: "> budget",
++inf in medians and IQMs, and the count that did is shown. Each cell gives the median
+[IQR] and rliable's IQM with a 95% stratified bootstrap interval (report_stats).
 
 Compute is modelled as the paper does (cost per update B + mu R): trained rollouts +
 mu x generated rollouts, at the mu the runs measured (the median of each run's last
-logged `cost/mu`) and at every mu given with `--mu`.
+logged `cost/mu`) and at every mu given with `--mu`. Claims declared in the sweep file
+(report_claims) get their verdicts from the same paired numbers.
 """
 
 from __future__ import annotations
 
-import shutil
+import math
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
+import yaml
 
+from jaxreplay.config import ConfigError, read_yaml
 from jaxreplay.research import report_plots
+from jaxreplay.research.report_claims import CLAIMS_FILE, TARGET_FRACTIONS, Claim, parse_claims, verdict
 from jaxreplay.research.report_data import (
-    EVAL_FILE, SUMMARY_FILE, RunData, Setting, group_settings, load_runs, measured_mu, pick_baseline)
-from jaxreplay.research.report_stats import band, cell, clean, first_reach, fmt, largest_fall
+    RunData, Setting, copy_run, group_settings, load_runs, measured_mu, pick_baseline)
+from jaxreplay.research.report_stats import (
+    bootstrap_ci, cell, clean, first_reach, fmt, fmt_value, iqm, largest_fall, summary_cell)
 from jaxreplay.train.eval import PASS1_KEY, PASSK_KEY
 
 END_WINDOW = 10  # "entropy at the end": the mean over a run's last END_WINDOW logged steps, per-batch noise damped
 BUDGET_FRACTIONS = (0.25, 0.5, 1.0)  # where the speed table reads each run's accuracy, as shares of the common budget
+COST_AXES = (("tokens", "generated tokens"), ("rollouts", "generated rollouts"))
 
 Mus = Sequence[tuple[str, float]]  # (label, mu) of the compute axes
 
 
-def baseline_peak(base: Setting) -> float:
-    """Peak of the baseline's median eval accuracy against generated tokens (learner steps if untracked)."""
-    for axis in ("tokens", "steps"):
-        b = band([(r.x(axis, steps), acc) for r in base.runs for steps, acc in [r.evals()]])
-        if b is not None:
-            return float(b[2].max())
-    raise AssertionError("learner steps are always known")
+# -- per-seed measures ---------------------------------------------------------------------
+def start_and_peak(run: RunData) -> tuple[float, float]:
+    """A run's first evaluation (its start, the warm start in a sweep) and its best one."""
+    acc = run.evals()[1]
+    return float(acc[0]), float(np.max(acc))
 
 
-def reach(setting: Setting, target: float, axis: str, mu: Optional[float] = None) -> list[Optional[float]]:
-    """Per run: `axis` at its first evaluation with accuracy >= target (None if never, or untracked)."""
+def target(base_run: RunData, fraction: float) -> float:
+    """`fraction` of the baseline run's gain above its start: start + fraction * (peak - start)."""
+    start, peak = start_and_peak(base_run)
+    return start + fraction * (peak - start)
+
+
+def _x(run: RunData, axis: str, steps, mu: Optional[float]) -> np.ndarray:
+    if axis == "rollouts":
+        return np.array([run.generated(int(s)) for s in steps], np.float64)
+    return run.x(axis, steps, mu)
+
+
+def spent(run: RunData, level: float, axis: str, mu: Optional[float] = None) -> float:
+    """`axis` at the run's first evaluation at or above `level`: +inf if it never got there
+    (right-censored at its budget), nan if the run did not track `axis`."""
+    steps, acc = run.evals()
+    x = first_reach(_x(run, axis, steps, mu), acc, level)
+    return math.inf if x is None else x
+
+
+def pairs(setting: Setting, base: Setting) -> list[tuple[RunData, RunData]]:
+    """(run, the baseline's run of the same seed) for every seed both have."""
+    by_seed = {r.seed: r for r in base.runs}
+    return [(r, by_seed[r.seed]) for r in setting.runs if r.seed in by_seed]
+
+
+def cost_ratios(setting: Setting, base: Setting, fraction: float, axis: str, mu: Optional[float] = None) -> list[float]:
+    """Per paired seed: what the run spent to reach `fraction` of that seed's baseline gain, over
+    what the baseline run spent (+inf: never reached). Seeds whose baseline gained nothing, or
+    that did not track `axis`, are left out."""
     out = []
-    for run in setting.runs:
-        steps, acc = run.evals()
-        x = first_reach(run.x(axis, steps, mu), acc, target)
-        out.append(x if x is not None and np.isfinite(x) else None)
+    for run, ref in pairs(setting, base):
+        start, peak = start_and_peak(ref)
+        if peak <= start:
+            continue
+        level = target(ref, fraction)
+        own, theirs = spent(run, level, axis, mu), spent(ref, level, axis, mu)
+        if math.isnan(own) or math.isnan(theirs) or theirs <= 0:
+            continue
+        out.append(own / theirs)
     return out
 
 
-def baseline_cost(base: Setting, target: float, axis: str, mu: Optional[float] = None) -> Optional[float]:
-    """Median over the baseline's seeds that reach `target` of what they spent (None if none is tracked)."""
-    hits = [v for v in reach(base, target, axis, mu) if v is not None]
-    return float(np.median(hits)) if hits else None
+def _pass(run: RunData, k: str) -> Optional[float]:
+    return run.pass_at(k)
 
 
-def to_baseline(setting: Setting, base: Setting, target: float, axis: str, mu: Optional[float] = None) -> str:
-    """'median [IQR] (k/n)' of what each seed spent to reach `target`, as a multiple of the baseline's."""
-    ref = baseline_cost(base, target, axis, mu)
-    if ref is None:
-        return "n/a"
-    if ref == 0:
-        return "baseline peak is the start"
-    hits = [v / ref for v in reach(setting, target, axis, mu) if v is not None]
-    n = len(setting.runs)
-    return f"{cell(hits)} ({len(hits)}/{n})" if hits else f"never reaches {target:.3f} (0/{n})"
+def accuracy_measures(settings: Sequence[Setting]) -> list[tuple[str, Callable[[RunData], Optional[float]]]]:
+    ks = sorted({int(k) for s in settings for r in s.runs for k in r.final_eval.get(PASSK_KEY, {})})
+    return [("peak", lambda r: start_and_peak(r)[1]), ("final", lambda r: float(r.evals()[1][-1])),
+            *[(f"pass@{k}", lambda r, k=str(k): _pass(r, k)) for k in ks]]
 
 
+def differences(setting: Setting, base: Setting, get: Callable[[RunData], Optional[float]]) -> list[float]:
+    """Per paired seed: the run's measure minus the baseline run's (seeds missing either left out)."""
+    return [a - b for r, ref in pairs(setting, base) if (a := get(r)) is not None and (b := get(ref)) is not None]
+
+
+# -- tables --------------------------------------------------------------------------------
 def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
@@ -81,34 +120,54 @@ def _end_entropy(run: RunData) -> Optional[float]:
     return float(values.mean()) if len(values) else None
 
 
-def _ref(value: Optional[float]) -> str:
-    return "n/a" if value is None else fmt(value)
-
-
 def _name(s: Setting, base: Setting) -> str:
     return s.name + (" (baseline)" if s is base else "")
 
 
-def main_table(settings: Sequence[Setting], base: Setting, target: float, mus: Mus) -> str:
-    """Per setting: peak and final accuracy, tokens and compute to the baseline peak, entropy at the end."""
-    tokens_ref = baseline_cost(base, target, "tokens")
-    header = ["setting", "seeds", "peak eval accuracy", "final eval accuracy",
-              f"tokens to {base.name} peak {target:.3f} (multiple of {_ref(tokens_ref)} tokens)",
-              *[f"compute to {base.name} peak at {label} (multiple of "
-                f"{_ref(baseline_cost(base, target, 'compute', mu))} units)" for label, mu in mus],
+def main_table(settings: Sequence[Setting], base: Setting) -> str:
+    """Per setting: start, peak and final accuracy, entropy at the end, replay ratio, staleness."""
+    header = ["setting", "seeds", "start eval accuracy", "peak eval accuracy", "final eval accuracy",
               f"entropy at end (last {END_WINDOW} steps)", "replay ratio (target)", "mean staleness"]
+    rows = [[_name(s, base), str(len(s.runs)),
+             cell([start_and_peak(r)[0] for r in s.runs]),
+             cell([start_and_peak(r)[1] for r in s.runs]),
+             cell([float(r.evals()[1][-1]) for r in s.runs]),
+             cell([_end_entropy(r) for r in s.runs]),
+             f"{cell([r.last('replay/ratio') for r in s.runs])} ({fmt(s.spi_target)})",
+             cell([float(np.mean(v)) for r in s.runs if len(v := r.series("staleness/mean")[1])])]
+            for s in settings]
+    return _markdown(header, rows)
+
+
+def paired_table(settings: Sequence[Setting], base: Setting) -> Optional[str]:
+    """Each run minus the baseline's run of the same seed: median [IQR]; IQM [95% CI]; seeds above."""
+    measures = accuracy_measures(settings)
     rows = []
     for s in settings:
-        rows.append([
-            _name(s, base), str(len(s.runs)),
-            cell([float(np.max(r.evals()[1])) for r in s.runs]),
-            cell([float(r.evals()[1][-1]) for r in s.runs]),
-            to_baseline(s, base, target, "tokens"),
-            *[to_baseline(s, base, target, "compute", mu) for _, mu in mus],
-            cell([_end_entropy(r) for r in s.runs]),
-            f"{cell([r.last('replay/ratio') for r in s.runs])} ({fmt(s.spi_target)})",
-            cell([float(np.mean(v)) for r in s.runs if len(v := r.series("staleness/mean")[1])]),
-        ])
+        n = len(pairs(s, base))
+        if s is base or not n:
+            continue
+        cells = []
+        for _, get in measures:
+            d = differences(s, base, get)
+            cells.append(f"{summary_cell(d)}; above in {sum(v > 0 for v in d)}/{len(d)}" if d else "n/a")
+        rows.append([s.name, str(n), *cells])
+    if not rows:
+        return None
+    return _markdown(["setting", "seeds paired", *[f"{name} − {base.name}'s" for name, _ in measures]], rows)
+
+
+def target_table(settings: Sequence[Setting], base: Setting, fraction: float, mus: Mus) -> str:
+    """What each setting spent to reach `fraction` of its seed's baseline gain, × the baseline's."""
+    axes = [*((a, label, None) for a, label in COST_AXES), *(("compute", f"compute at {label}", mu)
+                                                              for label, mu in mus)]
+    header = ["setting", "seeds that reach it", *[label for _, label, _ in axes]]
+    rows = []
+    for s in settings:
+        ratios = [cost_ratios(s, base, fraction, axis, mu) for axis, _, mu in axes]
+        counted = max(ratios, key=len)
+        reached = f"{sum(math.isfinite(v) for v in counted)}/{len(counted)}"
+        rows.append([_name(s, base), reached, *[summary_cell(r) for r in ratios]])
     return _markdown(header, rows)
 
 
@@ -130,14 +189,6 @@ def speed_table(settings: Sequence[Setting], base: Setting) -> Optional[str]:
     return _markdown(header, rows)
 
 
-def compute_table(settings: Sequence[Setting], base: Setting, target: float, mus: Mus) -> str:
-    """Compute to the baseline peak at every mu, as multiples of the baseline's."""
-    header = ["setting", *[f"{label} (× {_ref(baseline_cost(base, target, 'compute', mu))} units)"
-                           for label, mu in mus]]
-    rows = [[_name(s, base), *[to_baseline(s, base, target, "compute", mu) for _, mu in mus]] for s in settings]
-    return _markdown(header, rows)
-
-
 def pass_table(settings: Sequence[Setting], base: Setting) -> Optional[str]:
     """pass@1 (temperature 0.1) and pass@k (temperature 1.0) of the final policies, from eval.json."""
     ks = sorted({int(k) for s in settings for r in s.runs for k in r.final_eval.get(PASSK_KEY, {})})
@@ -150,47 +201,103 @@ def pass_table(settings: Sequence[Setting], base: Setting) -> Optional[str]:
     return _markdown(header, rows)
 
 
-def paired_table(settings: Sequence[Setting], base: Setting) -> Optional[str]:
-    """Each run minus the baseline's run of the same seed. A sweep's seed fixes the warm start and
-    the evaluation problems for every setting, so the pairs cancel what seeds share: a sharper
-    test than comparing the two settings' medians. None if no seed is in both."""
-    by_seed = {r.seed: r for r in base.runs}
-    ks = sorted({int(k) for s in settings for r in s.runs for k in r.final_eval.get(PASSK_KEY, {})})
-    measures = [("peak accuracy", lambda r: float(np.max(r.evals()[1]))),
-                ("final accuracy", lambda r: float(r.evals()[1][-1])),
-                *[(f"pass@{k} (T 1.0)", lambda r, k=str(k): r.pass_at(k)) for k in ks]]
-    rows = []
-    for s in settings:
-        pairs = [(r, by_seed[r.seed]) for r in s.runs if r.seed in by_seed]
-        if s is base or not pairs:
-            continue
-        diffs = [[a - b for r, ref in pairs if (a := get(r)) is not None and (b := get(ref)) is not None]
-                 for _, get in measures]
-        rows.append([s.name, str(len(pairs)), *[cell(d) for d in diffs]])
-    if not rows:
-        return None
-    return _markdown(["setting", "seeds paired", *[f"{name} − {base.name}'s" for name, _ in measures]], rows)
+def coverage(settings: Sequence[Setting], base: Setting, mu: float) -> tuple[float, float]:
+    """(the baseline's median final modelled compute at `mu` / the largest any other run reached,
+    (y_max + mu)/(1 + mu): the token budget multiple the baseline needs to cover the others).
+
+    Replay spends y + mu per generated rollout against 1 + mu on-policy: at equal generated
+    tokens the baseline's compute axis ends (y_max + mu)/(1 + mu) times earlier."""
+    def final(r: RunData) -> float:
+        steps = r.evals()[0]
+        return float(_x(r, "compute", [int(r.records[-1]["step"])], mu)[0]) if len(steps) else math.nan
+
+    others = [final(r) for s in settings if s is not base for r in s.runs]
+    others = [v for v in others if math.isfinite(v)]
+    ours = [v for r in base.runs if math.isfinite(v := final(r))]
+    y_max = max([s.spi_target for s in settings if math.isfinite(s.spi_target)], default=1.0)
+    need = (y_max + mu) / (1 + mu)
+    if not others or not ours:
+        return math.nan, need
+    return float(np.median(ours)) / max(others), need
 
 
-def runs_table(settings: Sequence[Setting], target: float) -> str:
-    """One row per run: where it got, what it spent, and when it reached the baseline peak."""
-    header = ["setting", "run", "learner steps", "peak acc", "final acc", "generated tokens",
-              "generated / trained rollouts", "measured µ", "loop seconds (no compilation)",
-              f"tokens to {target:.3f}"]
+def coverage_table(settings: Sequence[Setting], base: Setting, mus: Mus) -> str:
+    header = ["µ", f"{base.name}'s median final compute / the most any other run reached",
+              "(y_max + µ)/(1 + µ): the token multiple it needs"]
     rows = []
-    for s in settings:
-        for run, hit in zip(s.runs, reach(s, target, "tokens")):
-            step = int(run.records[-1]["step"])
-            rows.append([s.name, run.dir.name, str(step), fmt(np.max(run.evals()[1])), fmt(run.evals()[1][-1]),
-                         fmt(run.value("tokens/generated", step)),
-                         f"{fmt(run.generated(step))} / {fmt(run.trained(step))}",
-                         fmt(run.last("cost/mu") or float("nan")), fmt(run.seconds(step)),
-                         "never" if hit is None else fmt(hit)])
+    for label, mu in mus:
+        share, need = coverage(settings, base, mu)
+        rows.append([label, "n/a" if math.isnan(share) else f"{fmt(share)} ({'full' if share >= 1 else 'partial'})",
+                     fmt(need)])
     return _markdown(header, rows)
 
 
-def _how_to_read(settings: Sequence[Setting], base: Setting, target: float, mu: Optional[float],
-                 given: Sequence[float]) -> list[str]:
+def claim_values(claim: Claim, settings: dict[str, Setting], base: Setting) -> list[list[float]]:
+    """The claim's paired values, one stratum per setting it pools."""
+    strata = []
+    for name in claim.settings:
+        s = settings[name]
+        if claim.cost is not None:
+            axis, fraction = claim.cost
+            strata.append(cost_ratios(s, base, fraction, axis, claim.mu))
+        else:
+            get = dict(accuracy_measures(list(settings.values())))[claim.measure]
+            strata.append(differences(s, base, get))
+    return [v for v in strata if v]
+
+
+def claims_table(claims: Sequence[Claim], settings: Sequence[Setting], base: Setting) -> str:
+    by_name = {s.name: s for s in settings}
+    rows = []
+    for c in claims:
+        missing = [n for n in c.settings if n not in by_name]
+        rule = c.describe(base.name)
+        if missing:
+            rows.append([c.text, rule, "n/a", f"not reported: no runs of {', '.join(missing)}"])
+            continue
+        strata = claim_values(c, by_name, base)
+        values = [v for stratum in strata for v in stratum]
+        if not values:
+            rows.append([c.text, rule, "n/a", "not testable here: no paired seeds"])
+            continue
+        lo, hi = bootstrap_ci(strata)
+        numbers = (f"IQM {fmt_value(iqm(values))} [{fmt_value(lo)}, {fmt_value(hi)}] over {len(values)} paired "
+                   f"seeds; " + (f"reached in {sum(math.isfinite(v) for v in values)}/{len(values)}" if c.cost else
+                                 f"above {base.name} in {sum(v > 0 for v in values)}/{len(values)}"))
+        decided = verdict(c, (lo, hi))
+        if c.ceiling is not None and c.cost is None:
+            get = dict(accuracy_measures(settings))[c.measure]
+            ref = [v for r in base.runs if (v := get(r)) is not None]
+            if ref and float(np.median(ref)) >= c.ceiling:
+                decided = (f"not testable here: {base.name}'s median {c.measure} is {fmt(float(np.median(ref)))}, "
+                           f"at or above the ceiling {fmt(c.ceiling)}")
+        rows.append([c.text, rule, numbers, decided])
+    return _markdown(["claim", "rule (declared in the sweep file)", "paired numbers", "verdict"], rows)
+
+
+def runs_table(settings: Sequence[Setting], base: Setting) -> str:
+    """One row per run: where it got, what it spent, and when it reached 90% of its seed's baseline gain."""
+    fraction = TARGET_FRACTIONS[-1]
+    by_seed = {r.seed: r for r in base.runs}
+    header = ["setting", "run", "learner steps", "start acc", "peak acc", "final acc", "generated tokens",
+              "generated / trained rollouts", "measured µ", "loop seconds (no compilation)",
+              f"tokens to {fraction:.0%} of its seed's {base.name} gain"]
+    rows = []
+    for s in settings:
+        for run in s.runs:
+            step = int(run.records[-1]["step"])
+            ref = by_seed.get(run.seed)
+            hit = "n/a" if ref is None else fmt_value(spent(run, target(ref, fraction), "tokens"), "never")
+            start, peak = start_and_peak(run)
+            rows.append([s.name, run.dir.name, str(step), fmt(start), fmt(peak), fmt(run.evals()[1][-1]),
+                         fmt(run.value("tokens/generated", step)),
+                         f"{fmt(run.generated(step))} / {fmt(run.trained(step))}",
+                         fmt(run.last("cost/mu") or float("nan")), fmt(run.seconds(step)), hit])
+    return _markdown(header, rows)
+
+
+def _how_to_read(settings: Sequence[Setting], base: Setting, mu: Optional[float], given: Sequence[float],
+                 size: int) -> list[str]:
     runs = [r for s in settings for r in s.runs]
     timed = sum(r.timed for r in runs)
     mus = [m for r in runs if (m := r.last("cost/mu")) is not None]
@@ -198,14 +305,17 @@ def _how_to_read(settings: Sequence[Setting], base: Setting, target: float, mu: 
                 f"(range {fmt(min(mus))} to {fmt(max(mus))})" if mu is not None else
                 "no run logged cost/mu, so only the given µ are modelled")
     return [
-        "- **Statistic:** every number is the median over a setting's seeds, with the interquartile range "
-        "(25th to 75th percentile, linear interpolation between seeds) in brackets: `median [q25, q75]`. "
-        "Bands in the plots are the same IQR, after interpolating each seed's curve linearly onto one x grid "
-        "(the seeds' own x values inside the range every seed covers).",
-        f"- **Baseline:** `{base.name}`. Its peak, {target:.4f}, is the peak of its median eval-accuracy curve "
-        "against generated tokens. A run reaches it at its first evaluation at or above it; the tokens or compute "
-        "spent until then are divided by the baseline's median over its seeds that reach it. Only seeds that "
-        "reach it enter the median; `(k/n)` says how many of n did.",
+        "- **Statistic:** `median [q25, q75]` over seeds (linear interpolation between seeds); where paired, also "
+        "`IQM m [lo, hi]`: the interquartile mean (the mean after cutting a quarter of the seeds from each end, "
+        "rliable's IQM) with its 95% percentile interval from a stratified bootstrap (seeds redrawn with "
+        "replacement within each setting, 10,000 replicates, seed 0). Plot bands are the IQR after interpolating "
+        "each seed's curve linearly onto one x grid.",
+        f"- **Pairs:** every comparison is with `{base.name}`'s run of the same seed, which shares the warm start "
+        "and the prompt stream.",
+        f"- **Targets:** 50%, 75% and 90% of the same seed's `{base.name}` gain (its peak minus its start). A run "
+        "reaches one at its first evaluation at or above it; what it spent until then is divided by what the "
+        f"seed's `{base.name}` run spent. A run that never reaches it is `> budget` (+inf in medians and IQMs); "
+        "`k/n` counts the seeds that did.",
         "- **Compute:** trained rollouts + µ × generated rollouts, in units of training one rollout (the paper's "
         f"cost per update B + µR). {measured[0].upper() + measured[1:]}. Given with --mu: "
         f"{', '.join(fmt(m) for m in given) or 'none'}.",
@@ -213,46 +323,75 @@ def _how_to_read(settings: Sequence[Setting], base: Setting, target: float, mu: 
         f"out: {timed} of {len(runs)} runs logged the accounting's timed seconds (first generate and train call "
         f"of each process left out); the other {len(runs) - timed} count from their first learner step, "
         "which holds both first calls.",
+        f"- **Data:** every number and plot here is rebuilt from `runs/` alone ({size / 1e6:.2f} MB: each run's "
+        "config.yaml, summary.json, eval.json and metrics.jsonl trimmed to the keys read): "
+        "`jaxreplay report runs/*/* --out .` in this folder writes this file again, byte for byte.",
     ]
 
 
-def _copy_run_files(settings: Sequence[Setting], out: Path) -> None:
-    """OUT/runs/SETTING/RUN/{config.yaml, summary.json, eval.json}: small enough to commit with the report."""
-    for s in settings:
-        for run in s.runs:
-            dest = out / "runs" / s.name / run.dir.name
-            dest.mkdir(parents=True, exist_ok=True)
-            for name in ("config.yaml", SUMMARY_FILE, EVAL_FILE):
-                if (run.dir / name).exists() and (run.dir / name).resolve() != (dest / name).resolve():
-                    shutil.copyfile(run.dir / name, dest / name)
+def load_claims(sweep: Optional[str | Path], run_dirs: Sequence[Path]) -> tuple[Claim, ...]:
+    """The claims of `sweep` (a sweep file), else of a claims.yaml beside the runs' setting folders."""
+    if sweep is not None:
+        raw = read_yaml(Path(sweep), "sweep file")
+        return parse_claims(raw.get("claims") if isinstance(raw, dict) else None)
+    found = {p for d in run_dirs if (p := Path(d).resolve().parent.parent / CLAIMS_FILE).exists()}
+    if len(found) > 1:
+        raise ConfigError(f"runs from {len(found)} sweeps each declare claims; name one with --sweep")
+    return parse_claims(yaml.safe_load(found.pop().read_text()), CLAIMS_FILE) if found else ()
+
+
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file())
 
 
 def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[str] = None,
-           mus: Sequence[float] = ()) -> str:
-    """Writes OUT/report.md, the PNGs and OUT/runs/; returns the main and compute tables."""
+           mus: Sequence[float] = (), sweep: Optional[str | Path] = None) -> str:
+    """Copies the runs into OUT/runs, then writes OUT/report.md and the PNGs from the copies;
+    returns the claims and 90%-target tables."""
     out = Path(out)
-    settings = group_settings(load_runs(run_dirs))
+    claims = load_claims(sweep, [Path(d) for d in run_dirs])
+    originals = group_settings(load_runs(run_dirs))
+    pick_baseline(originals, baseline)  # refuse a bad --baseline before writing anything
+    copies = []
+    for s in originals:
+        for run in s.runs:
+            copy_run(run, out / "runs" / s.name / run.dir.name)
+            copies.append(out / "runs" / s.name / run.dir.name)
+    if claims:
+        (out / "runs" / CLAIMS_FILE).write_text(yaml.safe_dump(
+            {c.name: {"text": c.text, "settings": list(c.settings), "measure": c.measure,
+                      ("above" if c.above else "below"): c.threshold,
+                      **({"mu": c.mu} if c.mu is not None else {}),
+                      **({"ceiling": c.ceiling} if c.ceiling is not None else {})} for c in claims},
+            sort_keys=False, allow_unicode=True))
+    settings = group_settings(load_runs(copies))
     base = pick_baseline(settings, baseline)
-    out.mkdir(parents=True, exist_ok=True)
-    target = baseline_peak(base)
     mu = measured_mu([r for s in settings for r in s.runs])
     all_mus = ([(f"measured µ = {fmt(mu)}", mu)] if mu is not None else []) + [(f"µ = {fmt(m)}", m) for m in mus]
-    main_mus = all_mus[:2] if mu is not None else all_mus[:1]  # the measured µ and the first given
-    main, compute = main_table(settings, base, target, main_mus), compute_table(settings, base, target, all_mus)
-    passes, speed, paired = pass_table(settings, base), speed_table(settings, base), paired_table(settings, base)
-    pngs = report_plots.write(settings, target, all_mus, out)
-    _copy_run_files(settings, out)
-    doc = ["# Replay comparison", "", *_how_to_read(settings, base, target, mu, mus), "",
+    plot_mus = []
+    for label, m in all_mus:
+        share, _ = coverage(settings, base, m)
+        partial = math.isfinite(share) and share < 1
+        plot_mus.append((label + (f" ({base.name} covers {share:.0%} of the others' compute)" if partial else ""), m))
+    main, paired, speed, passes = (main_table(settings, base), paired_table(settings, base),
+                                   speed_table(settings, base), pass_table(settings, base))
+    targets = {f: target_table(settings, base, f, all_mus) for f in TARGET_FRACTIONS}
+    verdicts = claims_table(claims, settings, base) if claims else None
+    level = float(np.median([target(r, TARGET_FRACTIONS[-1]) for r in base.runs]))
+    pngs = report_plots.write(settings, level, plot_mus, out)
+    doc = ["# Replay comparison", "", *_how_to_read(settings, base, mu, mus, _size(out / "runs")), "",
+           *(["## Claims and verdicts", "", verdicts] if verdicts else []),
            "## Per setting", "", main,
-           *(["## Learning speed and stability", "", speed] if speed else []),
            *([f"## Paired by seed: each run minus the {base.name} run of the same seed", "", paired]
              if paired else []),
-           "## Compute to the baseline peak, × the baseline's", "",
-           compute if all_mus else "No µ: no run logged cost/mu and none was given with --mu.\n",
+           *[x for f in TARGET_FRACTIONS for x in
+             (f"## Cost to {f:.0%} of the seed's {base.name} gain, × the same seed's {base.name} run", "",
+              targets[f])],
+           *(["## Compute budget coverage", "", coverage_table(settings, base, all_mus)] if all_mus else []),
+           *(["## Learning speed and stability", "", speed] if speed else []),
            *(["## pass@k of the final policy (`jaxreplay eval ... --out RUN_DIR/eval.json`)", "", passes]
              if passes else []),
            "## Plots", "", *[f"### {title}\n\n![{title}]({p.name})\n" for p, title in pngs],
-           "## Runs", "", runs_table(settings, target),
-           "Per-run config.yaml, summary.json and eval.json are copied under `runs/`.", ""]
+           "## Runs", "", runs_table(settings, base)]
     (out / "report.md").write_text("\n".join(doc))
-    return main + "\n" + (compute if all_mus else "")
+    return (verdicts + "\n" if verdicts else "") + targets[TARGET_FRACTIONS[-1]]

@@ -37,6 +37,11 @@ from jaxreplay.train.metrics import read_metrics
 
 EVAL_FILE = "eval.json"  # `jaxreplay eval CONFIG --checkpoint RUN_DIR --k 1,8 --out RUN_DIR/eval.json`
 SUMMARY_FILE = "summary.json"
+# The metrics keys the report reads: a copied run keeps these (and every row holding one besides the step).
+READ_KEYS = ("step", "eval/accuracy", "tokens/generated", "rollouts/generated", "rollouts/trained", "replay/inserts",
+             "compute/flops", "cost/mu", "entropy", "approx_kl", "pg_clipfrac", "replay/ratio", "staleness/mean",
+             "staleness/hist", "time/generate_s", "time/train_s", "time/replay_s", "time/generate_timed_s",
+             "time/train_timed_s")
 _TIMES = ("time/generate_s", "time/train_s", "time/replay_s")
 _TIMED = ("time/generate_timed_s", "time/train_timed_s", "time/replay_s")
 
@@ -139,6 +144,24 @@ class Setting:
             return None
         n, r = float(self.replay.get("max_size", math.nan)), float(train["prompts_per_step"] * train["group_size"])
         return n / r, n * self.spi_target / float(train["batch_size"])
+
+
+def trimmed_metrics(records: Sequence[dict[str, Any]]) -> str:
+    """metrics.jsonl with the `READ_KEYS` only, in each row's own key order: what the report
+    reads, a fraction of the size; trimming it again changes nothing."""
+    rows = [{k: v for k, v in r.items() if k in READ_KEYS} for r in records]
+    return "".join(json.dumps(r) + "\n" for r in rows if len(r) > 1)
+
+
+def copy_run(run: RunData, dest: Path) -> None:
+    """DEST/{config.yaml, summary.json, eval.json (as they are), metrics.jsonl (trimmed)}: what
+    `jaxreplay report` reads, small enough to commit. No checkpoints, replay files or events."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("config.yaml", SUMMARY_FILE, EVAL_FILE):
+        src = run.dir / name
+        if src.exists() and src.resolve() != (dest / name).resolve():
+            (dest / name).write_bytes(src.read_bytes())
+    (dest / "metrics.jsonl").write_text(trimmed_metrics(run.records))
 
 
 def load_runs(run_dirs: Sequence[str | Path]) -> list[RunData]:

@@ -77,7 +77,8 @@ def accuracy(settings: Sequence[Setting], axis: str, title: str, xlabel: str, ta
             curves.append((run.x(axis, steps, mu), acc))
         _plot_band(ax, curves, color, f"{s.name} ({len(s.runs)} seeds)")
     if target is not None:
-        ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"baseline peak {target:.3f}")
+        ax.axhline(target, color="gray", linestyle="--", linewidth=1,
+                   label=f"90% of the baseline's gain {target:.3f} (median over seeds)")
     _finish(ax, f"Eval accuracy vs {title} ({BAND})", xlabel, "eval accuracy (greedy)")
     return fig
 

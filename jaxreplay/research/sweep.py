@@ -11,13 +11,15 @@ list of dotted overrides) and the seeds:
       on_policy: [replay.mode=on_policy]
       spi4: [replay.samples_per_insert=4]
     timeout_s: 3600            # per run
+    claims: {...}              # rules deciding the claims, written before any run (report_claims)
 
 Each run is a `jaxreplay train` subprocess (its own Reverb server, native logs and
 memory), logging to RUN_DIR/train.log. A run whose summary.json reports all its steps
 is skipped; any other run is started, and `jaxreplay train` resumes it from its latest
 checkpoint. `--print` prints one command per run instead, for a cluster scheduler. Dotted
 overrides after the sweep file apply to every run (`jaxreplay sweep FILE train.steps=50`).
-Every run's config is loaded and validated before the first one starts. Every setting of
+Every run's config is loaded and validated before the first one starts, and so are the claims,
+which are written to OUT/claims.yaml before the first run for `jaxreplay report` to decide. Every setting of
 a seed shares its warm start, cached in OUT/.warmstart-cache unless an override names another.
 """
 
@@ -32,11 +34,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
+
+import yaml
 
 from jaxreplay.config import Config, ConfigError, load_config, read_yaml, show
+from jaxreplay.research.report_claims import CLAIMS_FILE, parse_claims
 
-_KEYS = {"base", "out", "seeds", "overrides", "settings", "timeout_s"}
+_KEYS = {"base", "out", "seeds", "overrides", "settings", "timeout_s", "claims"}
 _NAME = re.compile(r"[A-Za-z0-9_.+-]+")
 
 
@@ -69,6 +74,8 @@ class Run:
 class Sweep:
     runs: tuple[Run, ...]
     timeout_s: float
+    out: Path = Path(".")
+    claims: Any = None  # the sweep file's claims, as written (validated by report_claims.parse_claims)
 
 
 def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
@@ -117,7 +124,13 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
             except ConfigError as e:
                 raise ConfigError(f"sweep.settings.{name} (seed {seed}): {e}") from None
             runs.append(Run(setting=name, seed=seed, base=base, overrides=args, config=config))
-    return Sweep(runs=tuple(runs), timeout_s=float(timeout_s))
+    claims = raw.get("claims")
+    names = set(settings)
+    for claim in parse_claims(claims):
+        unknown = [n for n in claim.settings if n not in names]
+        if unknown:
+            raise ConfigError(f"sweep.claims.{claim.name}.settings: {unknown[0]} is not one of the settings")
+    return Sweep(runs=tuple(runs), timeout_s=float(timeout_s), out=out, claims=claims)
 
 
 def _override_list(value, key: str) -> tuple[str, ...]:
@@ -139,6 +152,9 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> dict[str, str
     A failed run is reported and the sweep goes on: one bad seed should not cost the rest.
     """
     program = (sys.executable, "-m", "jaxreplay.cli")
+    if sweep.claims:
+        sweep.out.mkdir(parents=True, exist_ok=True)
+        (sweep.out / CLAIMS_FILE).write_text(yaml.safe_dump(sweep.claims, sort_keys=False, allow_unicode=True))
     results = {}
     for i, run in enumerate(sweep.runs, 1):
         tag = f"[{i}/{len(sweep.runs)}] {run.setting} seed {run.seed}"

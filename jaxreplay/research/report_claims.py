@@ -1,0 +1,112 @@
+"""Claims and the rules that decide them, declared in a sweep file before any run.
+
+A sweep file's `claims` maps a name to a rule on a measure paired by seed with the
+baseline (the report's `--baseline`, on-policy by default):
+
+    claims:
+      keeps_peak:
+        text: moderate reuse (spi 2) keeps the peak
+        settings: [spi2_nr2, spi2_nr8]   # pooled: the bootstrap resamples seeds within each
+        measure: peak                    # peak | final | pass@K | {tokens,rollouts,compute}_to_{50,75,90}
+        above: -0.02                     # or below: 1.0
+        mu: 5.28                         # compute_to_* only: the µ of the modelled compute
+        ceiling: 0.98                    # optional: the baseline's median peak/final/pass@K at or above it
+                                         # leaves no room to show the claim: "not testable here"
+
+Accuracy measures are differences (setting minus the same seed's baseline run); cost
+measures are ratios to the same seed's baseline, +inf where the run never reached the
+target. The verdict reads the IQM's 95% stratified bootstrap interval against the
+threshold: wholly on the rule's side, "holds"; wholly on the other, "fails"; across
+it, "inconclusive".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Optional
+
+from jaxreplay.config import ConfigError, show
+
+CLAIMS_FILE = "claims.yaml"  # beside a sweep's setting folders: the claims its sweep file declared
+TARGET_FRACTIONS = (0.5, 0.75, 0.9)  # targets: these shares of the same seed's baseline gain (peak - start)
+_COST = re.compile(r"(tokens|rollouts|compute)_to_(50|75|90)")
+_PASS = re.compile(r"pass@([1-9][0-9]*)")
+_KEYS = {"text", "settings", "measure", "above", "below", "mu", "ceiling"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    name: str
+    text: str
+    settings: tuple[str, ...]
+    measure: str
+    threshold: float
+    above: bool  # the rule: IQM > threshold (else IQM < threshold)
+    mu: Optional[float] = None
+    ceiling: Optional[float] = None
+
+    @property
+    def cost(self) -> Optional[tuple[str, float]]:
+        """(axis, target fraction) of a cost measure; None for an accuracy one."""
+        m = _COST.fullmatch(self.measure)
+        return (m.group(1), int(m.group(2)) / 100) if m else None
+
+    def describe(self, baseline: str) -> str:
+        what = (f"{self.measure} − {baseline}'s" if self.cost is None else
+                f"{self.measure} (× {baseline}'s{'' if self.mu is None else f', µ = {self.mu:g}'})")
+        side = ">" if self.above else "<"
+        return f"paired IQM of {what} {side} {self.threshold:g}"
+
+
+def _number(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{key}: expected a finite number, got {show(value)}")
+    return float(value)
+
+
+def parse_claims(raw: Any, where: str = "sweep.claims") -> tuple[Claim, ...]:
+    """The claims of a sweep file (None: none); `ConfigError` names the bad key."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping of claim name -> rule, got {show(raw)}")
+    claims = []
+    for name, rule in raw.items():
+        key = f"{where}.{name}"
+        if not isinstance(rule, dict):
+            raise ConfigError(f"{key}: expected a mapping with keys {', '.join(sorted(_KEYS))}")
+        unknown = sorted(set(rule) - _KEYS, key=str)
+        if unknown:
+            raise ConfigError(f"{key}: unknown key {unknown[0]} (known: {', '.join(sorted(_KEYS))})")
+        settings = rule.get("settings")
+        if not (isinstance(settings, list) and settings and all(isinstance(s, str) for s in settings)):
+            raise ConfigError(f"{key}.settings: expected a non-empty list of setting names, got {show(settings)}")
+        measure = rule.get("measure")
+        if not isinstance(measure, str) or not (measure in ("peak", "final") or _PASS.fullmatch(measure)
+                                                or _COST.fullmatch(measure)):
+            raise ConfigError(f"{key}.measure: {show(measure)} is not peak, final, pass@K or "
+                              "{tokens,rollouts,compute}_to_{50,75,90}")
+        if ("above" in rule) == ("below" in rule):
+            raise ConfigError(f"{key}: give exactly one of above and below (the rule's threshold)")
+        side = "above" if "above" in rule else "below"
+        mu = None if rule.get("mu") is None else _number(rule["mu"], f"{key}.mu")
+        if measure.startswith("compute_to_") and (mu is None or mu <= 0):
+            raise ConfigError(f"{key}.mu: {measure} needs the positive µ its compute is modelled at")
+        ceiling = None if rule.get("ceiling") is None else _number(rule["ceiling"], f"{key}.ceiling")
+        claims.append(Claim(name=str(name), text=str(rule.get("text", name)), settings=tuple(settings),
+                            measure=measure, threshold=_number(rule[side], f"{key}.{side}"), above=side == "above",
+                            mu=mu, ceiling=ceiling))
+    return tuple(claims)
+
+
+def verdict(claim: Claim, ci: tuple[float, float]) -> str:
+    """'holds', 'fails' or 'inconclusive' from where the IQM's interval lies against the threshold."""
+    lo, hi = ci
+    t = claim.threshold
+    if (lo > t) if claim.above else (hi < t):
+        return "holds"
+    if (hi < t) if claim.above else (lo > t):
+        return "fails"
+    return "inconclusive"
