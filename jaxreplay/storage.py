@@ -229,6 +229,24 @@ def staged(path: str | os.PathLike) -> Path:
     return target
 
 
+def staged_files(path: str | os.PathLike, names: Iterable[str]) -> Path:
+    """A local directory holding the named files of directory `path` (those that exist): `path`
+    itself when local, else a fresh copy in the cache named like it (a bucket run dir's records,
+    without its checkpoints)."""
+    if not is_url(path):
+        return Path(path)
+    url = str(path).rstrip("/")
+    target = cache_root() / "runs" / hashlib.sha256(url.encode()).hexdigest()[:20] / url.rsplit("/", 1)[-1]
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for name in names:
+        try:
+            download(join(url, name), target / name)
+        except FileNotFoundError:
+            pass
+    return target
+
+
 def _made(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     return directory

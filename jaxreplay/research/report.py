@@ -28,11 +28,12 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import yaml
 
+from jaxreplay import storage
 from jaxreplay.config import ConfigError, read_yaml
 from jaxreplay.research import report_plots
 from jaxreplay.research.report_claims import CLAIMS_FILE, TARGET_FRACTIONS, Claim, parse_claims, verdict
 from jaxreplay.research.report_data import (
-    RunData, Setting, copy_run, group_settings, load_runs, measured_mu, pick_baseline)
+    EVAL_FILE, SUMMARY_FILE, RunData, Setting, copy_run, group_settings, load_runs, measured_mu, pick_baseline)
 from jaxreplay.research.report_stats import (
     bootstrap_ci, cell, clean, first_reach, fmt, fmt_value, iqm, largest_fall, summary_cell)
 from jaxreplay.train.eval import PASS1_KEY, PASSK_KEY
@@ -349,6 +350,8 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
     """Copies the runs into OUT/runs, then writes OUT/report.md and the PNGs from the copies;
     returns the claims and 90%-target tables."""
     out = Path(out)
+    # A bucket run's records (not its checkpoints), copied to the cache; a local run dir as it is.
+    run_dirs = [storage.staged_files(d, ("config.yaml", "metrics.jsonl", SUMMARY_FILE, EVAL_FILE)) for d in run_dirs]
     claims = load_claims(sweep, [Path(d) for d in run_dirs])
     originals = group_settings(load_runs(run_dirs))
     pick_baseline(originals, baseline)  # refuse a bad --baseline before writing anything

@@ -67,8 +67,10 @@ _DELETED = ".deleted"  # steps past `keep` are renamed in here, then deleted
 
 
 class Checkpointer:
-    def __init__(self, directory: Any, keep: int):
-        """`directory`: a local path or a bucket URL (either as `storage.orbax_path` gives it)."""
+    def __init__(self, directory: Any, keep: int, timeout_s: Optional[float] = None):
+        """`directory`: a local path or a bucket URL (either as `storage.orbax_path` gives it).
+        `timeout_s`: how long Orbax's barriers between processes wait (`distributed.timeout_s`),
+        instead of its own 20 minutes."""
         self.directory = storage.orbax_path(directory) if isinstance(directory, (str, os.PathLike)) else directory
         # A step killed mid-write stays a tmp directory, never listed, deleted on the next start. On a
         # bucket (no rename) steps past `keep` are deleted where they are.
@@ -77,7 +79,9 @@ class Checkpointer:
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False,
                                                  cleanup_tmp_directories=True,
-                                                 todelete_subdir=_DELETED if local else None),
+                                                 todelete_subdir=_DELETED if local else None,
+                                                 **({} if timeout_s is None else
+                                                    {"async_options": ocp.AsyncOptions(timeout_secs=max(1, int(timeout_s)))})),
         )
         self._clear_deleted()
 
@@ -87,6 +91,9 @@ class Checkpointer:
 
     def latest_step(self) -> Optional[int]:
         return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
 
     def save(self, step: int, state: Any, progress: Progress) -> None:
         self._manager.save(

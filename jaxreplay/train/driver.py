@@ -87,13 +87,16 @@ def _as_job_process(config: Config, log: Callable[[str], None]) -> dict[str, Any
 
 def _train(config: Config, run_dir: rundir.RunDir, log: Callable[[str], None]) -> dict[str, Any]:
     start = time.perf_counter()
-    resume = latest_step(run_dir, config.checkpoint.keep)
+    placement = placement_for(config)
+    coord = distributed.Coordinator(config.distributed.timeout_s) if placement.kind == "multihost" else None
+    if coord is not None:  # before any wait on run.dir: a pod whose workers each have their own disk ends here
+        # process 0 may still be waiting out an earlier run's lease (at most run.lease_s)
+        rundir.check_shared(run_dir, distributed.Coordinator(rundir.SHARED_CHECK_S + config.run.lease_s))
+    resume = _agreed_latest_step(run_dir, config, coord)
     if resume is not None and resume >= config.train.steps:
         log(f"nothing to run: no step ran, because the checkpoint in {run_dir.checkpoints()} is already at "
             f"step {resume} >= train.steps={config.train.steps}; raise train.steps to train further")
         return {**last_summary(run_dir), "steps": resume, "steps_run": 0}
-    placement = placement_for(config)
-    coord = distributed.Coordinator(config.distributed.timeout_s) if placement.kind == "multihost" else None
     c = resolved_model(_with_backend(config, placement, log))
     if resume is None and (run_dir / "config.yaml").exists():
         log(f"no checkpoint to resume in {run_dir}: starting from step 0")
@@ -138,6 +141,33 @@ def _with_backend(config: Config, placement: Placement, log: Callable[[str], Non
     return dataclasses.replace(config, replay=dataclasses.replace(config.replay, backend=backend))
 
 
+def _agreed_latest_step(run_dir: rundir.RunDir, config: Config,
+                        coord: Optional[distributed.Coordinator]) -> Optional[int]:
+    """The step to resume from. Multi-host, process 0 chooses it and every process checks that it
+    can read it, so no process resumes from another step (their collectives would not match)."""
+    if coord is None:
+        return latest_step(run_dir, config.checkpoint.keep)
+    chosen = json.loads(coord.broadcast("resume/step", json.dumps(latest_step(run_dir, config.checkpoint.keep))
+                                        if coord.is_leader else None))
+    readable = chosen is None or chosen in _steps(run_dir, config.checkpoint.keep)
+    blind = [i for i, seen in enumerate(coord.gather("resume/readable", "1" if readable else "0")) if seen == "0"]
+    if blind:
+        raise CheckpointError(f"process 0 resumes from checkpoint step {chosen} in {run_dir.url}, which processes "
+                              f"{blind} cannot read: every process must see the same run.dir (a bucket or a shared "
+                              "mount)")
+    return chosen
+
+
+def _steps(run_dir: rundir.RunDir, keep: int) -> list[int]:
+    if not run_dir.has_checkpoints():
+        return []
+    checkpointer = Checkpointer(run_dir.checkpoints(), keep=keep)
+    try:
+        return checkpointer.all_steps()
+    finally:
+        checkpointer.close()
+
+
 def latest_step(run_dir: rundir.RunDir, keep: int) -> Optional[int]:
     """The step of the latest complete checkpoint in `run_dir`, if any."""
     if not run_dir.has_checkpoints():
@@ -153,7 +183,8 @@ def _run_state(stack, placement: Placement, recorder: Optional[RunRecorder], run
                resume: Optional[int], start: float, log: Callable[[str], None]) -> Run:
     """The run as the latest checkpoint left it (onto this placement's meshes), or fresh."""
     c = stack.config
-    checkpointer = Checkpointer(run_dir.checkpoints(), keep=c.checkpoint.keep)
+    checkpointer = Checkpointer(run_dir.checkpoints(), keep=c.checkpoint.keep,
+                                timeout_s=c.distributed.timeout_s if placement.kind == "multihost" else None)
     progress = Progress()  # its accounting dict is the one the checkpoints save
     run = Run(config=c, placement=placement, stack=stack, recorder=recorder, checkpointer=checkpointer,
               progress=progress, params=stack.params, opt_state=stack.opt_state,

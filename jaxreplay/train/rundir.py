@@ -47,6 +47,7 @@ LOCK_FILE = "run.lock"
 REPLAY_DIR = "replay"
 CHECKPOINT_DIR = "checkpoints"
 REPLAY_DONE = "DONE"  # the in-process backend's completion marker: uploaded last
+SHARED_CHECK_S = 15.0  # each wait of the start-up check that a job's processes share run.dir
 # The records a run reads back when it resumes: in the mirror before anything reads them.
 RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "calibration.json")
 
@@ -335,3 +336,36 @@ class _Lease:
         self._thread.join(timeout=5)
         with contextlib.suppress(Exception):
             storage.delete_if_generation(self.url, self._generation)
+
+
+def check_shared(run_dir: RunDir, coordinator: Any, settle_s: float = 3.0) -> None:
+    """Ends a multi-host job at start-up, on every process, when its processes do not see one
+    run dir: process 0 writes a token there, and every other process must read it (retrying for
+    `settle_s`, for NFS attribute caches). Each wait is bounded by the coordinator's timeout
+    (`SHARED_CHECK_S`, plus `run.lease_s` that process 0 may spend waiting out an earlier run's
+    lease), whatever `distributed.timeout_s` says, so a pod whose workers each have their own
+    disk ends in seconds, not in Orbax's 10-minute wait for a directory it never sees."""
+    key = "run-dir/shared"
+    if coordinator.is_leader:
+        token = f".shared-{os.getpid()}-{time.time_ns()}"
+        storage.write_text(storage.join(run_dir.url, token), token)
+        coordinator.publish(key, token)
+    else:
+        token = coordinator.lookup(key)
+    seen, deadline = False, time.monotonic() + settle_s
+    while not seen:
+        try:
+            seen = storage.read_text(storage.join(run_dir.url, token)) == token
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        if seen or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    blind = [i for i, ok in enumerate(coordinator.gather(key, "1" if seen else "0")) if ok == "0"]
+    if coordinator.is_leader:
+        storage.remove(storage.join(run_dir.url, token))
+    if blind:
+        raise RunDirError(f"run.dir: {show(run_dir.url)} is not one directory shared by the job's processes: "
+                          f"process{'es' if len(blind) > 1 else ''} {', '.join(map(str, blind))} cannot see what "
+                          "process 0 writes there (TPU VM workers each have their own disk): use a bucket "
+                          "(run.dir=gs://BUCKET/PATH) or a mount every worker shares")
