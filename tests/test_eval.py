@@ -48,7 +48,6 @@ def test_pass_at_k_by_hand():
         pass_at_k(4, 1, 8)
 
 
-@pytest.mark.tier
 @pytest.mark.slow
 def test_eval_of_a_checkpoint_equals_eval_of_its_hf_export(tmp_path, capsys):
     from jaxreplay.models.hf import save_hf_model

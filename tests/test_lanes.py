@@ -74,7 +74,7 @@ def test_the_lane_check_fails_exactly_the_skips_for_want_of_reverb_that_no_marke
     assert "without pytestmark = pytest.mark.needs_reverb" in result.stdout
     assert "SKIPPED [1] test_marked.py:4: needs_reverb: reverb is not installed here" in summary
     assert "SKIPPED [1] test_whole_module_marked.py:4: needs dm-reverb" in summary
-    assert "lane split: 2 tests here (1 skipped): needs_reverb 1, tier-independent 1" in result.stdout
+    assert "lane split: 2 tests here, by need: needs_reverb 1, tier-independent 1" in result.stdout
     assert "warning" not in result.stdout  # the markers are registered
     assert result.returncode == 1
 

@@ -282,7 +282,6 @@ def test_processes_that_resolve_the_backend_differently_stop_with_a_config_error
         assert "different backends: inprocess on process 0, reverb on process 1" in result.stdout
 
 
-@pytest.mark.tier
 @pytest.mark.slow
 def test_every_process_takes_the_leaders_calibrated_ratio(tmp_path):
     """replay.calibrate_steps multi-host: all processes measure together (the calls are collective),
