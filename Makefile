@@ -9,34 +9,51 @@
 #   tpu        the default tier plus libtpu (the tpu extra): TPU compiles on a CPU host  .venv-tpu
 LANE ?= default
 
+# The lane's Python, the first that runs of: pythonX.Y or python3 on PATH, pyenv's installed versions
+# (its shims run only the versions selected, so its versions folder is read too), and uv's managed
+# Pythons (`uv python find`, where uv is on PATH). PYTHON=/path/to/python skips the search.
+# $(1): the Python versions the lane takes, the preferred first.
+find_python = $(shell for v in $(1); do \
+  for p in python$$v python3 $$(ls -d "$${PYENV_ROOT:-$$HOME/.pyenv}"/versions/$$v.*/bin/python$$v 2>/dev/null | sort -rV) \
+      $$(uv python find --system $$v 2>/dev/null); do \
+    "$$p" -c 'import sys; sys.exit(sys.version_info[:2] != tuple(map(int, sys.argv[1].split("."))))' $$v 2>/dev/null \
+      && command -v "$$p" && exit; \
+  done; done)
+
 ifeq ($(LANE),default)
-  PYTHON ?= $(shell for p in python3.12 python3.13 python3; do $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $$p && break; done)
+  PYTHONS := 3.12 3.13
   VENV ?= .venv
   EXTRAS ?= test
   CONSTRAINTS := constraints/default.txt
 else ifeq ($(LANE),py313)
-  PYTHON ?= python3.13
+  PYTHONS := 3.13
   VENV ?= .venv-py313
   EXTRAS ?= test
   CONSTRAINTS := constraints/default.txt
 else ifeq ($(LANE),gpu-image)
-  PYTHON ?= python3.12
+  PYTHONS := 3.12
   VENV ?= .venv-gpu-image
   EXTRAS ?= test
   CONSTRAINTS := constraints/gpu-image.txt
 else ifeq ($(LANE),tpu)
-  PYTHON ?= $(shell for p in python3.12 python3.13 python3; do $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $$p && break; done)
+  PYTHONS := 3.12 3.13
   VENV ?= .venv-tpu
   EXTRAS ?= test,tpu
   CONSTRAINTS := constraints/default.txt
 else ifeq ($(LANE),reverb)
-  PYTHON ?= python3.11
+  PYTHONS := 3.11
   VENV ?= .venv-reverb
   EXTRAS ?= test,reverb,parity
   CONSTRAINTS := constraints/reverb-py311.txt
 else
   $(error LANE=$(LANE): use default, py313, gpu-image, tpu or reverb)
 endif
+PYTHON ?= $(call find_python,$(PYTHONS))
+# Where none is found: what to install, in two lines on stderr.
+space := $(subst ,, )
+WANTED := $(firstword $(PYTHONS))
+NO_PYTHON = echo "jaxreplay: error: no Python $(subst $(space), or ,$(PYTHONS)) for LANE=$(LANE) on PATH, in pyenv's versions or uv's" >&2; \
+  echo "  install one (pyenv install $(WANTED); uv python install $(WANTED); or python$(WANTED)-venv from the deadsnakes PPA) or set PYTHON=/path/to/python$(WANTED)" >&2
 
 # uv resolves and installs the pinned set faster than pip (the Reverb lane's fresh venv, bytecode
 # compiled by both: 101 s against pip's 167 s). uv does not read pip's configuration, so the wheel folders pip is told
@@ -59,7 +76,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(CONSTRAINTS) | cksum | 
 .PHONY: venv demo test clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
-	@test -n "$(PYTHON)" || { echo "make: no Python >= 3.12 found for LANE=$(LANE); set PYTHON=/path/to/python3.12" >&2; exit 2; }
+	@test -n "$(PYTHON)" || { $(NO_PYTHON); exit 2; }
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip $(if $(filter uv,$(INSTALLER)),uv)
 	$(INSTALL_$(INSTALLER)) --quiet -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'

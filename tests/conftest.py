@@ -19,12 +19,22 @@ tests/test_learner_scale.py 158 s -> 95 s; test_sampling, test_learner and test_
 and so does a process a test starts with an XLA_FLAGS of its own; those that need several CPU
 devices take the suite's flags with a device count added (`cpu_devices_env`). An XLA_FLAGS
 that already names the level keeps its own.
+
+CI's lanes split the suite by what each test needs, declared here once by marker (pyproject.toml):
+`needs_reverb`, `needs_tf`, `needs_torch` (skipped where that is not installed) and `tier` (checks
+what differs between the tiers). The default lane runs every test; the Reverb lane
+(`-m "needs_reverb or needs_tf or needs_torch or tier"`) only those, so no tier-independent test
+runs twice. `--lane-check` (CI's default lane) fails a test that skips for want of Reverb,
+TensorFlow or torch without the marker that sends it to the Reverb lane: it would run nowhere.
 """
 
+import importlib.util
 import os
 from collections import Counter
 from importlib.metadata import version
 from pathlib import Path
+
+import pytest
 
 CACHE_FROM_JAX = (0, 8)
 FAST_COMPILE = "--xla_backend_optimization_level"
@@ -42,13 +52,86 @@ if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}=0".strip()
 
 
+# A need's marker: the modules it needs, and the words a skip for want of them says.
+NEEDS = {
+    "needs_reverb": (("reverb",), ("reverb",)),
+    "needs_tf": (("tensorflow", "tensorflow_datasets"), ("tensorflow", "tfds")),
+    "needs_torch": (("torch",), ("torch",)),
+}
+LANE_MARKS = (*NEEDS, "tier")  # the Reverb lane's selection: CI's -m is these joined by "or"
+
+
+def _missing(marker: str) -> bool:
+    return any(importlib.util.find_spec(module) is None for module in NEEDS[marker][0])
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--lane-check", action="store_true",
+                     help="fail a test that skips for want of Reverb, TensorFlow or torch but lacks the needs_* "
+                          "marker that sends it to the Reverb lane (CI's default lane)")
+
+
 def pytest_collection_modifyitems(items) -> None:
-    """Files with the most end-to-end runs (marked slow) first, each file's tests in their own
-    order: make test's pytest-xdist workers take whole files in this order
-    (--no-loadscope-reorder), so the long files start early and the short ones fill in
-    around them, instead of one long file ending the run on a single worker."""
+    """A needs_* test skips where what it needs is missing. Then files with the most end-to-end
+    runs (marked slow) first, each file's tests in their own order: make test's pytest-xdist
+    workers take whole files in this order (--no-loadscope-reorder), so the long files start
+    early and the short ones fill in around them, instead of one long file ending the run on a
+    single worker."""
+    missing = {marker: _missing(marker) for marker in NEEDS}
+    for item in items:
+        for marker in NEEDS:
+            if missing[marker] and item.get_closest_marker(marker):
+                item.add_marker(pytest.mark.skip(reason=f"{marker}: {' or '.join(NEEDS[marker][0])} "
+                                                        "is not installed here"))
     slow_runs = Counter(item.path for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow_runs[item.path])  # stable: keeps each file's order
+
+
+def _unmarked_needs(reason: str, has_marker) -> list[str]:
+    """What a skip's reason says the test wants and is missing here, where the test carries
+    no marker of the Reverb lane's selection (with one, that lane runs it)."""
+    if any(has_marker(marker) for marker in LANE_MARKS):
+        return []
+    reason = reason.lower()
+    return [marker for marker, (_, words) in NEEDS.items() if any(word in reason for word in words) and _missing(marker)]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.skipped and item.config.getoption("lane_check") and isinstance(report.longrepr, tuple):
+        if unmarked := _unmarked_needs(report.longrepr[2], item.get_closest_marker):
+            report.outcome = "failed"
+            report.longrepr = (f"--lane-check: skipped ({report.longrepr[2]}) without @pytest.mark."
+                               f"{' or '.join(unmarked)}, so no CI lane runs it")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same check for a module that skips whole (a module-level importorskip): its
+    `pytestmark` must name the need, which the Reverb lane selects it by."""
+    report = (yield).get_result()
+    if report.skipped and collector.config.getoption("lane_check") and isinstance(report.longrepr, tuple):
+        text = Path(collector.path).read_text() if Path(collector.path).is_file() else ""
+        if unmarked := _unmarked_needs(report.longrepr[2], lambda marker: f"pytest.mark.{marker}" in text):
+            report.outcome = "failed"
+            report.longrepr = (f"--lane-check: {collector.path.name} skips whole ({report.longrepr[2]}) without "
+                               f"pytestmark = pytest.mark.{' or '.join(unmarked)}, so no CI lane runs it")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The lane's share of the split, by marker: CI's log shows what each lane ran."""
+    seen = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) in ("setup", "call") and hasattr(report, "keywords"):
+                seen[report.nodeid] = report.keywords
+    if not seen:
+        return
+    kinds = Counter(next((m for m in LANE_MARKS if m in keywords), "tier-independent") for keywords in seen.values())
+    # No outcome words: tests that run pytest themselves read their child's summary for them.
+    terminalreporter.write_line(f"lane split: {len(seen)} tests here, by need: " + ", ".join(
+        f"{kind} {kinds[kind]}" for kind in (*LANE_MARKS, "tier-independent") if kinds[kind]))
 
 
 def cpu_devices_env(count: int) -> dict[str, str]:

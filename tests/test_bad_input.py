@@ -342,7 +342,8 @@ def test_bad_input_is_refused_before_any_work(tmp_path, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", SLOW, ids=lambda f: f.__name__.removeprefix("case_"))
+@pytest.mark.parametrize("case", [pytest.param(f, marks=pytest.mark.tier) if "checkpoint" in f.__name__ else f
+                                  for f in SLOW], ids=lambda f: f.__name__.removeprefix("case_"))  # tier: Orbax's errors
 def test_bad_input_found_later_is_one_line_too(tmp_path, case):
     args, named = case(tmp_path)
     assert_one_line_exit_2(jaxreplay(*args), named)

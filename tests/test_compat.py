@@ -6,11 +6,14 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxreplay import compat
 from jaxreplay.config import MeshConfig
 from jaxreplay.models import sharding
+
+pytestmark = pytest.mark.tier
 
 
 class TwoLayers(nnx.Module):

@@ -21,6 +21,7 @@ needs_libtpu = pytest.mark.skipif(libtpu_version() is None,
                                   reason="libtpu is not installed on this lane (pip install 'jaxreplay[tpu]')")
 
 
+@pytest.mark.tier
 def test_compile_on_the_local_devices_reports_the_demo_programs(tmp_path, capsys):
     out = tmp_path / "fit.json"
     assert main(["compile", DEMO, "--json", str(out)]) == 0

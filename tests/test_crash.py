@@ -114,7 +114,7 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout_s: f
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["reverb", "inprocess"])
+@pytest.mark.parametrize("backend", [pytest.param("reverb", marks=pytest.mark.needs_reverb), "inprocess"])
 def test_a_run_killed_five_times_ends_like_a_straight_run(tmp_path, backend):
     """SIGKILL at 5 moments drawn from a seeded RNG: a few steps into each leg, then a
     random moment within the next 50 ms (a few steps of the tiny model), which lands in
@@ -179,6 +179,7 @@ def test_a_run_killed_five_times_ends_like_a_straight_run(tmp_path, backend):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.tier
 @pytest.mark.slow
 def test_sigterm_saves_a_final_checkpoint_and_exits_143(tmp_path):
     proc = subprocess.Popen(cli(tmp_path, "checkpoint.every=1000"), cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -224,6 +225,7 @@ GREEDY_CLIENT = ("import sys, reverb\n"
                  "    client._client.NewSampler('rollouts', 1, 1).GetNextTrajectory()\n")
 
 
+@pytest.mark.needs_reverb
 @pytest.mark.slow
 def test_a_pinned_port_refuses_a_second_run_and_a_second_client_ends_the_run(tmp_path):
     """Run A serves on a pinned replay.port. A second run there is refused at once with
@@ -265,6 +267,7 @@ def test_a_pinned_port_refuses_a_second_run_and_a_second_client_ends_the_run(tmp
         "jaxreplay: error: TableSharedError: table 'rollouts' was changed by another client")
 
 
+@pytest.mark.needs_reverb
 def test_a_dead_reverb_server_ends_inserts_and_samples_within_the_timeout():
     """What a learner or actor sees when the server it talks to is gone (disaggregated
     and multi-host runs): ReplayTimeoutError after the timeout, not a hang."""

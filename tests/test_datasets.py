@@ -90,6 +90,7 @@ def completion_ids(text: str) -> list[int]:
     return tok.encode(text) + [tok.eos_id]
 
 
+@pytest.mark.needs_tf
 def test_gsm8k_reads_the_prepared_tfds_split_and_scores_final_answers(tfds_dir):
     task = make_task(config("task.name=gsm8k", f"task.data_dir={tfds_dir}").task)
     # TFDS stores examples in its own (fixed) order.
@@ -101,6 +102,7 @@ def test_gsm8k_reads_the_prepared_tfds_split_and_scores_final_answers(tfds_dir):
     assert task.reward(first, completion_ids("#### 6")) == 0.0
 
 
+@pytest.mark.needs_tf
 def test_math_reads_a_prepared_dataset_without_a_registered_builder(tfds_dir):
     task = make_task(config("task.name=math", f"task.data_dir={tfds_dir}").task)
     assert [p.prompt for p in task.eval_problems] == [MATH["test"][0][0]]
@@ -111,6 +113,7 @@ def test_math_reads_a_prepared_dataset_without_a_registered_builder(tfds_dir):
     assert task.reward(half, completion_ids(r"x = \boxed{1.5}")) == 1.0
 
 
+@pytest.mark.needs_tf
 def test_an_unprepared_tfds_dataset_is_an_error_never_a_download(tmp_path):
     pytest.importorskip("tensorflow_datasets", reason="TFDS needs TensorFlow (the `reverb` extra; Python 3.10/3.11)")
     with pytest.raises(DatasetError, match=r"'gsm8k' is not prepared in .*tfds build gsm8k"):
@@ -119,6 +122,7 @@ def test_an_unprepared_tfds_dataset_is_an_error_never_a_download(tmp_path):
         make_task(config("task.name=math", "task.tfds_name=no_such_set", f"task.data_dir={tmp_path}").task)
 
 
+@pytest.mark.needs_tf
 def test_tfds_errors_name_the_missing_split_or_feature(tfds_dir):
     with pytest.raises(DatasetError, match="no split 'validation'"):
         make_task(config("task.name=gsm8k", f"task.data_dir={tfds_dir}", "task.eval_split=validation").task)
@@ -234,6 +238,7 @@ def test_gsm8k_without_files_needs_tfds_and_says_so(tmp_path):
         make_task(config("task.name=gsm8k", f"task.data_dir={tmp_path}").task)
 
 
+@pytest.mark.needs_tf
 def test_parquet_and_tfds_give_the_same_records(tfds_dir, tmp_path):
     """Where TFDS installs, the Hub's Parquet files and the prepared TFDS dataset are the same task."""
     hub = make_task(config("task.name=gsm8k", f"task.path={_gsm8k_repo(tmp_path)}/main").task)

@@ -65,6 +65,7 @@ def test_wait_for_returns_the_value_none_on_stop_and_times_out_with_the_reason()
     assert wait_for(lambda: 0, stop, 10.0, lambda: "x") is None
 
 
+@pytest.mark.tier
 @pytest.mark.slow
 def test_disaggregated_runs_on_4_host_devices():
     """Runs tests/test_disaggregated_multidevice.py where XLA sees 4 CPU devices."""

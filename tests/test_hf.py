@@ -23,6 +23,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 torch = pytest.importorskip("torch", reason="the 'parity' extra (CPU torch) is not installed")
+pytestmark = pytest.mark.needs_torch
 
 from jaxreplay.compat import value_of
 from jaxreplay.models.errors import HFModelError

@@ -28,6 +28,7 @@ def rollout_batch(config, advantage):
     return graphdef, params, to_device_batch(batch)
 
 
+@pytest.mark.tier
 @pytest.mark.parametrize("sampling", [[], ["sampling.temperature=0.7", "sampling.top_k=5", "sampling.top_p=0.9"]])
 def test_fresh_rollouts_have_ratio_one(sampling):
     """The learner scores exactly the distribution the sampler drew from: no drift, no clipping."""
@@ -72,6 +73,7 @@ def test_the_entropy_metric_is_that_of_the_distribution_the_actor_samples_from(t
         assert numpy_entropy_metric(logits, batch["completion_mask"], temperature, 0) > want + 0.1
 
 
+@pytest.mark.tier
 @pytest.mark.parametrize("advantage, direction", [(1.0, 1), (-1.0, -1)])
 def test_update_moves_sampled_tokens_with_the_sign_of_the_advantage(advantage, direction):
     config = load_config(None, SMALL + ["train.learning_rate=1e-3"])

@@ -130,6 +130,7 @@ def test_rematerialised_and_chunked_steps_give_the_plain_gradient(model, memory)
     assert_same(grads_under(graphdef, params, memory, batch), plain)
 
 
+@pytest.mark.tier
 @pytest.mark.parametrize("remat, recomputed", [("full", 8), ("dots", 2)])
 def test_remat_recomputes_each_block_in_the_backward_pass(model, remat, recomputed):
     """Per block, "full" recomputes every forward matmul the backward pass reads (q, k, v,
@@ -145,6 +146,7 @@ def test_remat_recomputes_each_block_in_the_backward_pass(model, remat, recomput
     assert matmuls(remat) - matmuls("none") == recomputed * 2  # n_layers = 2
 
 
+@pytest.mark.tier
 def test_a_full_train_step_with_every_memory_option_matches_the_plain_step(model):
     graphdef, params = model
     batch = synthetic_batch(4)

@@ -40,9 +40,9 @@ class FreshStateCheck:
 
 
 @pytest.mark.parametrize("overrides", [
-    (),  # one table: after the first snapshot the loop asks the server no more
-    ("replay.positive_fraction=0.25",),  # two tables: asks after each insert and step
-    ("replay.max_times_sampled=1", "replay.samples_per_insert=2"),  # batches over several turns
+    pytest.param((), marks=pytest.mark.tier),  # one table: after the first snapshot the loop asks the server no more
+    pytest.param(("replay.positive_fraction=0.25",), marks=pytest.mark.tier),  # two tables: after each insert and step
+    pytest.param(("replay.max_times_sampled=1", "replay.samples_per_insert=2"), marks=pytest.mark.tier),  # over turns
     ("replay.backend=inprocess",),
 ], ids=["plain", "positive_bias", "max_times_sampled", "inprocess"])
 def test_every_turn_decides_on_the_servers_current_state(tmp_path, monkeypatch, overrides):

@@ -27,6 +27,7 @@ def _rows(ids):
             "policy_version": np.asarray(ids, np.int32)}
 
 
+@pytest.mark.tier
 @pytest.mark.timeout(60, method="thread")
 def test_a_batch_is_assembled_from_what_can_be_taken_without_blocking():
     c = load_config(None, ["replay.max_times_sampled=1", "replay.min_size_to_sample=4", "replay.max_size=64",
@@ -45,6 +46,7 @@ def test_a_batch_is_assembled_from_what_can_be_taken_without_blocking():
         assert (info.times_sampled == 1).all()
 
 
+@pytest.mark.tier
 @pytest.mark.slow
 def test_training_with_sample_once_and_a_higher_target_ratio_never_stalls(tmp_path):
     # spi 2 > max_times_sampled 1: the limiter owes samples the table cannot give, the worst case.

@@ -48,6 +48,7 @@ def test_scalars_and_histograms_reach_tensorboard(tmp_path):
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["replay/times_sampled_hist"][0] == 2
 
 
+@pytest.mark.needs_torch
 def test_writing_metrics_does_not_import_torch_where_it_is_installed(tmp_path):
     """tensorboardX imports torch whenever it can (seconds of every run's start-up on GPU
     images and Colab, which ship torch); a run's metrics never need it."""

@@ -39,6 +39,7 @@ def random_tokens(seed, shape, vocab):
     return jax.random.randint(jax.random.key(seed), shape, 0, vocab, jnp.int32)
 
 
+@pytest.mark.tier
 def test_shapes_and_dtypes():
     graphdef, params = init_params(TINY, 0)
     tokens = random_tokens(0, (3, 7), TINY.vocab_size)
@@ -142,6 +143,7 @@ def test_variant_param_deltas_and_names():
     assert "final_norm" in p
 
 
+@pytest.mark.tier
 @pytest.mark.parametrize("cfg", [TINY, FULL], ids=["default", "all_options"])
 def test_cache_decode_matches_full_forward(cfg):
     """Prefill a left-padded prompt, then feed one token (and a 2-token chunk) at a time."""
@@ -254,6 +256,7 @@ def numpy_reference(cfg, params, tokens):
     return x @ (p["embed"]["embedding"].T if cfg.tie_embeddings else p["lm_head"]["kernel"])
 
 
+@pytest.mark.tier
 @pytest.mark.parametrize("cfg", [TINY, FULL, dataclasses.replace(TINY, n_kv_heads=1, rope_theta=50.0)],
                          ids=["default", "all_options", "mqa_theta"])
 def test_matches_numpy_reference(cfg):

@@ -21,7 +21,7 @@ from jaxreplay.config import ConfigError, load_config
 from conftest import cpu_devices_env
 
 HAVE_REVERB = importlib.util.find_spec("reverb") is not None
-needs_reverb = pytest.mark.skipif(not HAVE_REVERB, reason="needs dm-reverb (the Reverb lane, Python 3.10/3.11)")
+needs_reverb = pytest.mark.needs_reverb  # tests/conftest.py skips it where dm-reverb is not installed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,6 +115,7 @@ def test_two_processes_train_the_same_params_at_the_target_replay_ratio(tmp_path
     assert abs(summary["replay/ratio"] / 2.0 - 1) <= 0.1, summary["replay/ratio"]
 
 
+@pytest.mark.tier
 @pytest.mark.slow
 def test_a_process_that_fails_ends_the_job_in_seconds_not_timeouts(tmp_path):
     """Process 1 starts from other weights: placing them on the global mesh fails there,
@@ -169,6 +170,7 @@ def _run_sharded_workers(out: Path, overrides: list[str]) -> list[dict]:
     return [json.loads((out / f"process-{i}.json").read_text()) for i in range(2)]
 
 
+@pytest.mark.tier
 @pytest.mark.slow
 def test_back_to_back_gathers_of_unequal_sizes_keep_every_process_in_step(tmp_path):
     """Every process's rows, and global arrays read whole, many times over on 2 devices per process:

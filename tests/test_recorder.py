@@ -96,6 +96,7 @@ def test_a_fresh_start_overwrites_what_an_attempt_without_a_checkpoint_left(tmp_
     assert steps_in(tmp_path) == [0]
 
 
+@pytest.mark.tier
 def test_auto_backend_matches_the_stored_one_and_another_backend_is_refused(tmp_path):
     run(tmp_path, config(tmp_path), None, [0])
     recorder, _ = run(tmp_path, config(tmp_path, "replay.backend=auto"), 0, [])

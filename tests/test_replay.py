@@ -29,7 +29,7 @@ from jaxreplay.train.guards import PreemptionNotice
 
 # A regression here tends to hang inside Reverb's C++ (no Python signal gets in):
 # the thread method ends the run instead of waiting for the global timeout.
-pytestmark = pytest.mark.timeout(60, method="thread")
+pytestmark = [pytest.mark.needs_reverb, pytest.mark.timeout(60, method="thread")]
 
 T = 5
 SPEC = {

@@ -5,7 +5,6 @@ copied run directory restores from its own copy."""
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -28,8 +27,7 @@ ADAPTER = PACKAGE / "replay" / "reverb_backend.py"
 SPEC = {"tokens": ((3,), np.int32), "reward": ((), np.float32), "policy_version": ((), np.int32)}
 # on_policy: a lifo queue of max(B, R) = 4 rows, each sampled once, so draining it reads its contents in order
 QUEUE = ("replay.mode=on_policy", "train.batch_size=4", "train.prompts_per_step=2", "train.group_size=2")
-BACKENDS = ["inprocess", pytest.param("reverb", marks=pytest.mark.skipif(
-    importlib.util.find_spec("reverb") is None, reason="needs dm-reverb (the `reverb` extra; Python 3.10/3.11)"))]
+BACKENDS = ["inprocess", pytest.param("reverb", marks=pytest.mark.needs_reverb)]
 
 
 def rollouts(ids):

@@ -24,7 +24,7 @@ from jaxreplay.replay.tables import Tables, min_size_limit  # noqa: E402
 from jaxreplay.replay.writer import RolloutWriter
 from test_replay import SPEC, rollouts  # noqa: E402
 
-pytestmark = pytest.mark.timeout(120, method="thread")
+pytestmark = [pytest.mark.needs_reverb, pytest.mark.timeout(120, method="thread")]
 
 SEQUENCES = {
     "fifo": ("replay.selector=fifo", "replay.samples_per_insert=2", "replay.error_buffer=4"),

@@ -5,7 +5,6 @@ as ages, fractions and priorities of what the tables hand out."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import numpy as np
 import pytest
@@ -21,8 +20,7 @@ from jaxreplay.rollout import rollouts
 
 pytestmark = pytest.mark.timeout(120, method="thread")
 
-BACKENDS = ["inprocess", pytest.param("reverb", marks=pytest.mark.skipif(
-    importlib.util.find_spec("reverb") is None, reason="needs dm-reverb (the `reverb` extra; Python 3.10/3.11)"))]
+BACKENDS = ["inprocess", pytest.param("reverb", marks=pytest.mark.needs_reverb)]
 SPEC = {"advantage": ((), np.float32), "reward": ((), np.float32), "policy_version": ((), np.int32),
         "rollout_id": ((), np.int32)}
 

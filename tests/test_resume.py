@@ -246,6 +246,7 @@ def test_a_restart_with_nothing_to_resume_says_so(tmp_path):
     assert f"no checkpoint to resume in {run}" in result.stdout
 
 
+@pytest.mark.tier
 def test_a_resume_on_another_mesh_reshards_the_checkpoint(tmp_path):
     """Moving to another slice size is routine: a run saved on a 4-way data-parallel mesh resumes
     on a 2x2 data x fsdp mesh, its params and optimizer state resharded by the restore."""

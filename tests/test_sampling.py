@@ -98,6 +98,7 @@ def test_every_stop_id_ends_a_completion():
     assert ended_on_second, "the fixture should have rows that stop on the second stop id"
 
 
+@pytest.mark.tier
 def test_logprobs_match_full_forward_with_temperature():
     r = rollout(temperature=0.7)
     check_structure(r)
@@ -185,6 +186,7 @@ def test_categorical_draws_each_token_with_its_probability_and_never_a_dropped_o
     assert (np.asarray(draws[:, 1]) == vocab - 1).all()
 
 
+@pytest.mark.tier
 def test_greedy_is_argmax_of_full_forward():
     r = rollout(greedy=True)
     check_structure(r)
@@ -203,6 +205,7 @@ def test_top_k_1_equals_greedy():
     np.testing.assert_array_equal(top1.logprobs, 0.0)  # one kept token: probability 1
 
 
+@pytest.mark.tier
 def test_no_recompilation_for_new_values_of_the_same_shape():
     sampler = make_sampler(GRAPHDEF, CFG, max_new_tokens=4, temperature=0.8, top_p=0.9, stop_ids=(EOS,), pad_id=PAD)
     outs = []

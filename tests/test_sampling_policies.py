@@ -13,7 +13,7 @@ from jaxreplay.replay.rows import RowLayout
 from jaxreplay.replay.tables import POSITIVE_TABLE_NAME, TABLE_NAME, build_tables, positive_split
 from jaxreplay.replay.writer import writer_for
 
-pytestmark = pytest.mark.timeout(60, method="thread")
+pytestmark = [pytest.mark.needs_reverb, pytest.mark.timeout(60, method="thread")]
 
 SPEC = {"tokens": ((3,), np.int32), "attention_mask": ((3,), np.bool_), "completion_mask": ((3,), np.bool_),
         "logprobs": ((3,), np.float32), "advantage": ((), np.float32), "reward": ((), np.float32),

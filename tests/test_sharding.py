@@ -62,6 +62,7 @@ def test_default_mesh_fits_one_device():
     assert mesh.devices.size == 1
 
 
+@pytest.mark.tier
 def test_every_parameter_has_logical_axes_with_a_rule():
     for cfg in (ModelConfig(), ModelConfig(tie_embeddings=False, attention_bias=True, qk_norm=True)):
         leaves = jax.tree.leaves(abstract_params(cfg), is_leaf=is_variable)
@@ -84,6 +85,7 @@ def test_logical_spec_skips_mesh_axes_that_do_not_divide_or_are_taken():
         sharding.logical_spec(mesh, ("embedding",), (128,))
 
 
+@pytest.mark.tier
 def test_sharded_equals_single_device_on_8_host_devices():
     """Runs tests/test_sharding_multidevice.py where XLA sees 8 CPU devices."""
     result = subprocess.run(

@@ -48,6 +48,7 @@ def run(tmp_path, *overrides, name="run"):
     return config, train(config, log=lambda _: None)
 
 
+@pytest.mark.tier
 @pytest.mark.slow
 def test_short_run_logs_every_step_and_respects_the_limiter(tmp_path):
     config, summary = run(tmp_path, "train.steps=8")
@@ -70,6 +71,7 @@ def test_short_run_logs_every_step_and_respects_the_limiter(tmp_path):
     assert (Path(config.run.dir) / "config.yaml").exists()
 
 
+@pytest.mark.tier
 @pytest.mark.slow
 def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path):
     """2 steps, then the same command with train.steps=8, equals 8 steps straight.
@@ -126,7 +128,8 @@ NARROW_FIFO = ["replay.selector=fifo", "train.batch_size=8", "replay.samples_per
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, selector", [("inprocess", ["replay.selector=uniform"]), ("reverb", NARROW_FIFO)],
+@pytest.mark.parametrize("backend, selector", [("inprocess", ["replay.selector=uniform"]),
+                                             pytest.param("reverb", NARROW_FIFO, marks=pytest.mark.needs_reverb)],
                          ids=["inprocess-uniform", "reverb-fifo"])
 def test_two_runs_with_the_same_seed_are_identical(tmp_path, backend, selector):
     """The in-process server's selectors draw from a seed derived from run.seed; Reverb's
@@ -179,6 +182,7 @@ def test_a_run_says_what_it_does_and_a_resume_what_it_resumed(tmp_path, capsys):
     assert third["seconds"] >= second["seconds"]
 
 
+@pytest.mark.tier
 @pytest.mark.slow
 def test_resume_restores_the_table_the_checkpoint_named(tmp_path):
     config, _ = run(tmp_path, "train.steps=4")
@@ -214,6 +218,7 @@ def test_cli_rejects_a_bad_override_with_one_line_and_exit_code_2(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.tier
 @pytest.mark.slow
 def test_checkpoints_are_pruned_together(tmp_path):
     """Orbax keeps `checkpoint.keep` steps; Reverb checkpoints no kept step names are deleted."""
@@ -224,6 +229,7 @@ def test_checkpoints_are_pruned_together(tmp_path):
     assert len(replay) == 2 and all((p / "DONE").exists() for p in replay)
 
 
+@pytest.mark.tier
 @pytest.mark.slow
 def test_cli_trains_and_keeps_native_logs_off_the_terminal(tmp_path):
     args = [f"{o}" for o in TINY] + ["train.steps=4", f"run.dir={tmp_path}"]

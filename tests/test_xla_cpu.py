@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from jaxreplay.tools.xla_cpu import CPU_FLAGS, tune_cpu_compiler
+
+pytestmark = pytest.mark.tier
 
 
 def test_adds_each_flag_once_and_keeps_the_users():

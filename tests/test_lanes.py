@@ -1,0 +1,93 @@
+"""CI's lanes split the suite by what tests need (tests/conftest.py): a test that skips on the
+default lane for want of Reverb, TensorFlow or torch must carry the marker that sends it to the
+Reverb lane, or it would run nowhere; `--lane-check` fails it. Each case runs pytest on a small
+suite of its own under this suite's conftest."""
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import LANE_MARKS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+if importlib.util.find_spec("reverb") is not None:
+    pytest.skip("dm-reverb is installed here: no test skips for want of it", allow_module_level=True)
+
+
+UNMARKED = """
+import pytest
+
+def test_reads_a_reverb_table():
+    pytest.importorskip("reverb", reason="needs dm-reverb")
+"""
+
+MARKED = """
+import pytest
+
+@pytest.mark.needs_reverb
+def test_reads_a_reverb_table():
+    import reverb
+"""
+
+WHOLE_MODULE = """
+import pytest
+
+reverb = pytest.importorskip("reverb", reason="needs dm-reverb")
+
+def test_reads_a_reverb_table():
+    pass
+"""
+
+WHOLE_MODULE_MARKED = WHOLE_MODULE.replace("\ndef test", "pytestmark = pytest.mark.needs_reverb\n\ndef test")
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    """One file per case, beside copies of this suite's conftest and markers."""
+    suite = tmp_path_factory.mktemp("suite")
+    shutil.copy(ROOT / "tests" / "conftest.py", suite / "conftest.py")
+    shutil.copy(ROOT / "pyproject.toml", suite / "pyproject.toml")  # the markers
+    for name, source in [("unmarked", UNMARKED), ("marked", MARKED), ("whole_module", WHOLE_MODULE),
+                         ("whole_module_marked", WHOLE_MODULE_MARKED)]:
+        (suite / f"test_{name}.py").write_text(source)
+    return suite
+
+
+def run(suite, *args):
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-rA",
+                           "--continue-on-collection-errors", "--rootdir", str(suite), str(suite), *args],
+                          cwd=suite, capture_output=True, text=True, timeout=300)
+
+
+def test_the_lane_check_fails_exactly_the_skips_for_want_of_reverb_that_no_marker_sends_to_its_lane(suite):
+    result = run(suite, "--lane-check")
+    summary = result.stdout[result.stdout.index("short test summary info"):]
+    assert "FAILED test_unmarked.py::test_reads_a_reverb_table - --lane-check: skipped" in summary
+    assert "without @pytest.mark.needs_reverb, so no CI lane runs it" in result.stdout
+    assert "ERROR test_whole_module.py - --lane-check: test_whole_module.py skips whole" in summary
+    assert "without pytestmark = pytest.mark.needs_reverb" in result.stdout
+    assert "SKIPPED [1] test_marked.py:4: needs_reverb: reverb is not installed here" in summary
+    assert "SKIPPED [1] test_whole_module_marked.py:4: needs dm-reverb" in summary
+    assert "lane split: 2 tests here, by need: needs_reverb 1, tier-independent 1" in result.stdout
+    assert "warning" not in result.stdout  # the markers are registered
+    assert result.returncode == 1
+
+
+def test_without_the_check_such_skips_are_skips(suite):
+    result = run(suite)
+    assert result.returncode == 0, result.stdout
+    assert "4 skipped in" in result.stdout.splitlines()[-1]  # two tests, two modules
+
+
+def test_ci_selects_the_reverb_lane_by_the_conftest_markers():
+    """The split is declared by the markers alone: CI's Reverb lane takes exactly those."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r'^REVERB_LANE="(.*)"$', ci, re.M).group(1) == " or ".join(LANE_MARKS)
+    assert """lane_tests reverb PYTEST_ARGS="-m '$REVERB_LANE'""" in ci
+    assert 'lane_tests default PYTEST_ARGS="-rs --lane-check"' in ci
