@@ -148,3 +148,24 @@ def test_a_bucket_run_killed_after_its_second_checkpoint_resumes_from_the_bucket
     assert not (tmp_path / "gs:").exists() and not any(p.name.startswith("gs:") for p in tmp_path.rglob("*"))
     kept = storage.listdir(storage.join(run_url, "replay"))
     assert 1 <= len(kept) <= 2, kept  # the kept steps' replay checkpoints, no more
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_signalled_bucket_run_saves_to_the_bucket_and_resumes(bucket, tmp_path, sig, status):
+    run_url = storage.join(bucket, "run")
+    first = train_cli(run_url, "checkpoint.every=5", cwd=tmp_path)
+    deadline = time.monotonic() + 600
+    while not bucket_steps(run_url):  # a first checkpoint: the run is training
+        assert first.poll() is None, first.stdout.read()
+        assert time.monotonic() < deadline, "no checkpoint in the bucket"
+        time.sleep(0.2)
+    first.send_signal(sig)
+    out = first.communicate(timeout=120)[0]
+    assert first.returncode == status, out
+    saved = bucket_steps(run_url)[-1]  # the final checkpoint, at the step the signal stopped
+    assert f"checkpoint at step {saved}" in out, out
+    second = train_cli(run_url, "checkpoint.every=5", cwd=tmp_path)
+    out = second.communicate(timeout=600)[0]
+    assert second.returncode == 0 and f"resumed from step {saved}" in out, out
+    assert metric_steps(run_url) == list(range(0, STEPS + 1))

@@ -164,6 +164,11 @@ def global_state(definition: TableDef, shards: Sequence[LimiterState]) -> Limite
         min_diff=rl.min_diff, max_diff=rl.max_diff)
 
 
+def shard_dir(process_id: int) -> str:
+    """Where process `process_id` keeps its shard's checkpoints, under the replay checkpoint root."""
+    return f"shard-{process_id}"
+
+
 class ShardedReplay:
     """This process's shard of the rollout table, and the global limiter view over all shards."""
 
@@ -179,7 +184,7 @@ class ShardedReplay:
         seed = int(np.random.SeedSequence([config.run.seed, i]).generate_state(1)[0])  # other draws per shard
         self.server = serve(
             Tables("inprocess", (shard_table(self.definition, p),), item_spec), timeout_s=config.replay.timeout_s,
-            checkpoint_root=None if checkpoint_root is None else os.path.join(checkpoint_root, f"shard-{i}"),
+            checkpoint_root=None if checkpoint_root is None else os.path.join(checkpoint_root, shard_dir(i)),
             restore_from=restore_from, seed=seed)
         self._writer = writer_for(self.server, config, item_spec)
         self._reader = RolloutReader(self.server, timeout_s=config.replay.timeout_s)

@@ -42,6 +42,7 @@ class Coordinator:
             raise RuntimeError("jax.distributed is not initialized: call distributed.initialize first")
         self._client = client
         self._timeout_ms = max(1, int(timeout_s * 1000))
+        self.timeout_s = timeout_s
         self.process_id = jax.process_index()
         self.num_processes = jax.process_count()
         self._gathered: list[str] = []  # this process's keys of the last `gather`

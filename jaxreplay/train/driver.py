@@ -143,29 +143,25 @@ def _with_backend(config: Config, placement: Placement, log: Callable[[str], Non
 
 def _agreed_latest_step(run_dir: rundir.RunDir, config: Config,
                         coord: Optional[distributed.Coordinator]) -> Optional[int]:
-    """The step to resume from. Multi-host, process 0 chooses it and every process checks that it
-    can read it, so no process resumes from another step (their collectives would not match)."""
+    """The step to resume from. Multi-host, every process lists the steps it can read (Orbax's
+    manager is collective there, so all open it), process 0 chooses, and all check that they can
+    read its choice, so no process resumes from another step (their collectives would not match)."""
     if coord is None:
         return latest_step(run_dir, config.checkpoint.keep)
-    chosen = json.loads(coord.broadcast("resume/step", json.dumps(latest_step(run_dir, config.checkpoint.keep))
+    checkpointer = Checkpointer(run_dir.checkpoints(), keep=config.checkpoint.keep, timeout_s=coord.timeout_s)
+    try:
+        steps = checkpointer.all_steps()
+    finally:
+        checkpointer.close()
+    chosen = json.loads(coord.broadcast("resume/step", json.dumps(max(steps, default=None))
                                         if coord.is_leader else None))
-    readable = chosen is None or chosen in _steps(run_dir, config.checkpoint.keep)
+    readable = chosen is None or chosen in steps
     blind = [i for i, seen in enumerate(coord.gather("resume/readable", "1" if readable else "0")) if seen == "0"]
     if blind:
         raise CheckpointError(f"process 0 resumes from checkpoint step {chosen} in {run_dir.url}, which processes "
                               f"{blind} cannot read: every process must see the same run.dir (a bucket or a shared "
                               "mount)")
     return chosen
-
-
-def _steps(run_dir: rundir.RunDir, keep: int) -> list[int]:
-    if not run_dir.has_checkpoints():
-        return []
-    checkpointer = Checkpointer(run_dir.checkpoints(), keep=keep)
-    try:
-        return checkpointer.all_steps()
-    finally:
-        checkpointer.close()
 
 
 def latest_step(run_dir: rundir.RunDir, keep: int) -> Optional[int]:

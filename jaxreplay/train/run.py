@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from jaxreplay.config import Config
 from jaxreplay.replay.limiter import LimiterState
+from jaxreplay.replay.multiprocess import shard_dir
 from jaxreplay.replay.tables import ReplayTimeoutError
 from jaxreplay.rollout import rollouts
 from jaxreplay.rollout.actor import rollout_stats
@@ -257,18 +258,22 @@ class Run:
         kept = self.checkpointer.replay_checkpoints()
         prune(kept)
         if self.run_dir is not None and self.placement.is_leader:
-            self.run_dir.prune_replay(name for names in kept for name in self._replay_names(names))
+            self.run_dir.prune_replay(path for names in kept for path in self._replay_paths(names))
         self.last_saved = (p.learner_step, time.perf_counter())
 
     def own_replay_checkpoint(self, saved: Optional[str]) -> Optional[str]:
-        """This process's replay checkpoint among those a step names (multi-host: one per process)."""
-        names = self._replay_names(saved)
-        return names[self.placement.process_id] if len(names) > 1 else (names[0] if names else None)
+        """This process's replay checkpoint among those a step names, as a path under the run dir's
+        replay/ (multi-host: each process's in its shard's directory)."""
+        paths = self._replay_paths(saved)
+        return paths[self.placement.process_id] if self.placement.kind == "multihost" and paths else \
+            (paths[0] if paths else None)
 
-    def _replay_names(self, saved: Optional[str]) -> list[str]:
+    def _replay_paths(self, saved: Optional[str]) -> list[str]:
         if not saved:
             return []
-        return json.loads(saved) if self.placement.kind == "multihost" else [saved]
+        if self.placement.kind != "multihost":
+            return [saved]
+        return [f"{shard_dir(i)}/{name}" for i, name in enumerate(json.loads(saved))]
 
     def close(self) -> None:
         if self._bar is not None:

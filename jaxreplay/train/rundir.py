@@ -108,12 +108,18 @@ class RunDir:
             storage.upload(local, storage.join(self.url, REPLAY_DIR, name), last=[REPLAY_DONE])
 
     def prune_replay(self, keep: Iterable[str]) -> None:
-        """Deletes the bucket's replay checkpoints that no kept step names."""
-        if self.remote:
-            keep = set(keep)
-            for name in storage.listdir(storage.join(self.url, REPLAY_DIR)):
-                if name not in keep:
-                    storage.rmtree(storage.join(self.url, REPLAY_DIR, name))
+        """Deletes the bucket's replay checkpoints that no kept step names (`keep`: paths under
+        replay/, a multi-host shard's as `shard-<id>/<name>`)."""
+        if not self.remote:
+            return
+        keep = set(keep)
+        shards = {path.split("/")[0] for path in keep if "/" in path}
+        root = storage.join(self.url, REPLAY_DIR)
+        for name in storage.listdir(root):
+            children = [f"{name}/{c}" for c in storage.listdir(storage.join(root, name))] if name in shards else [name]
+            for path in children:
+                if path not in keep:
+                    storage.rmtree(storage.join(root, path))
 
     def sync(self) -> None:
         """Uploads every record file of the mirror written since the last sync (replay checkpoints
