@@ -139,3 +139,35 @@ def test_a_resume_refuses_an_edited_config_yaml_value_it_would_have_adopted(tmp_
     with pytest.raises(ConfigError, match=r"stored config .*config\.yaml, read for replay\.samples_per_insert: "
                                           r"replay\.samples_per_insert"):
         resume_config(tmp_path, given, log=lambda _: None)
+
+
+# ----------------------------------------------------------------------------------
+# What listens where: the coordination service binds the coordinator address's interface
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/net/tcp"), reason="reads listening sockets from /proc")
+@pytest.mark.parametrize("override, where", [
+    ([], "127.0.0.1"),  # the coordinator's own address, not every interface (JAX's default: [::])
+    (["distributed.coordinator_bind_address=[::]:{port}"], "[::]"),  # asked for: every interface
+])
+def test_the_coordination_service_listens_only_where_it_is_asked_to(tmp_path, override, where):
+    from test_multihost import _assert_all_succeeded, _start_workers
+
+    results = _start_workers(tmp_path, [override] * 2, worker="listen_worker.py")
+    _assert_all_succeeded(results, tmp_path)
+    seen = json.loads((tmp_path / "listening.json").read_text())
+    assert seen["listening"] == [f"{where}:{seen['port']}"]
+
+
+def test_mutual_tls_settings_are_checked_naming_the_key(tmp_path):
+    from jaxreplay.config import ConfigError
+    from jaxreplay.train import distributed
+
+    with pytest.raises(ConfigError, match="distributed.mtls_key_file: mutual TLS needs"):
+        load_config(None, [f"distributed.mtls_cert_file={tmp_path}/cert.pem"])
+    files = [f"distributed.mtls_{k}_file={tmp_path}/{k}.pem" for k in ("cert", "key", "ca")]
+    with pytest.raises(ConfigError, match="distributed.mtls_peer_uri_prefix: .* must end with '/'"):
+        load_config(None, [*files, "distributed.mtls_peer_uri_prefix=spiffe://example.org"])
+    config = load_config(None, ["distributed.enabled=true", *files])
+    with pytest.raises(ConfigError, match=r"distributed.mtls_cert_file: .*cert\.pem is not a readable file"):
+        distributed.initialize(config.distributed)  # refused before JAX starts anything
