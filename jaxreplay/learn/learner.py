@@ -80,12 +80,12 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
 
     def step(params, opt_state, batch: Batch, ref_params):
         loss, metrics, grads = loss_and_grad(params, batch, ref_params)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         # A non-finite loss, gradient or update would poison params and Adam's moments for
         # good: skip the update (keep both), and say so in the metrics.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.global_norm(updates))
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         metrics["loss"] = loss
         metrics["grad_norm"] = grad_norm
