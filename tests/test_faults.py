@@ -171,3 +171,21 @@ def test_mutual_tls_settings_are_checked_naming_the_key(tmp_path):
     config = load_config(None, ["distributed.enabled=true", *files])
     with pytest.raises(ConfigError, match=r"distributed.mtls_cert_file: .*cert\.pem is not a readable file"):
         distributed.initialize(config.distributed)  # refused before JAX starts anything
+
+
+def test_a_jax_without_mutual_tls_refuses_the_mtls_keys_instead_of_ignoring_them(tmp_path):
+    """The Reverb tier's jax 0.4.34 has no mTLS: the keys are a config error there, not a silent no-op."""
+    import inspect
+
+    from jaxreplay.config import ConfigError
+    from jaxreplay.train import distributed
+
+    if "mtls_cert_file" in inspect.signature(jax.distributed.initialize).parameters:
+        pytest.skip(f"jax {jax.__version__} takes mutual TLS (the default tier)")
+    files = []
+    for k in ("cert", "key", "ca"):
+        (tmp_path / f"{k}.pem").write_text("")
+        files.append(f"distributed.mtls_{k}_file={tmp_path}/{k}.pem")
+    config = load_config(None, ["distributed.enabled=true", *files])
+    with pytest.raises(ConfigError, match=f"distributed.mtls_cert_file: jax {jax.__version__} cannot take it"):
+        distributed.initialize(config.distributed)
