@@ -146,17 +146,31 @@ def test_a_resume_refuses_an_edited_config_yaml_value_it_would_have_adopted(tmp_
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/net/tcp"), reason="reads listening sockets from /proc")
-@pytest.mark.parametrize("override, where", [
-    ([], "127.0.0.1"),  # the coordinator's own address, not every interface (JAX's default: [::])
-    (["distributed.coordinator_bind_address=[::]:{port}"], "[::]"),  # asked for: every interface
-])
-def test_the_coordination_service_listens_only_where_it_is_asked_to(tmp_path, override, where):
+def test_the_coordination_service_listens_only_on_the_coordinator_address(tmp_path):
+    """A real 2-process job on 127.0.0.1:P: the kernel shows one listener on P, at 127.0.0.1
+    (JAX's default was every interface: [::]:P)."""
     from test_multihost import _assert_all_succeeded, _start_workers
 
-    results = _start_workers(tmp_path, [override] * 2, worker="listen_worker.py")
+    results = _start_workers(tmp_path, [[], []], worker="listen_worker.py")
     _assert_all_succeeded(results, tmp_path)
     seen = json.loads((tmp_path / "listening.json").read_text())
-    assert seen["listening"] == [f"{where}:{seen['port']}"]
+    assert seen["listening"] == [f"127.0.0.1:{seen['port']}"]
+
+
+def test_the_bind_address_is_the_coordinators_unless_set_or_left_to_jax(monkeypatch):
+    from jaxreplay.train.distributed import bind_address
+
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
+    given = lambda *overrides: load_config(None, list(overrides)).distributed
+    assert bind_address(given("distributed.coordinator_address=10.0.0.2:8476")) == "10.0.0.2:8476"
+    assert bind_address(given("distributed.coordinator_address=10.0.0.2:8476",
+                              "distributed.coordinator_bind_address=[::]:8476")) == "[::]:8476"
+    assert bind_address(given()) is None  # cluster detection (a TPU pod): JAX decides
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.3:1234")
+    assert bind_address(given()) == "10.0.0.3:1234"
+    monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", "0.0.0.0:1234")
+    assert bind_address(given()) is None  # JAX reads the user's own variable
 
 
 def test_mutual_tls_settings_are_checked_naming_the_key(tmp_path):
