@@ -94,7 +94,7 @@ demo: $(STAMP)
 ## are built once), the files with the most end-to-end runs first (tests/conftest.py)
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -rs $(PYTEST_ARGS)
 
 clean:
 	rm -rf .venv .venv-* runs .pytest_cache .jax-cache

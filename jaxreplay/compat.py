@@ -117,6 +117,17 @@ def multiprocess_checkpoint_gap() -> Optional[str]:
             f"{jax.__version__} (its coordination client lacks key_value_try_get); use the default tier")
 
 
+def distributed_options(options: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(the set `options` the installed `jax.distributed.initialize` takes, the names of the set
+    ones it lacks). Both tiers take `coordinator_bind_address`; the mTLS files (`mtls_*`) are
+    jax 0.12's, absent from jax 0.4.34 (the Reverb tier). Unset (None) options are left out."""
+    import inspect
+
+    accepted = inspect.signature(jax.distributed.initialize).parameters
+    given = {name: value for name, value in options.items() if value is not None}
+    return {k: v for k, v in given.items() if k in accepted}, [k for k in given if k not in accepted]
+
+
 def heartbeat_timeout(seconds: float) -> dict[str, int]:
     """`jax.distributed.initialize`'s heartbeat timeout as keyword arguments; jax 0.4.34 (the
     Reverb tier) has no such argument, and keeps its own (about 100 s)."""

@@ -240,6 +240,15 @@ class DistributedConfig:
     # A process silent this long is dead: the coordination service fails every other process's
     # waits, so a killed peer stops the job in seconds (JAX's own default is 100 s).
     heartbeat_timeout_s: float = 10.0
+    # Where process 0's coordination service listens; "": coordinator_address itself, so only
+    # on that interface (JAX alone listens on every one). "[::]:PORT" for every interface.
+    coordinator_bind_address: str = ""
+    # Mutual TLS between the coordination service and its clients (pods on shared networks):
+    # PEM files, all three or none; jax 0.12 only (the Reverb tier's jax 0.4.34 has none).
+    mtls_cert_file: str = ""
+    mtls_key_file: str = ""
+    mtls_ca_file: str = ""
+    mtls_peer_uri_prefix: str = ""  # accept a peer by a URI SAN prefix (e.g. "spiffe://example.org/")
 
 
 @dataclass(frozen=True)
@@ -737,7 +746,17 @@ def _validate_distributed(c: Config) -> None:
     _require(d.num_processes == 0 or d.process_id < d.num_processes, "distributed.process_id",
              f"{d.process_id} is not below distributed.num_processes={d.num_processes}")
     for key, address in [("distributed.coordinator_address", d.coordinator_address),
-                         ("distributed.replay_address", d.replay_address)]:
+                         ("distributed.replay_address", d.replay_address),
+                         ("distributed.coordinator_bind_address", d.coordinator_bind_address)]:
         host, sep, port = address.rpartition(":")
         _require(not address or (sep and host and port.isdigit() and 0 < int(port) < 65536), key,
                  f"{show(address)} is not of the form host:port")
+    files = {f"distributed.{k}": getattr(d, k) for k in ("mtls_cert_file", "mtls_key_file", "mtls_ca_file")}
+    missing = [k for k, v in files.items() if not v]
+    _require(len(missing) in (0, len(files)), missing[0] if missing else "",
+             f"mutual TLS needs {', '.join(files)} together: set it too, or none of them")
+    _require(not d.mtls_peer_uri_prefix or len(missing) == 0, "distributed.mtls_peer_uri_prefix",
+             f"needs {', '.join(files)}")
+    _require(not d.mtls_peer_uri_prefix or d.mtls_peer_uri_prefix.endswith("/"), "distributed.mtls_peer_uri_prefix",
+             f"{show(d.mtls_peer_uri_prefix)} must end with '/' (else 'spiffe://example.org.evil/' matches "
+             f"'spiffe://example.org')")

@@ -5,6 +5,7 @@ file in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4.
 """
 
 import json
+import threading
 import time
 
 import jax
@@ -12,6 +13,7 @@ import pytest
 
 from jaxreplay.config import load_config
 from jaxreplay.models import sharding
+from jaxreplay.tasks import rewards
 from jaxreplay.train.driver import train
 from jaxreplay.train.roles import RoleError
 
@@ -49,14 +51,31 @@ def test_limiter_holds_the_ratio_and_rollouts_carry_the_pushed_versions(tmp_path
     assert json.loads((tmp_path / "summary.json").read_text())["replay/ratio"] == summary["replay/ratio"]
 
 
-def test_a_stalled_learner_wait_stops_both_threads_and_reports_the_timeout(tmp_path):
-    """The learner needs 512 rollouts before its first sample but may wait only 0.3 s."""
-    config = load_config(None, SMALL + ["replay.max_size=512", "replay.min_size_to_sample=512",
-                                        "replay.timeout_s=0.3", "train.steps=5", f"run.dir={tmp_path}"])
+def test_a_stalled_learner_wait_stops_both_threads_and_reports_the_timeout(tmp_path, monkeypatch):
+    """The actor's first reward holds until the learner thread has ended, so nothing is ever
+    inserted and the learner's 0.3 s wait for its first batch runs out, however fast the
+    actor compiles and decodes (a warm compilation cache once let it fill the table in
+    time); then the actor stops too."""
+    def learner_alive() -> bool:
+        return any(t.name == "learner" and t.is_alive() for t in threading.enumerate())
+
+    def held(completion, reference):
+        deadline = time.monotonic() + 120  # bounded: a broken run fails the test, never hangs it
+        while learner_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return 0.0
+
+    monkeypatch.setitem(rewards.REWARDS, "held", held)
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text(json.dumps({"prompt": "1+2=", "answer": "3"}) + "\n")
+    config = load_config(None, SMALL + ["task.name=jsonl", f"task.path={tmp_path}/{{split}}.jsonl",
+                                        "task.reward=held", "task.max_prompt_len=8", "model.vocab_size=260",
+                                        "replay.timeout_s=0.3", "train.steps=5", f"run.dir={tmp_path / 'run'}"])
     start = time.monotonic()
     with pytest.raises(RoleError, match=r"learner thread failed: ReplayTimeoutError: waited 0.3s for a batch of 16"):
         train(config, log=lambda _: None)
     assert time.monotonic() - start < 60
+    assert not learner_alive() and not any(t.name == "actor" and t.is_alive() for t in threading.enumerate())
 
 
 def test_released_weights_and_a_calibrated_ratio_train_on_the_disaggregated_meshes(tmp_path):

@@ -190,6 +190,28 @@ def test_kl_penalty_estimates_kl_current_to_reference_on_current_samples():
     assert float(value) == pytest.approx(_kl(current, reference), rel=0.03)
 
 
+def test_kl_penalty_gradient_in_expectation_is_that_of_kl_reference_to_current():
+    """Enumerated over a 6-token vocabulary, exactly: the k3 penalty's gradient with respect
+    to the current logits, averaged over tokens drawn from the current policy (the samples
+    carry no gradient), is the gradient of KL(reference || current), not of KL(current ||
+    reference), whose value it estimates. Its docstring says both."""
+    reference, _ = _categorical_pair()
+    logits = jnp.array([0.3, 0.9, -0.2, 1.2, 0.6, -0.4])
+    one = jnp.ones((1, 1), bool)
+
+    def penalty(z, token):  # the penalty of one sampled token
+        return kl_penalty(jax.nn.log_softmax(z)[token][None, None], reference[token][None, None], one)
+
+    per_token = jax.vmap(jax.grad(penalty), in_axes=(None, 0))(logits, jnp.arange(6))
+    expected = jnp.sum(jax.nn.softmax(logits)[:, None] * per_token, axis=0)
+    reverse = jax.grad(lambda z: jnp.sum(jnp.exp(reference) * (reference - jax.nn.log_softmax(z))))(logits)
+    forward = jax.grad(lambda z: jnp.sum(jax.nn.softmax(z) * (jax.nn.log_softmax(z) - reference)))(logits)
+    np.testing.assert_allclose(expected, reverse, atol=1e-6)
+    assert float(jnp.max(jnp.abs(expected - forward))) > 0.02
+    doc = " ".join(kl_penalty.__doc__.split())
+    assert "gradient" in doc and "KL(reference || current)" in doc.split("gradient", 1)[1]
+
+
 def test_asymre_reports_no_loss_for_tokens_at_the_filter_floor():
     from jaxreplay.rollout.sampling import LOGPROB_FLOOR
 

@@ -61,7 +61,7 @@ def learning_rate(config: TrainConfig, opt_state) -> jax.Array:
 
 
 def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransformation,
-                    mesh: Optional[Mesh] = None) -> TrainStep:
+                    mesh: Optional[Mesh] = None, *, live_vocab: int = 0) -> TrainStep:
     """Returns `step(params, opt_state, batch, ref_params) -> (params, opt_state, metrics)`, jitted.
 
     params and opt_state are donated: the caller must use the returned ones. A step
@@ -71,19 +71,21 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
     (place them with `sharding.shard_params`), the batch is split over its rows, and
     the metrics come back replicated. With `train.micro_batch_size`, the loss, the
     gradient and every metric are those of the whole batch, up to float rounding.
+    `live_vocab`: the tokenizer's ids (0: every embedding row), as the sampler was given, so
+    the learner's log-probs are the sampler's (`sampling.mask_padded`).
     """
     train = config.train
     abstract = abstract_params(config.model)
-    loss_and_grad = make_loss_and_grad(graphdef, config, mesh)
+    loss_and_grad = make_loss_and_grad(graphdef, config, mesh, live_vocab=live_vocab)
 
     def step(params, opt_state, batch: Batch, ref_params):
         loss, metrics, grads = loss_and_grad(params, batch, ref_params)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         # A non-finite loss, gradient or update would poison params and Adam's moments for
         # good: skip the update (keep both), and say so in the metrics.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.global_norm(updates))
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         metrics["loss"] = loss
         metrics["grad_norm"] = grad_norm
@@ -103,7 +105,7 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
     )
 
 
-def make_loss_and_grad(graphdef, config: Config, mesh: Optional[Mesh] = None):
+def make_loss_and_grad(graphdef, config: Config, mesh: Optional[Mesh] = None, *, live_vocab: int = 0):
     """`(params, batch, ref_params) -> (loss, metrics, grads)` of one training batch, not jitted:
     the train step's first half. With `train.micro_batch_size` the batch goes through the
     model that many rows at a time and the results are summed; the loss aggregation's
@@ -111,7 +113,7 @@ def make_loss_and_grad(graphdef, config: Config, mesh: Optional[Mesh] = None):
     loss, metrics and gradient, up to float rounding."""
     train = config.train
     params_sh = None if mesh is None else sharding.param_shardings(mesh, abstract_params(config.model))
-    grads_fn = jax.value_and_grad(_make_loss_fn(graphdef, config), has_aux=True)
+    grads_fn = jax.value_and_grad(_make_loss_fn(graphdef, config, live_vocab), has_aux=True)
     weigh = make_weights(train.loss_aggregation, config.sampling.max_new_tokens)
 
     def loss_and_grad(params, batch: Batch, ref_params):
@@ -129,13 +131,13 @@ def make_loss_and_grad(graphdef, config: Config, mesh: Optional[Mesh] = None):
     return loss_and_grad
 
 
-def _make_loss_fn(graphdef, config: Config):
+def _make_loss_fn(graphdef, config: Config, live_vocab: int = 0):
     """`loss_fn(params, batch, ref_params) -> (loss, metrics)` of one (micro-)batch that carries
     its rows' `loss_weights` and `token_weights`: the loss and every metric are weighted sums,
     so those of a batch are the sums over its micro-batches."""
     train, sampling = config.train, config.sampling
     scores = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                  chunk=train.logits_chunk_size)
+                  chunk=train.logits_chunk_size, live_vocab=live_vocab)
 
     def score(params, batch: Batch, with_entropy: bool):
         h, unembed = score_hidden(graphdef, params, batch["tokens"], batch["attention_mask"], remat=train.remat)

@@ -167,9 +167,12 @@ def asymre_loss(
 
 def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, mask: jax.Array, *,
                mean: Aggregate = masked_mean) -> jax.Array:
-    """k3 estimate of KL(current || reference), token-mean: r - 1 - log r with r = reference /
-    current, the direction of GRPO's penalty. Unbiased on tokens drawn from the current
-    policy; on replayed tokens (drawn from the behaviour policy) it is off by the drift."""
+    """The k3 penalty, token-mean: r - 1 - log r with r = reference / current (GRPO's, TRL's
+    and verl's). Its value estimates KL(current || reference), unbiased on tokens drawn from
+    the current policy; its gradient, in expectation over those tokens, is the gradient of
+    KL(reference || current): sum_x (current(x) - reference(x)) grad log current(x), the
+    samples carrying no gradient (tests/test_rl.py enumerates it). On replayed tokens, drawn
+    from the behaviour policy, both are off by the drift."""
     log_ratio = ref_logprobs - logprobs
     return mean(jnp.exp(log_ratio) - 1.0 - log_ratio, mask)
 

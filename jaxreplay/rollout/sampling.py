@@ -7,6 +7,11 @@ next token is written to the same cache slot and the cache index is a scalar.
 
 `token_logprobs` / `token_entropy` are the learner's side of the same contract: entry
 t scores tokens[t] under the distribution computed from logits[t - 1].
+
+`live_vocab` is the number of ids the tokenizer has: an embedding padded past it (Qwen2.5:
+151,936 rows for 151,665 tokens) has rows no text maps to, which the sampler must never
+draw and the learner must score alike, so both take the distribution over ids below it
+(`mask_padded`). 0 (or the embedding's size) means every id. It is a compile-time constant.
 """
 
 from __future__ import annotations
@@ -42,14 +47,24 @@ class Rollout(NamedTuple):
 # Distributions
 
 
-def filter_logits(logits: jax.Array, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
-    """The sampling distribution's logits: divide by temperature, then keep the top_k
-    largest (0 = off), then the smallest set whose probability reaches top_p (1 = off).
-    Dropped tokens get -inf, so `log_softmax` of the result is the renormalised
-    log-probability. Ties at either threshold are kept. Settings are Python numbers:
-    they are compile-time constants.
+def mask_padded(logits: jax.Array, live_vocab: int = 0) -> jax.Array:
+    """`logits` [..., V] with the ids from `live_vocab` on (embedding rows past the tokenizer's
+    last id) at -inf: probability 0. `live_vocab` 0 or >= V: unchanged."""
+    v = logits.shape[-1]
+    if not 0 < live_vocab < v:
+        return logits
+    return jnp.where(jnp.arange(v) < live_vocab, logits, -jnp.inf)
+
+
+def filter_logits(logits: jax.Array, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                  live_vocab: int = 0) -> jax.Array:
+    """The sampling distribution's logits: divide by temperature, drop the padded ids past
+    `live_vocab` (`mask_padded`), then keep the top_k largest (0 = off), then the smallest
+    set whose probability reaches top_p (1 = off). Dropped tokens get -inf, so `log_softmax`
+    of the result is the renormalised log-probability. Ties at either threshold are kept.
+    Settings are Python numbers: they are compile-time constants.
     """
-    logits = logits.astype(jnp.float32) / temperature
+    logits = mask_padded(logits.astype(jnp.float32) / temperature, live_vocab)
     if 0 < top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits >= kth, logits, -jnp.inf)
@@ -99,13 +114,13 @@ def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def picked_logprobs(logits: jax.Array, targets: jax.Array, *, temperature: float, top_k: int = 0,
-                    top_p: float = 1.0) -> jax.Array:
+                    top_p: float = 1.0, live_vocab: int = 0) -> jax.Array:
     """[...]: log-prob of `targets` [...] under the sampling distribution of `logits` [..., V]
-    (same positions, no shift). A token the filter excludes gets `LOGPROB_FLOOR`."""
-    if top_k == 0 and top_p >= 1.0:
+    (same positions, no shift). A token the filter (or `live_vocab`) excludes gets `LOGPROB_FLOOR`."""
+    if top_k == 0 and top_p >= 1.0 and not 0 < live_vocab < logits.shape[-1]:
         logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
         return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p, live_vocab=live_vocab)
     picked = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), targets[..., None], axis=-1)[..., 0]
     return jnp.maximum(picked, LOGPROB_FLOOR)
 
@@ -127,12 +142,12 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.
 
 
 def policy_logprobs(logits: jax.Array, tokens: jax.Array, *, temperature: float, top_k: int = 0,
-                    top_p: float = 1.0) -> jax.Array:
+                    top_p: float = 1.0, live_vocab: int = 0) -> jax.Array:
     """Log-probs under the sampling distribution, as the sampler reports them, so the learner's
     ratio is exactly 1 on a fresh rollout. A token the current filter excludes gets a finite
     floor (ratio ~0) instead of -inf, which keeps gradients finite."""
     return _shifted(picked_logprobs(logits[:, :-1], tokens[:, 1:], temperature=temperature, top_k=top_k,
-                                    top_p=top_p))
+                                    top_p=top_p, live_vocab=live_vocab))
 
 
 def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
@@ -171,6 +186,7 @@ def make_sampler(
     mesh: Optional[Mesh] = None,
     kv_cache_dtype: Optional[str] = None,
     prefill_chunk_size: int = 0,
+    live_vocab: int = 0,
 ) -> Callable[[nnx.State, jax.Array, jax.Array, jax.Array], Rollout]:
     """A jitted `sample(params, prompt_tokens [B, P] int32, prompt_mask [B, P] bool, rng) -> Rollout`.
 
@@ -183,7 +199,8 @@ def make_sampler(
     The cache is stored in `kv_cache_dtype` (None: the model's compute dtype; its size:
     `kv_cache_bytes`). `prefill_chunk_size` > 0 prefills the prompt that many tokens per
     model call, so the prefill's activations and attention scores scale with the chunk,
-    not with the prompt: what lets prompts near the context limit fit.
+    not with the prompt: what lets prompts near the context limit fit. Ids from `live_vocab`
+    on (the embedding's padding past the tokenizer; 0: none) are never drawn, greedy included.
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
@@ -201,12 +218,12 @@ def make_sampler(
     def choose(logits, rng):
         """[B, V] logits -> (token [B] int32, its log-prob [B] under the sampling distribution)."""
         if greedy:
-            logits = logits.astype(jnp.float32)
+            logits = mask_padded(logits.astype(jnp.float32), live_vocab)
             logp = jax.nn.log_softmax(logits, axis=-1)
             token = argmax(logits)
         else:
-            logp = jax.nn.log_softmax(filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p),
-                                      axis=-1)
+            logp = jax.nn.log_softmax(filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                                    live_vocab=live_vocab), axis=-1)
             token = categorical(rng, logp)
         return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
@@ -346,12 +363,12 @@ def _phase_ends(n_new: int) -> list[int]:
 
 
 def make_run_samplers(graphdef, config: Config, *, stop_ids: Sequence[int], pad_id: int,
-                      mesh: Optional[Mesh] = None):
+                      mesh: Optional[Mesh] = None, live_vocab: int = 0):
     """The two samplers every training loop needs: rollouts at the configured temperature /
-    top-k / top-p, and greedy decoding for evaluation."""
+    top-k / top-p, and greedy decoding for evaluation; neither draws an id from `live_vocab` on."""
     s = config.sampling
     common = dict(max_new_tokens=s.max_new_tokens, stop_ids=stop_ids, pad_id=pad_id, mesh=mesh,
-                  kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size)
+                  kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size, live_vocab=live_vocab)
     rollout = make_sampler(graphdef, config.model, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, **common)
     return rollout, make_sampler(graphdef, config.model, greedy=True, **common)
 

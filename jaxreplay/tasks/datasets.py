@@ -171,22 +171,38 @@ def _hub_pattern(root: Path, split: str) -> str:
 
 def _text(value, where: str) -> str:
     if isinstance(value, bytes):
-        return value.decode("utf-8")
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DatasetError(f"{where}: binary data where text is expected (not UTF-8: byte "
+                               f"{value[e.start]:#04x} at offset {e.start})") from None
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
     raise DatasetError(f"{where}: expected text or a number, got {type(value).__name__}")
 
 
 def _read_jsonl(path: Path, fields: tuple[str, str]) -> list[tuple[str, str]]:
+    """Lines are decoded one at a time, so that a bad byte or a bad line is named by its line number."""
     records = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    try:
+        f = path.open("rb")
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot read: {e.strerror}") from None
+    with f:
+        for n, raw in enumerate(_lines(f, path), 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                   f"{e.start + 1})") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{path}:{n}: not a JSON object ({e.msg})") from None
+            except RecursionError:  # json's decoder recurses once per level of nesting
+                raise DatasetError(f"{path}:{n}: JSON nested too deeply to read") from None
             if not isinstance(row, dict):
                 raise DatasetError(f"{path}:{n}: not a JSON object")
             for key in fields:
@@ -197,16 +213,29 @@ def _read_jsonl(path: Path, fields: tuple[str, str]) -> list[tuple[str, str]]:
     return records
 
 
+def _lines(f, path: Path):
+    """The lines of binary file `f`; a read error (an I/O error, a directory) names `path`."""
+    try:
+        yield from f
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot read: {e.strerror}") from None
+
+
 def _read_parquet(path: Path, fields: tuple[str, str]) -> list[tuple[str, str]]:
+    import pyarrow
     import pyarrow.parquet as pq
 
-    names = pq.read_schema(path).names
-    for key in fields:
-        if key not in names:
-            raise DatasetError(f"{path}: no column {key!r} (columns: {', '.join(names)}); "
-                               f"set task.prompt_field / task.answer_field")
-    columns = pq.read_table(path, columns=list(fields)).to_pydict()
-    return [(_text(p, str(path)), _text(a, str(path))) for p, a in zip(columns[fields[0]], columns[fields[1]])]
+    try:  # a damaged or foreign file raises ArrowInvalid (a ValueError), an unreadable one OSError
+        names = pq.read_schema(path).names
+        for key in fields:
+            if key not in names:
+                raise DatasetError(f"{path}: no column {key!r} (columns: {', '.join(names)}); "
+                                   f"set task.prompt_field / task.answer_field")
+        columns = pq.read_table(path, columns=list(fields)).to_pydict()
+    except (pyarrow.ArrowException, OSError) as e:
+        raise DatasetError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+    return [(_text(p, f"{path}: row {i}"), _text(a, f"{path}: row {i}"))
+            for i, (p, a) in enumerate(zip(columns[fields[0]], columns[fields[1]]))]
 
 
 def _read_tfds(name: str, data_dir: Optional[str], split: str, fields: tuple[str, str]) -> list[tuple[str, str]]:
@@ -237,7 +266,8 @@ def _read_tfds(name: str, data_dir: Optional[str], split: str, fields: tuple[str
                                f"{', '.join(sorted(features))}); set task.prompt_field / task.answer_field")
     dataset = builder.as_dataset(split=split, shuffle_files=False)
     where = f"{name}/{split}"
-    return [(_text(row[fields[0]], where), _text(row[fields[1]], where)) for row in tfds.as_numpy(dataset)]
+    return [(_text(row[fields[0]], f"{where}: row {i}"), _text(row[fields[1]], f"{where}: row {i}"))
+            for i, row in enumerate(tfds.as_numpy(dataset))]
 
 
 # ----------------------------------------------------------------------------------

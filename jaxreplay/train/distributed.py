@@ -9,11 +9,17 @@ awaited, never a silent hang.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Optional
+
 import jax
 from jax._src import distributed as _jax_distributed  # the coordination client (barriers, key-value store)
 
 from jaxreplay import compat
-from jaxreplay.config import DistributedConfig
+from jaxreplay.config import ConfigError, DistributedConfig
+
+MTLS_FILES = ("mtls_cert_file", "mtls_key_file", "mtls_ca_file")
 
 
 def initialize(config: DistributedConfig) -> None:
@@ -22,7 +28,20 @@ def initialize(config: DistributedConfig) -> None:
 
     Must run before anything touches a JAX device. On CPU, cross-process collectives
     need gloo (the default CPU client has none); the setting is inert on TPU and GPU.
+    Process 0's coordination service listens where `bind_address` says, not on every
+    interface (JAX's default); with the `mtls_*` files it authenticates its peers.
     """
+    for key in MTLS_FILES:
+        path = getattr(config, key)
+        if path and not Path(path).is_file():
+            raise ConfigError(f"distributed.{key}: {path} is not a readable file")
+    options, unsupported = compat.distributed_options({
+        "coordinator_bind_address": bind_address(config),
+        **{key: getattr(config, key) or None for key in (*MTLS_FILES, "mtls_peer_uri_prefix")},
+    })
+    if unsupported:
+        raise ConfigError(f"distributed.{unsupported[0]}: jax {jax.__version__} cannot take it (mutual TLS for the "
+                          f"coordination service needs the default tier's jax)")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=config.coordinator_address or None,
@@ -30,7 +49,20 @@ def initialize(config: DistributedConfig) -> None:
         process_id=None if config.process_id < 0 else config.process_id,
         initialization_timeout=max(1, int(config.timeout_s)),
         **compat.heartbeat_timeout(config.heartbeat_timeout_s),
+        **options,
     )
+
+
+def bind_address(config: DistributedConfig) -> Optional[str]:
+    """Where process 0's coordination service listens: `coordinator_bind_address` if set, else
+    the coordinator's own address (the same host and port: the interface the peers reach it
+    on). None leaves it to JAX (its JAX_COORDINATOR_BIND_ADDRESS variable, else every
+    interface): when the address itself is left to JAX's cluster detection."""
+    if config.coordinator_bind_address:
+        return config.coordinator_bind_address
+    if os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        return None
+    return config.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
 
 
 class Coordinator:

@@ -141,7 +141,7 @@ def eval_sampler_factory(graphdef, cfg, max_new_tokens: int, tokenizer: Tokenize
     def make_sampler_fn(temperature: float, top_p: float):
         return make_sampler(graphdef, cfg, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             stop_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id, kv_cache_dtype=kv_cache_dtype,
-                            prefill_chunk_size=prefill_chunk_size)
+                            prefill_chunk_size=prefill_chunk_size, live_vocab=tokenizer.vocab_size)
 
     return make_sampler_fn
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
-from jaxreplay.config import Config, ConfigError, read_yaml, show, to_dict
+from jaxreplay.config import Config, ConfigError, config_from_raw, read_yaml, show, to_dict
 from jaxreplay.train.metrics import METRICS_FILE, MetricsWriter
 
 CONFIG_FILE = "config.yaml"
@@ -68,6 +68,8 @@ def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None
     Refuses (`ConfigError`, one line naming every key, old -> new) a change to a key that changes
     the run; logs the allowed changes. `replay.backend: auto` matches the backend stored. With
     `replay.calibrate_steps` > 0 the stored `samples_per_insert` (the calibrated one) is kept.
+    A value taken from config.yaml is validated like the command line's: an edited config.yaml
+    is refused (`ConfigError`, exit code 2 from the CLI), never trained on unchecked.
     Only reads: every process of a multi-host run can call it. No config.yaml: `config` itself."""
     path = Path(run_dir) / CONFIG_FILE
     if not path.exists():
@@ -76,7 +78,7 @@ def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None
     if not isinstance(stored, dict):
         raise ConfigError(f"the run's stored config {path} is not a mapping of sections; move it away to start afresh")
     old, new, default = _flat(stored), _flat(to_dict(config)), _flat(to_dict(Config()))
-    refused, allowed = [], []
+    refused, allowed, adopted = [], [], []
     for key, after in new.items():
         before = old.get(key, default.get(key))  # a key added since the run began: it ran with the default
         if before == after:  # plain YAML values both: lists for tuples
@@ -85,9 +87,11 @@ def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None
         if key == "replay.backend" and "auto" in (before, after):  # `auto` resolved to the backend the run has
             if after == "auto":
                 config = _with_replay(config, backend=before)
+                adopted.append(key)
         elif key == "replay.samples_per_insert" and config.replay.calibrate_steps > 0:
-            log(f"resume: keeping the calibrated replay.samples_per_insert {before} (not {after})")
+            log(f"resume: keeping the calibrated replay.samples_per_insert {show(before)} (not {after})")
             config = _with_replay(config, samples_per_insert=before)
+            adopted.append(key)
         elif may_change(key):
             allowed.append(change)
         else:
@@ -95,6 +99,12 @@ def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None
     if refused:
         raise ConfigError(f"{'; '.join(refused)}; these change the run in {path.parent}, so a resume with them is "
                           "refused: use a new run.dir, or restore the old values")
+    if adopted:
+        try:
+            config_from_raw(to_dict(config), local=False)
+        except ConfigError as e:
+            raise ConfigError(f"the run's stored config {path}, read for {', '.join(adopted)}: {e}; restore "
+                              f"the value the run wrote, or use a new run.dir") from None
     if allowed:
         log(f"resume with changed settings, recorded in {path}: {'; '.join(allowed)}")
     return config

@@ -65,8 +65,9 @@ def build_stack(config: Config, placement: Placement, log: Callable[[str], None]
     task, graphdef, params = _policy(c, placement, log)
     params = sharding.shard_params(params, learner_mesh)
     tok = task.tokenizer
+    live = tok.vocab_size  # the tokenizer's ids: an embedding padded past them is never sampled
     sample_fn, greedy_fn = make_run_samplers(graphdef, c, stop_ids=tok.eos_ids, pad_id=tok.pad_id,
-                                             mesh=placement.actor_mesh)
+                                             mesh=placement.actor_mesh, live_vocab=live)
     optimizer = make_optimizer(c.train)
     shard = (placement.process_id, placement.processes)
     greedy = placement.eval_sampler(greedy_fn)
@@ -74,7 +75,7 @@ def build_stack(config: Config, placement: Placement, log: Callable[[str], None]
         config=c, task=task, spec=row_spec(c, task.prompt_len), graphdef=graphdef, params=params,
         ref_params=jax.tree.map(jnp.copy, params) if c.train.kl_coef > 0 else None,
         optimizer=optimizer, opt_state=sharding.shard_params(optimizer.init(params), learner_mesh),
-        train_step=make_train_step(graphdef, c, optimizer, learner_mesh),
+        train_step=make_train_step(graphdef, c, optimizer, learner_mesh, live_vocab=live),
         actor=Actor(c, task, placement.rollout_sampler(sample_fn), shard=shard),
         evaluate=lambda p: evaluate(p, task, greedy),
         to_actor=_to_mesh(c, placement) if placement.actor_mesh is not learner_mesh else (lambda p: p),
