@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
 import sys
 import time
 import traceback
@@ -75,12 +74,12 @@ def _as_job_process(config: Config, log: Callable[[str], None]) -> dict[str, Any
             with contextlib.suppress(OSError):  # run.dir itself may be what is wrong
                 Path(config.run.dir).mkdir(parents=True, exist_ok=True)
                 (Path(config.run.dir) / f"process-{pid}.error").write_text(traceback.format_exc())
-        kind = ("config error" if isinstance(e, ConfigError) else "stopped" if isinstance(e, Preempted)
+        kind = ("config error" if isinstance(e, ConfigError) else e.kind if isinstance(e, Preempted)
                 else f"error: {type(e).__name__}")
         sys.stdout.flush()
         print(f"jaxreplay: process {pid}: {kind}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr,
               flush=True)
-        os._exit(2 if isinstance(e, ConfigError) else 128 + signal.SIGTERM if isinstance(e, Preempted) else 1)
+        os._exit(2 if isinstance(e, ConfigError) else e.exit_code if isinstance(e, Preempted) else 1)
 
 
 def _train(config: Config, run_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
