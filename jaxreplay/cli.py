@@ -12,6 +12,7 @@ import traceback
 from pathlib import Path
 
 from jaxreplay.research import commands as research
+from jaxreplay.train import guards
 from jaxreplay.tools.xla_cpu import tune_cpu_compiler
 
 
@@ -133,13 +134,22 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; `argv` None: this process is the command, and its stop signals stay
+    flags until it exits (train, eval); given, they are put back on return (an in-process call)."""
+    try:
+        return _command(argv)
+    finally:
+        if argv is not None:
+            guards.PreemptionNotice.release_process()
+
+
+def _command(argv: list[str] | None) -> int:
     args = _parse(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow (under Reverb) is chatty on import
     if not args.debug:  # Orbax logs through absl what we report ourselves, as one line (CheckpointError)
         logging.getLogger("absl").setLevel(logging.CRITICAL)
     tune_cpu_compiler()  # before the first JAX computation
     from jaxreplay.config import ConfigError, load_config
-    from jaxreplay.train import guards
 
     try:
         if args.command in research.COMMANDS:

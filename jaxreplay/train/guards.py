@@ -85,12 +85,17 @@ class PreemptionNotice:
         global _process
         if _process is None:
             _process = cls((signal.SIGTERM, signal.SIGINT), abort_on_second_sigint=True)
-            # The interpreter's shutdown puts every Python handler back to the default action, which
-            # for SIGTERM kills the process (status -15) while it tears down; by then the exit status
-            # is decided, so later SIGTERMs are ignored. atexit hooks run last-registered first:
-            # this one, registered early, runs after the others, just before that reset.
-            atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
+            atexit.unregister(_ignore_sigterm_at_exit)
+            atexit.register(_ignore_sigterm_at_exit)
         return _process
+
+    @classmethod
+    def release_process(cls) -> None:
+        """Puts back the handlers `for_process` replaced: for a command run in-process (tests)."""
+        global _process
+        notice, _process = _process, None
+        if notice is not None:
+            notice.close()
 
     def _receive(self, signum: int, frame=None) -> None:
         with self._lock:
@@ -111,13 +116,22 @@ class PreemptionNotice:
         return self._shared.signum if self._shared is not None else self._signum
 
     def close(self) -> None:
-        if self is _process:
+        if self._shared is not None or self is _process:
             return
         for s, previous in self._previous.items():
             signal.signal(s, previous)
         self._previous = {}
         if self in _open:
             _open.remove(self)
+
+
+def _ignore_sigterm_at_exit() -> None:
+    """The interpreter's shutdown puts every Python handler back to the default action, which for
+    SIGTERM kills the process (status -15) while it tears down; by then the exit status is decided,
+    so later SIGTERMs are ignored. atexit hooks run last-registered first: this one, registered
+    when the command starts, runs after the others, just before that reset."""
+    if _process is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def describe(signum: Optional[int]) -> str:
