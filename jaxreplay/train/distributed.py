@@ -14,6 +14,7 @@ from jax._src import distributed as _jax_distributed  # the coordination client 
 
 from jaxreplay import compat
 from jaxreplay.config import DistributedConfig
+from jaxreplay.train.guards import PreemptionNotice
 
 
 def initialize(config: DistributedConfig) -> None:
@@ -31,6 +32,7 @@ def initialize(config: DistributedConfig) -> None:
         initialization_timeout=max(1, int(config.timeout_s)),
         **compat.heartbeat_timeout(config.heartbeat_timeout_s),
     )
+    PreemptionNotice.reclaim()  # JAX's preemption service took SIGTERM: the command's notice takes it back
 
 
 class Coordinator:

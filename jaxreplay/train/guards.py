@@ -90,6 +90,15 @@ class PreemptionNotice:
         return _process
 
     @classmethod
+    def reclaim(cls) -> None:
+        """Installs the process notice's handlers again, after a library took a signal for itself
+        (`jax.distributed.initialize`: JAX's preemption service sets a flag of its own on SIGTERM,
+        which nothing here reads, and the run would go on)."""
+        if _process is not None:
+            for s in _process._previous:
+                signal.signal(s, _process._receive)
+
+    @classmethod
     def release_process(cls) -> None:
         """Puts back the handlers `for_process` replaced: for a command run in-process (tests)."""
         global _process
