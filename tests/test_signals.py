@@ -143,6 +143,24 @@ def test_the_notice_flags_stop_signals_and_a_second_ctrl_c_aborts(signals, statu
         assert_one_line(result.stderr, "jaxreplay: interrupted: Ctrl-C again after")
 
 
+NATIVE = """
+import hashlib, os, signal, threading
+from jaxreplay.train.guards import PreemptionNotice
+PreemptionNotice.for_process()
+os.kill(os.getpid(), signal.SIGINT)
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+# One native call of many minutes that releases the GIL, as an XLA compile does: no bytecode runs,
+# so no Python handler either, until it returns.
+print(hashlib.pbkdf2_hmac("sha256", b"key", b"salt", 10 ** 9).hex(), flush=True)
+"""
+
+
+def test_a_second_ctrl_c_aborts_even_while_the_main_thread_is_in_one_long_native_call():
+    result = subprocess.run([sys.executable, "-c", NATIVE], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (130, ""), result.stderr
+    assert_one_line(result.stderr, "jaxreplay: interrupted: Ctrl-C again after SIGINT (Ctrl-C)")
+
+
 # -- each stage of a run --------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import os
 import signal
+import socket
 import sys
 import threading
 from typing import Callable, Optional
@@ -71,13 +72,58 @@ class PreemptionNotice:
         if self._shared is not None:
             return
         self._event = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a handler may interrupt another on the main thread
         self._signum: Optional[signal.Signals] = None
-        self._abort = abort_on_second_sigint
+        self._signals, self._abort, self._calls = set(signals), abort_on_second_sigint, 0
+        self._wakeup: Optional[tuple[socket.socket, socket.socket]] = None
         if threading.current_thread() is threading.main_thread():
             for s in signals:
                 self._previous[s] = signal.signal(s, self._receive)
             _open.append(self)
+            if abort_on_second_sigint:
+                self._watch_deliveries()
+
+    def _watch_deliveries(self) -> None:
+        """Python runs a handler only between bytecodes of the main thread, which may spend minutes
+        in one native call (an XLA compile); the interpreter also writes each signal's number to a
+        wakeup fd as it arrives, so a thread reading it sees every delivery at once."""
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        if signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False) != -1:  # another's: left to it
+            signal.set_wakeup_fd(-1)
+            reader.close()
+            writer.close()
+            return
+        self._wakeup = (reader, writer)
+        threading.Thread(target=self._watch, args=(reader,), name="jaxreplay-signals", daemon=True).start()
+
+    def _watch(self, reader: socket.socket) -> None:
+        seen = 0  # deliveries read so far: a lower bound of the signals received, never a double count
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in self._signals:
+                    self._note(signum, earlier=seen)
+                    seen += 1
+
+    def _receive(self, signum: int, frame=None) -> None:
+        """The Python handler (the main thread, between bytecodes; it may see two deliveries as one)."""
+        self._calls += 1
+        self._note(signum, earlier=self._calls - 1)
+
+    def _note(self, signum: int, earlier: int) -> None:
+        with self._lock:
+            if self._signum is None:
+                self._signum = signal.Signals(signum)
+        self._event.set()
+        if earlier and signum == signal.SIGINT and self._abort:
+            abort(f"Ctrl-C again after {describe(self._signum)}: aborted without waiting for the checkpoint; "
+                  "the latest complete checkpoint stays the latest, and the same command resumes from it")
 
     @classmethod
     def for_process(cls) -> "PreemptionNotice":
@@ -106,16 +152,6 @@ class PreemptionNotice:
         if notice is not None:
             notice.close()
 
-    def _receive(self, signum: int, frame=None) -> None:
-        with self._lock:
-            first = self._signum is None
-            if first:
-                self._signum = signal.Signals(signum)
-        self._event.set()
-        if not first and signum == signal.SIGINT and self._abort:
-            abort(f"Ctrl-C again after {describe(self._signum)}: aborted without waiting for the checkpoint; "
-                  "the latest complete checkpoint stays the latest, and the same command resumes from it")
-
     def is_set(self) -> bool:
         return self._shared.is_set() if self._shared is not None else self._event.is_set()
 
@@ -130,6 +166,14 @@ class PreemptionNotice:
         for s, previous in self._previous.items():
             signal.signal(s, previous)
         self._previous = {}
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            reader, writer = self._wakeup
+            with contextlib.suppress(OSError):
+                reader.shutdown(socket.SHUT_RDWR)  # ends the watcher's recv
+            reader.close()
+            writer.close()
+            self._wakeup = None
         if self in _open:
             _open.remove(self)
 
