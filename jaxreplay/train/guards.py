@@ -52,6 +52,7 @@ class NonFiniteError(RuntimeError):
 
 _process: Optional["PreemptionNotice"] = None  # the notice the command installed for the whole process
 _open: list["PreemptionNotice"] = []  # notices whose handlers are installed, oldest first
+_aborting = threading.Lock()  # held by the one `abort` that ends the process
 _agreements = itertools.count()  # names each multi-process agreement; every process counts alike
 
 
@@ -196,7 +197,10 @@ def describe(signum: Optional[int]) -> str:
 
 def abort(why: str) -> None:
     """Ends the process at once with exit status 130 and one line: no cleanup, no traceback.
-    What was written stays (every checkpoint is renamed into place only when whole)."""
+    What was written stays (every checkpoint is renamed into place only when whole). Of two
+    callers at once (the handler and the wakeup-fd thread, seeing the same Ctrl-C), one acts."""
+    if not _aborting.acquire(blocking=False):
+        return
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     with contextlib.suppress(Exception):
