@@ -214,16 +214,13 @@ def pending() -> Optional[signal.Signals]:
     return next((n.signum for n in _open if n.signum is not None), None)
 
 
-def stop_poll(timeout_s: float = 0.0, processes: int = 1) -> Callable[[], Optional[signal.Signals]]:
+def stop_poll(coordinator=None) -> Callable[[], Optional[signal.Signals]]:
     """What a stage (warm start, evaluation) calls between its steps: the stop signal pending.
-    With several processes it is every process's, agreed through JAX's coordination service
-    (`timeout_s` bounds the wait), so all stop at the same step: every process must call it
-    at the same points, as SPMD code does."""
-    if processes <= 1:
+    Given the job's `distributed.Coordinator`, it is every process's, agreed through JAX's
+    coordination service, so all stop at the same step: every process must then call it at
+    the same points, as SPMD code does."""
+    if coordinator is None:
         return pending
-    from jaxreplay.train.distributed import Coordinator
-
-    coordinator = Coordinator(timeout_s)
     return lambda: agreed(coordinator.gather(f"notice/{next(_agreements)}", str(int(pending() or 0))))
 
 

@@ -26,6 +26,7 @@ from jaxreplay.rollout.rollouts import row_spec
 from jaxreplay.rollout.sampling import make_run_samplers
 from jaxreplay.tasks.base import Task
 from jaxreplay.tasks.registry import make_task
+from jaxreplay.train import distributed
 from jaxreplay.train.eval import evaluate
 from jaxreplay.train.guards import stop_poll
 from jaxreplay.train.placement import Placement
@@ -71,7 +72,7 @@ def build_stack(config: Config, placement: Placement, log: Callable[[str], None]
     optimizer = make_optimizer(c.train)
     shard = (placement.process_id, placement.processes)
     greedy = placement.eval_sampler(greedy_fn)
-    stopping = stop_poll(c.distributed.timeout_s, placement.processes)  # multi-host: agreed by every process
+    stopping = _stop_poll(c, placement)
     return Stack(
         config=c, task=task, spec=row_spec(c, task.prompt_len), graphdef=graphdef, params=params,
         ref_params=jax.tree.map(jnp.copy, params) if c.train.kl_coef > 0 else None,
@@ -100,11 +101,17 @@ def _policy(c: Config, placement: Placement, log: Callable[[str], None]):
         params = sharding.shard_params(params, placement.learner_mesh)
     start = time.perf_counter()
     params, cached = warm_start(graphdef, params, task, c, log=log,  # cached by its settings, shared by a sweep
-                                stopping=stop_poll(c.distributed.timeout_s, placement.processes))
+                                stopping=_stop_poll(c, placement))
     if c.warmstart.steps:
         log(f"warm start {'loaded from cache' if cached else f'trained for {c.warmstart.steps} steps'} "
             f"({time.perf_counter() - start:.1f}s)")
     return task, graphdef, params
+
+
+def _stop_poll(c: Config, placement: Placement) -> Callable[[], Optional[int]]:
+    """The stop signal the stages poll; multi-host, agreed by every process."""
+    multihost = placement.kind == "multihost"
+    return stop_poll(distributed.Coordinator(c.distributed.timeout_s) if multihost else None)
 
 
 def _to_mesh(c: Config, placement: Placement) -> Callable[[Any], Any]:
