@@ -12,6 +12,7 @@ import traceback
 from pathlib import Path
 
 from jaxreplay.research import commands as research
+from jaxreplay.train import guards
 from jaxreplay.tools.xla_cpu import tune_cpu_compiler
 
 
@@ -133,13 +134,22 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; `argv` None: this process is the command, and its stop signals stay
+    flags until it exits (train, eval); given, they are put back on return (an in-process call)."""
+    try:
+        return _command(argv)
+    finally:
+        if argv is not None:
+            guards.PreemptionNotice.release_process()
+
+
+def _command(argv: list[str] | None) -> int:
     args = _parse(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow (under Reverb) is chatty on import
     if not args.debug:  # Orbax logs through absl what we report ourselves, as one line (CheckpointError)
         logging.getLogger("absl").setLevel(logging.CRITICAL)
     tune_cpu_compiler()  # before the first JAX computation
     from jaxreplay.config import ConfigError, load_config
-    from jaxreplay.train.guards import Preempted
 
     try:
         if args.command in research.COMMANDS:
@@ -150,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         # The model evaluated is also the one whose tokenizer (and chat template) the task uses.
         hf = [f"model.hf_path={_yaml_string(args.hf)}"] if getattr(args, "hf", None) else []
         config = load_config(args.config, [*args.overrides, *split, *hf])
+        if args.command in ("train", "eval"):  # stop signals become a flag the stages read, until the exit
+            guards.PreemptionNotice.for_process()
         if args.command == "eval":
             import json
 
@@ -184,19 +196,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"jaxreplay {_own_version()} on {describe_tier()}", flush=True)
             from jaxreplay.train.driver import train
 
-            train(config)
+            summary = train(config)
+        if signum := guards.pending():  # after the run's last look at the flag: its final checkpoint is saved
+            print(f"jaxreplay: {guards.KIND[signum]}: {guards.describe(signum)} as the run ended: its final "
+                  f"checkpoint is step {summary['steps']} in {Path(config.run.dir) / 'checkpoints'}", file=sys.stderr)
+            return guards.EXIT_CODE[signum]
         return 0
     except ConfigError as e:
         if args.debug:
             traceback.print_exc()
         print(f"jaxreplay: config error: {one_line(str(e))}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("jaxreplay: interrupted", file=sys.stderr)
-        return 130
-    except Preempted as e:  # SIGTERM, after the final checkpoint
-        print(f"jaxreplay: stopped: {one_line(str(e))}", file=sys.stderr)
-        return 128 + signal.SIGTERM
+    except KeyboardInterrupt:  # commands that leave Ctrl-C its default meaning
+        print(f"jaxreplay: interrupted: {guards.describe(signal.SIGINT)}", file=sys.stderr)
+        return guards.EXIT_CODE[signal.SIGINT]
+    except guards.Preempted as e:  # a stop signal, after the final checkpoint where one was due
+        print(f"jaxreplay: {e.kind}: {one_line(str(e))}", file=sys.stderr)
+        return e.exit_code
     except Exception as e:  # one line for users; --debug for developers
         if args.debug:
             traceback.print_exc()

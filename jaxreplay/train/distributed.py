@@ -18,6 +18,7 @@ from jax._src import distributed as _jax_distributed  # the coordination client 
 
 from jaxreplay import compat
 from jaxreplay.config import ConfigError, DistributedConfig
+from jaxreplay.train.guards import PreemptionNotice
 
 MTLS_FILES = ("mtls_cert_file", "mtls_key_file", "mtls_ca_file")
 
@@ -51,6 +52,7 @@ def initialize(config: DistributedConfig) -> None:
         **compat.heartbeat_timeout(config.heartbeat_timeout_s),
         **options,
     )
+    PreemptionNotice.reclaim()  # JAX's preemption service took SIGTERM: the command's notice takes it back
 
 
 def bind_address(config: DistributedConfig) -> Optional[str]:

@@ -16,11 +16,9 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from jaxreplay import storage
@@ -30,7 +28,7 @@ from jaxreplay.replay.multiprocess import open_replay
 from jaxreplay.replay.ports import check_port
 from jaxreplay.replay.reader import reader_for
 from jaxreplay.replay.server import serve
-from jaxreplay.replay.tables import ReplayInterrupted, build_tables, resolve_backend
+from jaxreplay.replay.tables import build_tables, resolve_backend
 from jaxreplay.replay.writer import writer_for
 from jaxreplay.rollout import rollouts
 from jaxreplay.train import distributed, rundir
@@ -77,12 +75,12 @@ def _as_job_process(config: Config, log: Callable[[str], None]) -> dict[str, Any
             with contextlib.suppress(Exception):  # run.dir itself may be what is wrong
                 storage.makedirs(config.run.dir)
                 storage.write_text(storage.join(config.run.dir, f"process-{pid}.error"), traceback.format_exc())
-        kind = ("config error" if isinstance(e, ConfigError) else "stopped" if isinstance(e, Preempted)
+        kind = ("config error" if isinstance(e, ConfigError) else e.kind if isinstance(e, Preempted)
                 else f"error: {type(e).__name__}")
         sys.stdout.flush()
         print(f"jaxreplay: process {pid}: {kind}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr,
               flush=True)
-        os._exit(2 if isinstance(e, ConfigError) else 128 + signal.SIGTERM if isinstance(e, Preempted) else 1)
+        os._exit(2 if isinstance(e, ConfigError) else e.exit_code if isinstance(e, Preempted) else 1)
 
 
 def _train(config: Config, run_dir: rundir.RunDir, log: Callable[[str], None]) -> dict[str, Any]:
@@ -119,11 +117,7 @@ def _train(config: Config, run_dir: rundir.RunDir, log: Callable[[str], None]) -
                 recorder.update_config(c)
                 run_dir.sync()
             with _tables(run, placement, run_dir, coord) as schedule:
-                try:
-                    schedule()
-                except ReplayInterrupted as e:  # SIGTERM within a replay call: the table may hold part of `pending`
-                    raise Preempted(f"SIGTERM while {e}; stopped without a checkpoint, the same command resumes "
-                                    f"from step {run.checkpointer.latest_step() or 0}") from None
+                schedule()  # a stop signal within a replay call ends it as Run.interrupted_wait says
             return _summary(run, recorder, run_dir, log)
         finally:
             run.close()

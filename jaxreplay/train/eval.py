@@ -22,6 +22,7 @@ from jaxreplay import storage
 from jaxreplay.config import Config
 from jaxreplay.rollout.sampling import completion_ids, make_sampler
 from jaxreplay.tasks.base import Task, Tokenizer, score
+from jaxreplay.train.guards import Preempted, describe, pending
 
 EVAL_BATCH = 128  # rows per sampling call, fixed so evaluation compiles once
 
@@ -31,12 +32,16 @@ PASS1_KEY = f"pass@1_t{PASS1_TEMPERATURE}"  # eval.json keys: "pass@1_t0.1", "pa
 PASSK_KEY = f"pass@k_t{PASSK_TEMPERATURE}"
 
 
-def evaluate(params, task: Task, greedy_sample_fn) -> float:
-    """Fraction of eval problems answered exactly; the last batch is padded, not reshaped."""
+def evaluate(params, task: Task, greedy_sample_fn, stopping: Callable[[], Optional[int]] = lambda: None) -> float:
+    """Fraction of eval problems answered exactly; the last batch is padded, not reshaped.
+    `stopping` (guards.stop_poll) is asked before each batch: a stop signal ends the
+    evaluation there with `Preempted`, since a long one would outlast a preemption notice."""
     problems = task.eval_problems
     correct = 0.0
     key = jax.random.PRNGKey(0)  # unused by greedy decoding, required by the signature
     for start in range(0, len(problems), EVAL_BATCH):
+        if signum := stopping():
+            raise Preempted(f"{describe(signum)} during an evaluation", signum)
         chunk = problems[start:start + EVAL_BATCH]
         padded = list(chunk) + [chunk[-1]] * (EVAL_BATCH - len(chunk))
         prompts, prompt_mask = task.encode_prompts(padded)
@@ -166,9 +171,15 @@ def run_eval(config: Config, *, checkpoint: Optional[str] = None, hf: Optional[s
     sampler = eval_sampler_factory(graphdef, cfg, s.max_new_tokens, task.tokenizer, kv_cache_dtype=s.kv_cache_dtype,
                                    prefill_chunk_size=s.prefill_chunk_size)
     samples = len(task.eval_problems) * (1 + max(ks))
+
+    def progress(scored: int) -> None:  # after each sampling call: a stop signal ends it, nothing written
+        bar.update(scored)
+        if signum := pending():
+            raise Preempted(f"{describe(signum)} during the evaluation: nothing written", signum)
+
     with tqdm(total=samples, desc="eval", unit="sample", disable=not config.run.progress_bar,
               dynamic_ncols=True) as bar:
-        scores = pass_at_k_eval(params, task, sampler, ks, config.run.seed, batch, progress=bar.update)
+        scores = pass_at_k_eval(params, task, sampler, ks, config.run.seed, batch, progress=progress)
     results = {
         "task": config.task.name,
         "split": config.task.eval_split if config.task.name != "arithmetic" else "held-out",

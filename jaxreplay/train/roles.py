@@ -28,7 +28,7 @@ import time
 from typing import Any, Callable, Optional, TypeVar
 
 from jaxreplay.replay.limiter import LimiterState, admitted_inserts
-from jaxreplay.replay.tables import ReplayTimeoutError
+from jaxreplay.replay.tables import ReplayInterrupted, ReplayTimeoutError
 from jaxreplay.rollout import rollouts
 from jaxreplay.train.guards import Preempted
 from jaxreplay.train.run import Run, replay_record
@@ -149,10 +149,8 @@ def run_concurrent(run: Run, server, reader, writer) -> PolicyWeights:
             run.evict_stale(server)  # replay.max_age: stale rows out before each sample
             return reader.can_sample(b)
         while not run.done:
-            if run.notice.is_set():
-                _save(run, server)
-                raise Preempted(f"SIGTERM: checkpoint at step {run.progress.learner_step} in "
-                                f"{run.checkpointer.directory}; the same command resumes")
+            if signum := run.notice.signum:
+                raise run.stop(signum, lambda: _save(run, server))
             t0, batch = time.perf_counter(), None
             while batch is None:  # replay.max_times_sampled: a batch may take several samples
                 if not wait_for(can_sample, stop, timeout,
@@ -167,7 +165,12 @@ def run_concurrent(run: Run, server, reader, writer) -> PolicyWeights:
             if run.checkpoint_due():
                 _save(run, server)
 
-    run_roles({"actor": actor_role, "learner": learner_role}, join_timeout_s=timeout + 30)
+    try:
+        run_roles({"actor": actor_role, "learner": learner_role}, join_timeout_s=timeout + 30)
+    except RoleError as e:  # a stop signal ended a replay wait in either role
+        if isinstance(e.__cause__, ReplayInterrupted):
+            raise run.interrupted_wait(str(e.__cause__)) from None
+        raise
     run.final_table = {**replay_record(_state(server)), "weights/pushes": weights.pushes}
     return weights
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -33,7 +34,7 @@ from jaxreplay.rollout import rollouts
 from jaxreplay.rollout.actor import rollout_stats
 from jaxreplay.train.accounting import Accounting
 from jaxreplay.train.checkpoint import Checkpointer, Progress
-from jaxreplay.train.guards import NonFiniteStreak, PreemptionNotice
+from jaxreplay.train.guards import NonFiniteStreak, Preempted, PreemptionNotice, describe
 from jaxreplay.train.placement import Placement
 from jaxreplay.train.recorder import RunRecorder
 from jaxreplay.train.rundir import RunDir
@@ -202,8 +203,8 @@ class Run:
             "time/replay_s": p.time_replay_s,
         }
         step = p.learner_step
-        if self._eval_due():
-            p.eval_accuracy = record["eval/accuracy"] = self.evaluate()
+        if self._eval_due() and (accuracy := self.evaluate()) is not None:  # None: cut short by a stop signal
+            p.eval_accuracy = record["eval/accuracy"] = accuracy
             p.eval_tokens = p.tokens_generated
         if self.recorder:
             self.recorder.write(step, record)
@@ -213,8 +214,17 @@ class Run:
                              ratio=f"{state.ratio:.2f}", refresh=False)
         return record
 
-    def evaluate(self) -> float:
-        return self.stack.evaluate(self.actor_params if self.actor_params is not None else self.params)
+    def evaluate(self) -> Optional[float]:
+        """Greedy eval accuracy, or None when a stop signal cut the evaluation short and the
+        schedule's next turn saves and stops; where nothing trained since the last checkpoint
+        (the start-up evaluation), the run stops here."""
+        try:
+            return self.stack.evaluate(self.actor_params if self.actor_params is not None else self.params)
+        except Preempted as e:
+            if self.progress.learner_step != self.last_saved[0]:
+                return None
+            where = "the start-up evaluation" if self.progress.learner_step == 0 else "an evaluation"
+            raise self.stop(e.signum, save=lambda: None, during=where) from None
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -274,6 +284,33 @@ class Run:
         if self.placement.kind != "multihost":
             return [saved]
         return [f"{shard_dir(i)}/{name}" for i, name in enumerate(json.loads(saved))]
+
+    def stop(self, signum: int, save: Callable[[], None], during: str = "") -> Preempted:
+        """On a stop signal: `save()` the final checkpoint where a learner step ran since the
+        last, then the error that ends the run, its message saying what the run dir holds."""
+        p, name = self.progress, describe(signum)
+        name = f"{name} during {during}" if during else name
+        if self.checkpoints and p.learner_step != self.last_saved[0]:
+            again = "Ctrl-C again aborts without it" if signum == signal.SIGINT else "a second SIGTERM waits for it"
+            self.log(f"{name}: saving a checkpoint at step {p.learner_step} ({again})")
+            save()
+        if not self.checkpoints:
+            return Preempted(f"{name}: stopped at step {p.learner_step} without a checkpoint (checkpoints are off "
+                             "on this tier)", signum)
+        if p.learner_step == 0:
+            return Preempted(f"{name}: no learner step ran, so there is no checkpoint to save; the same command "
+                             "starts over", signum)
+        return Preempted(f"{name}: checkpoint at step {p.learner_step} in {self.checkpointer.directory}; the same "
+                         "command resumes", signum)
+
+    def interrupted_wait(self, what: str) -> Preempted:
+        """A stop signal ended a replay wait (`what`): the table may then hold part of `pending`,
+        so the run stops without a new checkpoint."""
+        signum = self.notice.signum or signal.SIGTERM
+        saved = self.last_saved[0] if self.checkpoints and self.last_saved[0] > 0 else None
+        then = "starts over" if saved is None else f"resumes from step {saved}"
+        return Preempted(f"{describe(signum)} while {what}; stopped without a new checkpoint (the table may hold "
+                         f"part of a batch), the same command {then}", signum)
 
     def close(self) -> None:
         if self._bar is not None:

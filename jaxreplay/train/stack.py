@@ -26,7 +26,9 @@ from jaxreplay.rollout.rollouts import row_spec
 from jaxreplay.rollout.sampling import make_run_samplers
 from jaxreplay.tasks.base import Task
 from jaxreplay.tasks.registry import make_task
+from jaxreplay.train import distributed
 from jaxreplay.train.eval import evaluate
+from jaxreplay.train.guards import stop_poll
 from jaxreplay.train.placement import Placement
 from jaxreplay.train.warmstart import warm_start
 
@@ -71,13 +73,14 @@ def build_stack(config: Config, placement: Placement, log: Callable[[str], None]
     optimizer = make_optimizer(c.train)
     shard = (placement.process_id, placement.processes)
     greedy = placement.eval_sampler(greedy_fn)
+    stopping = _stop_poll(c, placement)
     return Stack(
         config=c, task=task, spec=row_spec(c, task.prompt_len), graphdef=graphdef, params=params,
         ref_params=jax.tree.map(jnp.copy, params) if c.train.kl_coef > 0 else None,
         optimizer=optimizer, opt_state=sharding.shard_params(optimizer.init(params), learner_mesh),
         train_step=make_train_step(graphdef, c, optimizer, learner_mesh, live_vocab=live),
         actor=Actor(c, task, placement.rollout_sampler(sample_fn), shard=shard),
-        evaluate=lambda p: evaluate(p, task, greedy),
+        evaluate=lambda p: evaluate(p, task, greedy, stopping),
         to_actor=_to_mesh(c, placement) if placement.actor_mesh is not learner_mesh else (lambda p: p),
     )
 
@@ -98,11 +101,18 @@ def _policy(c: Config, placement: Placement, log: Callable[[str], None]):
     if placement.kind == "multihost":  # the warm start runs SPMD on the global mesh, like the learner
         params = sharding.shard_params(params, placement.learner_mesh)
     start = time.perf_counter()
-    params, cached = warm_start(graphdef, params, task, c, log=log)  # cached by its settings, shared by a sweep
+    params, cached = warm_start(graphdef, params, task, c, log=log,  # cached by its settings, shared by a sweep
+                                stopping=_stop_poll(c, placement))
     if c.warmstart.steps:
         log(f"warm start {'loaded from cache' if cached else f'trained for {c.warmstart.steps} steps'} "
             f"({time.perf_counter() - start:.1f}s)")
     return task, graphdef, params
+
+
+def _stop_poll(c: Config, placement: Placement) -> Callable[[], Optional[int]]:
+    """The stop signal the stages poll; multi-host, agreed by every process."""
+    multihost = placement.kind == "multihost"
+    return stop_poll(distributed.Coordinator(c.distributed.timeout_s) if multihost else None)
 
 
 def _to_mesh(c: Config, placement: Placement) -> Callable[[Any], Any]:

@@ -24,10 +24,10 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 
 from jaxreplay.replay.limiter import LimiterState, next_move
-from jaxreplay.replay.tables import Snapshot
+from jaxreplay.replay.tables import ReplayInterrupted, Snapshot
 from jaxreplay.replay.tables import check_only_client
 from jaxreplay.rollout import rollouts
-from jaxreplay.train.guards import Preempted
+from jaxreplay.train.guards import agreed
 from jaxreplay.train.run import Run, replay_record
 
 
@@ -49,8 +49,8 @@ class TurnTables(Protocol):
     def sample(self, batch_size: int) -> tuple[Optional[rollouts.Rows], Optional[np.ndarray]]:
         """(rows, times each was sampled), or (None, None) while a batch is assembled over turns."""
 
-    def stopping(self, run: Run) -> bool:
-        """Whether a SIGTERM reached this process (multi-host: any process)."""
+    def stopping(self, run: Run) -> Optional[int]:
+        """The stop signal that reached this process (multi-host: any process, agreed by all)."""
 
     def checkpoint_due(self, run: Run) -> bool:
         """After a learner step, whether to save (multi-host: by any process's clock)."""
@@ -61,33 +61,35 @@ class TurnTables(Protocol):
 
 
 def run_turns(run: Run, tables: TurnTables) -> None:
-    """Takes turns until `train.steps` learner steps; checkpoints as due, and on SIGTERM."""
+    """Takes turns until `train.steps` learner steps; checkpoints as due, and on a stop signal
+    (read between moves: the longest wait for it is one move, an actor step or a learner step)."""
     b = run.config.train.batch_size
-    while not run.done:
-        if tables.stopping(run):
-            _save(run, tables)
-            raise Preempted(f"SIGTERM: checkpoint at step {run.progress.learner_step} in "
-                            f"{run.checkpointer.directory}; the same command resumes")
-        tables.evict(run)
-        pending = rollouts.count(run.pending)
-        move = next_move(tables.state(pending), pending, tables.can_learn(b), tables.processes)
-        if move.kind == "insert":
-            head, run.pending = rollouts.split(run.pending, move.rows)
-            _timed(run, tables.insert, head)
-            run.progress.rows_inserted += move.rows
-        elif move.kind == "learn":
-            t0 = time.perf_counter()
-            batch, times_sampled = tables.sample(b)
-            if batch is None:  # replay.max_times_sampled: the batch is assembled over several turns
-                run.progress.time_replay_s += time.perf_counter() - t0
-                continue
-            run.progress.rows_sampled += rollouts.count(batch)
-            run.learn(batch, times_sampled, lambda: tables.state(rollouts.count(run.pending)),
-                      time.perf_counter() - t0)
-            if tables.checkpoint_due(run):
-                _save(run, tables)
-        else:
-            run.act(run.params, run.progress.policy_version)
+    try:
+        while not run.done:
+            if signum := tables.stopping(run):
+                raise run.stop(signum, lambda: _save(run, tables))
+            tables.evict(run)
+            pending = rollouts.count(run.pending)
+            move = next_move(tables.state(pending), pending, tables.can_learn(b), tables.processes)
+            if move.kind == "insert":
+                head, run.pending = rollouts.split(run.pending, move.rows)
+                _timed(run, tables.insert, head)
+                run.progress.rows_inserted += move.rows
+            elif move.kind == "learn":
+                t0 = time.perf_counter()
+                batch, times_sampled = tables.sample(b)
+                if batch is None:  # replay.max_times_sampled: the batch is assembled over several turns
+                    run.progress.time_replay_s += time.perf_counter() - t0
+                    continue
+                run.progress.rows_sampled += rollouts.count(batch)
+                run.learn(batch, times_sampled, lambda: tables.state(rollouts.count(run.pending)),
+                          time.perf_counter() - t0)
+                if tables.checkpoint_due(run):
+                    _save(run, tables)
+            else:
+                run.act(run.params, run.progress.policy_version)
+    except ReplayInterrupted as e:
+        raise run.interrupted_wait(str(e)) from None
     _save(run, tables)
     run.final_table = replay_record(tables.state(rollouts.count(run.pending)))
 
@@ -149,8 +151,8 @@ class LocalTables:
         self._after(lambda s: s.after_sample(batch_size))
         return batch, info.times_sampled
 
-    def stopping(self, run: Run) -> bool:
-        return run.notice.is_set()
+    def stopping(self, run: Run) -> Optional[int]:
+        return run.notice.signum
 
     def checkpoint_due(self, run: Run) -> bool:
         return run.checkpoint_due()
@@ -193,9 +195,11 @@ class GlobalTables:
         self._view = None
         return self._replay.sample(batch_size // self.processes)
 
-    def stopping(self, run: Run) -> bool:
-        """Any process's SIGTERM, agreed through the coordination service, so all save and stop."""
-        return self._any_process("stop", run.notice.is_set())
+    def stopping(self, run: Run) -> Optional[int]:
+        """Any process's stop signal (the first process's that has one), agreed through the
+        coordination service, so all save, stop, and exit with the same status."""
+        self._turn += 1
+        return agreed(self._coord.gather(f"stop/{self._turn}", str(int(run.notice.signum or 0))))
 
     def checkpoint_due(self, run: Run) -> bool:
         """The step count is alike on every process, but each has its own clock for

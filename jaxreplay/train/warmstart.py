@@ -29,6 +29,7 @@ from jaxreplay.models.transformer import forward
 from jaxreplay.rollout.sampling import token_logprobs
 from jaxreplay.tasks.arithmetic import ArithmeticTask
 from jaxreplay.train.checkpoint import restore_params, save_params
+from jaxreplay.train.guards import Preempted, describe
 
 # Raise when `supervised_warm_start` computes something else from the same settings: old entries then miss.
 CACHE_FORMAT = 1
@@ -84,16 +85,17 @@ def cache_root(config: Config) -> str:
 
 
 def warm_start(graphdef, params, task: ArithmeticTask, config: Config, cache_dir: Optional[str | Path] = None,
-               log: Callable[[str], None] = print):
+               log: Callable[[str], None] = print, stopping: Callable[[], Optional[int]] = lambda: None):
     """Supervised next-token training on correct answers; returns (params, was_cached).
 
     `cache_dir`: the cache's root (default `cache_root(config)`); entries are named by `cache_key`.
     With warmstart.steps 0 there is nothing to cache. A multi-process job computes it on every
-    process (SPMD, like the learner) and caches nothing: Orbax writes there are collective."""
+    process (SPMD, like the learner) and caches nothing: Orbax writes there are collective.
+    `stopping` (guards.stop_poll), asked before each step: see `supervised_warm_start`."""
     if config.warmstart.steps == 0:
         return params, False
     if jax.process_count() > 1:
-        return supervised_warm_start(graphdef, params, task, config), False
+        return supervised_warm_start(graphdef, params, task, config, stopping), False
     root = str(cache_dir) if cache_dir is not None else cache_root(config)
     settings = warmstart_settings(config)
     entry = storage.join(root, cache_key(config))
@@ -105,7 +107,7 @@ def warm_start(graphdef, params, task: ArithmeticTask, config: Config, cache_dir
             first = (str(e).strip().splitlines() or [""])[0][:200]
             log(f"warning: the cached warm start {entry} cannot be read ({type(e).__name__}: {first}); "
                 "recomputing it")
-    params = supervised_warm_start(graphdef, params, task, config)
+    params = supervised_warm_start(graphdef, params, task, config, stopping)
     try:
         if storage.is_url(entry):
             _publish_to_bucket(entry, settings, params)
@@ -156,9 +158,11 @@ def _publish(entry: Path, settings: dict[str, Any], params, replace: bool) -> No
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def supervised_warm_start(graphdef, params, task: ArithmeticTask, config: Config):
+def supervised_warm_start(graphdef, params, task: ArithmeticTask, config: Config,
+                          stopping: Callable[[], Optional[int]] = lambda: None):
     """The warm start itself, uncached: deterministic given params and config. It can take
-    minutes, so it shows a progress bar (`run.progress_bar`)."""
+    minutes, so it shows a progress bar (`run.progress_bar`), and a stop signal (`stopping()`,
+    asked before each step) ends it with `Preempted`: nothing is cached or saved half-done."""
     w = config.warmstart
     optimizer = optax.adam(w.learning_rate)
     opt_state = optimizer.init(params)
@@ -169,6 +173,9 @@ def supervised_warm_start(graphdef, params, task: ArithmeticTask, config: Config
     seed = config.run.seed + 7_919
     for i in tqdm(range(w.steps), desc="warm start", unit="step", disable=not config.run.progress_bar,
                   dynamic_ncols=True):
+        if signum := stopping():
+            raise Preempted(f"{describe(signum)} during the warm start (step {i} of {w.steps}): no learner step "
+                            "ran, so there is no checkpoint to save; the same command starts over", signum)
         tokens, attention_mask, loss_mask = task.supervised_batch(
             seed, i, w.batch_size, config.sampling.max_new_tokens, carry_error=w.teacher_carry_error
         )
