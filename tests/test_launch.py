@@ -1,7 +1,10 @@
 """The TPU pod launcher: its dry run prints every command a pod run needs, runs none, and
-refuses a config the workers would not run, with one line and exit code 2, before any."""
+refuses a config the workers would not run, with one line and exit code 2, before any. Against a
+fake `gcloud` that logs its arguments, `up --bucket` stores its launch in the bucket and `resume`
+recreates the preempted slice and reruns that launch."""
 
 import ast
+import json
 import importlib.util
 import os
 import re
@@ -9,6 +12,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -47,6 +51,12 @@ def _commands(result: subprocess.CompletedProcess) -> list[list[str]]:
 def _remote(cmd: list[str]) -> str:
     (remote,) = [word[len("--command="):] for word in cmd if word.startswith("--command=")]
     return remote
+
+
+def _worker_command(remote: str) -> tuple[list[str], list[str]]:
+    """The train remote's launch/pod_worker.sh words (bash, script, log, logs URL) and the command it runs."""
+    words = shlex.split(remote.split("nohup ", 1)[1].split(" > ")[0])
+    return words[:4], words[4:]
 
 
 def _jax_pin(constraints: str) -> str:
@@ -116,12 +126,13 @@ def test_dry_run_of_up_installs_the_tier_of_the_configs_backend(bin_dir, backend
         assert result.stderr.splitlines() == [result.stderr.strip()] and str(e) in result.stderr
         return
     assert result.returncode == 0, result.stderr
-    create, archive, scp, install, *describe, train = _commands(result)
-    assert create[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "create", "rl"]
-    assert "--accelerator-type=v5litepod-8" in create and "--version=v2-alpha-tpuv5-lite" in create
-    assert "--zone=us-west4-a" in create
-    assert archive == ["git", "-C", str(ROOT), "archive", "--format=tar.gz", "--output=/tmp/jaxreplay-rl.tar.gz",
-                       "HEAD"]
+    create, state, archive, scp, install, *describe, train = _commands(result)
+    assert create == ["gcloud", "compute", "tpus", "queued-resources", "create", "rl", "--node-id=rl",
+                      "--accelerator-type=v5litepod-8", "--runtime-version=v2-alpha-tpuv5-lite", "--zone=us-west4-a"]
+    assert state == ["gcloud", "compute", "tpus", "queued-resources", "describe", "rl",
+                     "--format=value(state.state)", "--zone=us-west4-a"]  # waits until the slice is ACTIVE
+    archive_path = os.path.join(tempfile.gettempdir(), "jaxreplay-rl.tar.gz")
+    assert archive == ["git", "-C", str(ROOT), "archive", "--format=tar.gz", f"--output={archive_path}", "HEAD"]
     assert "scp" in scp and "--worker=all" in scp
     assert "ssh" in install and "--worker=all" in install
     assert _remote(install).split(" && ") == _expected_setup(tier)
@@ -129,8 +140,10 @@ def test_dry_run_of_up_installs_the_tier_of_the_configs_backend(bin_dir, backend
     assert "--worker=all" in train
     remote = _remote(train)
     assert f"grep -qx {tier} .venv/jaxreplay-tier" in remote  # train refuses a worker installed for another tier
-    command = shlex.split(remote.split("nohup ", 1)[1].split(" > ")[0])
+    worker, command = _worker_command(remote)
+    assert worker == ["bash", "launch/pod_worker.sh", "~/jaxreplay-train.log", ""]  # no --bucket: no log copies
     assert command[:3] == [".venv/bin/jaxreplay", "train", CONFIG]
+    assert command[3] == "run.dir=../jaxreplay-runs/rl"  # each worker's own disk
     overrides = command[3:]
     assert "train.steps=50" in overrides and "distributed.enabled=true" in overrides
     assert [o for o in overrides if o.startswith("replay.backend=")][-1] == f"replay.backend={backend}"
@@ -145,7 +158,7 @@ def test_dry_run_of_up_installs_the_tier_of_the_configs_backend(bin_dir, backend
 @pytest.mark.parametrize("action, expected", [
     ("logs", "ssh rl --worker=0 '--command=tail -n 100 ~/jaxreplay-train.log'"),
     ("stop", "kill $(cat ~/jaxreplay-train.pid)"),
-    ("delete", "gcloud compute tpus tpu-vm delete rl --quiet --zone=us-central2-b"),
+    ("delete", "gcloud compute tpus queued-resources delete rl --force --quiet --zone=us-central2-b"),
 ])
 def test_dry_run_of_the_other_actions(bin_dir, action, expected):
     result = _dry_run(bin_dir, action, "--name", "rl", "--tpu", "v4-8", "--zone", "us-central2-b")
@@ -167,7 +180,7 @@ def test_a_bad_override_fails_before_any_command(bin_dir):
 
 def test_reverb_on_a_slice_newer_than_the_reverb_lanes_jax_is_refused(bin_dir):
     result = _dry_run(bin_dir, "up", "--name", "rl", "--tpu", "v6e-8", "--zone", "us-east5-b", "--config", CONFIG,
-                      "replay.backend=reverb")
+                      "replay.backend=reverb", "mesh.topology=v6e-8")
     _refused(result, "reverb", "v6e")
 
 
@@ -209,7 +222,7 @@ def test_dry_run_needs_no_pyyaml_in_the_python_that_runs_it(bin_dir):
     bare = (sys.executable, "-S")
     with_python = _dry_run(bin_dir, *UP, "replay.backend=reverb", "--python", sys.executable, python=bare)
     assert with_python.returncode == 0, with_python.stderr
-    assert len(_commands(with_python)) == 6
+    assert len(_commands(with_python)) == 7
     default = _dry_run(bin_dir, *UP, "replay.backend=reverb", python=bare)
     if (ROOT / ".venv" / "bin" / "python").exists():  # made by `make demo` / `make test`
         assert (default.returncode, default.stdout) == (0, with_python.stdout), default.stderr
@@ -254,3 +267,165 @@ def test_pod_configs_are_qwen_shaped_and_fit_their_slice(name, chips, params):
     assert data * fsdp * tensor == chips
     assert config.train.batch_size % (data * fsdp) == 0 and config.rollouts_per_step % (data * fsdp) == 0
     assert config.distributed.enabled
+
+
+# ----------------------------------------------------------------------------------
+# For real, against a fake gcloud: a bucket is a folder, the slice a state file
+
+
+FAKE_GCLOUD = '''#!{python}
+"""gcloud as the launcher uses it: logs its arguments; storage on folders; one queued resource's state."""
+import json, os, shutil, sys
+from pathlib import Path
+
+home = Path(os.environ["FAKE_GCLOUD_HOME"])
+args = sys.argv[1:]
+with open(home / "calls.jsonl", "a") as log:
+    log.write(json.dumps(args) + "\\n")
+state = home / "queued-resource"  # its state; absent: deleted (a preempted Spot slice may be either)
+
+
+def local(url):
+    return home / "bucket" / url.removeprefix("gs://")
+
+
+def fail(message):
+    print(message, file=sys.stderr)
+    sys.exit(1)
+
+
+if args[:2] == ["storage", "cp"]:
+    src, dst = [a for a in args[2:] if not a.startswith("--")]
+    local(dst).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, local(dst))
+elif args[:2] == ["storage", "cat"]:
+    if not local(args[2]).is_file():
+        fail(f"ERROR: (gcloud.storage.cat) The following URLs matched no objects or files:\\n-{{args[2]}}")
+    sys.stdout.write(local(args[2]).read_text())
+elif args[:3] == ["compute", "tpus", "queued-resources"]:
+    if args[3] != "create" and not state.exists():
+        fail(f"ERROR: (gcloud.compute.tpus.queued-resources.{{args[3]}}) NOT_FOUND: {{args[4]}} was not found")
+    if args[3] == "create":
+        state.write_text("ACTIVE")
+    elif args[3] == "delete":
+        state.unlink()
+    elif args[3] == "describe":
+        print(state.read_text())
+'''
+
+SPOT_UP = [*UP, "--bucket", "gs://rl-runs", "--spot", "train.steps=50"]
+
+
+@pytest.fixture
+def fake_gcloud(tmp_path) -> Path:
+    """Its home: calls.jsonl (every call's arguments), bucket/ (gs://), queued-resource (the slice's state)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "gcloud").write_text(FAKE_GCLOUD.format(python=sys.executable))
+    (bin_dir / "gcloud").chmod(0o755)
+    (bin_dir / "git").symlink_to(shutil.which("git"))
+    return tmp_path
+
+
+def _launch(home: Path, *args: str) -> subprocess.CompletedProcess:
+    """The launcher for real, with the fake gcloud first on PATH and its archive under `home`."""
+    env = {**os.environ, "PATH": f"{home / 'bin'}:{os.path.dirname(sys.executable)}:/usr/bin:/bin",
+           "FAKE_GCLOUD_HOME": str(home), "TMPDIR": str(home)}
+    return subprocess.run([sys.executable, str(LAUNCHER), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _calls(home: Path) -> list[list[str]]:
+    path = home / "calls.jsonl"
+    calls = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    path.unlink(missing_ok=True)
+    return calls
+
+
+QR = ["compute", "tpus", "queued-resources"]
+ZONE = "--zone=us-west4-a"
+CREATE = [*QR, "create", "rl", "--node-id=rl", "--accelerator-type=v5litepod-8",
+          "--runtime-version=v2-alpha-tpuv5-lite", ZONE, "--spot"]
+DESCRIBE = [*QR, "describe", "rl", "--format=value(state.state)", ZONE]
+
+
+def _shipped(home: Path) -> list[list[str]]:
+    """The install calls after the archive: scp to every worker, then the default tier's setup on each."""
+    archive = str(home / "jaxreplay-rl.tar.gz")
+    return [["compute", "tpus", "tpu-vm", "scp", archive, "rl:jaxreplay.tar.gz", "--worker=all", ZONE],
+            ["compute", "tpus", "tpu-vm", "ssh", "rl", "--worker=all",
+             "--command=" + " && ".join(_expected_setup("default")), ZONE]]
+
+
+@pytest.mark.parametrize("preempted", ["SUSPENDED", "deleted"])
+def test_up_stores_its_launch_in_the_bucket_and_resume_reruns_it_on_a_new_slice(fake_gcloud, preempted):
+    home = fake_gcloud
+    up = _launch(home, *SPOT_UP)
+    assert up.returncode == 0, up.stderr
+    store, *calls = _calls(home)
+    assert store[:2] == ["storage", "cp"] and store[-1] == "gs://rl-runs/runs/rl/launch.json"  # before the slice
+    train_call = calls[-1]
+    assert calls == [CREATE, DESCRIBE, *_shipped(home), train_call]
+    remote = _remote(train_call)
+    worker, command = _worker_command(remote)
+    assert worker == ["bash", "launch/pod_worker.sh", "~/jaxreplay-train.log", "gs://rl-runs/runs/rl/logs"]
+    assert command == [".venv/bin/jaxreplay", "train", CONFIG, "run.dir=gs://rl-runs/runs/rl", "run.progress_bar=false",
+                       "train.steps=50", "distributed.enabled=true", "replay.backend=inprocess"]
+    record = json.loads((home / "bucket" / "rl-runs" / "runs" / "rl" / "launch.json").read_text())
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          timeout=60).stdout.strip()
+    assert (record["commit"], record["command"], record["tpu"], record["spot"]) == (head, command, "v5e-8", True)
+
+    # A preemption: the queued resource is SUSPENDED (its name still taken), or gone.
+    if preempted == "deleted":
+        (home / "queued-resource").unlink()
+    else:
+        (home / "queued-resource").write_text("SUSPENDED")
+    (home / "jaxreplay-rl.tar.gz").unlink()
+    resumed = _launch(home, "resume", "--name", "rl", "--bucket", "gs://rl-runs")
+    assert resumed.returncode == 0, resumed.stderr
+    delete = [[*QR, "delete", "rl", "--force", "--quiet", ZONE]] if preempted == "SUSPENDED" else []
+    assert _calls(home) == [["storage", "cat", "gs://rl-runs/runs/rl/launch.json"], DESCRIBE, *delete, CREATE, DESCRIBE,
+                            *_shipped(home), train_call]
+    shipped = subprocess.run(["tar", "-tzf", str(home / "jaxreplay-rl.tar.gz")], capture_output=True, text=True,
+                             timeout=60).stdout.split()
+    assert CONFIG in shipped and "launch/pod_worker.sh" in shipped  # the stored commit's tree
+
+
+def test_resume_refuses_a_live_slice_and_a_bucket_without_a_launch(fake_gcloud):
+    home = fake_gcloud
+    missing = _launch(home, "resume", "--name", "rl", "--bucket", "gs://rl-runs")
+    assert missing.returncode == 2 and len(missing.stderr.splitlines()) == 1, missing.stderr
+    assert "gs://rl-runs/runs/rl/launch.json" in missing.stderr and "up --bucket" in missing.stderr
+    assert _calls(home) == [["storage", "cat", "gs://rl-runs/runs/rl/launch.json"]]
+    assert _launch(home, *SPOT_UP).returncode == 0
+    _calls(home)
+    live = _launch(home, "resume", "--name", "rl", "--bucket", "gs://rl-runs")
+    assert live.returncode == 2 and "ACTIVE" in live.stderr and len(live.stderr.splitlines()) == 1, live.stderr
+    assert _calls(home) == [["storage", "cat", "gs://rl-runs/runs/rl/launch.json"], DESCRIBE]  # nothing created
+
+
+@pytest.mark.parametrize("tpu", ["v5e-16", "v4-8"])
+def test_a_slice_other_than_the_configs_topology_is_refused_before_anything_is_created(fake_gcloud, tpu):
+    home = fake_gcloud
+    result = _launch(home, "up", "--name", "rl", "--tpu", tpu, "--zone", "us-west4-a", "--config", CONFIG,
+                     "--bucket", "gs://rl-runs", "--spot")
+    _refused(result, f"--tpu {tpu}", "mesh.topology: v5e-8")
+    assert _calls(home) == []
+
+
+def test_a_bucket_that_is_not_a_gs_url_is_refused(bin_dir):
+    _refused(_dry_run(bin_dir, *UP, "--bucket", "/mnt/runs"), "--bucket /mnt/runs", "gs://")
+
+
+def test_the_worker_script_copies_the_log_to_the_bucket_and_keeps_the_commands_status(fake_gcloud):
+    home = fake_gcloud
+    env = {**os.environ, "PATH": f"{home / 'bin'}:/usr/bin:/bin", "FAKE_GCLOUD_HOME": str(home)}
+    log = home / "train.log"
+    result = subprocess.run(["bash", str(ROOT / "launch" / "pod_worker.sh"), str(log), "gs://rl-runs/runs/rl/logs",
+                             "sh", "-c", "echo step 1; echo oops >&2; exit 3"], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 3, result.stderr
+    host = subprocess.run(["hostname"], capture_output=True, text=True, timeout=10).stdout.strip()
+    assert _calls(home) == [["storage", "cp", "--quiet", str(log), f"gs://rl-runs/runs/rl/logs/{host}.log"]]
+    assert (home / "bucket" / "rl-runs" / "runs" / "rl" / "logs" / f"{host}.log").read_text() == "step 1\noops\n"
