@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from gcs_emulator import bucket, gcs_emulator  # noqa: F401 - fixtures
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -327,19 +329,23 @@ def _train(*overrides: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_the_tiny_pod_config_trains_and_resumes_from_the_recipes_layout(tmp_path):
-    """Only the root changes on a bucket: model.hf_path, task.path and run.dir under it, as on a pod."""
-    root = tmp_path / "bucket"
-    stage_tiny_recipe(root)
-    layout = [*recipe_paths(str(root), "tiny"), f"run.dir={root}/runs/tiny"]
+def test_the_tiny_pod_config_trains_and_resumes_from_the_recipes_bucket(bucket, tmp_path):
+    """The recipe's layout in a bucket (a real GCS server): model.hf_path, task.path and run.dir under it."""
+    from jaxreplay import storage
+
+    stage_tiny_recipe(tmp_path / "staged")
+    storage.upload(tmp_path / "staged", bucket)
+    run = storage.join(bucket, "runs", "tiny")
+    layout = [*recipe_paths(bucket, "tiny"), f"run.dir={run}"]
     first = _train(*layout)
     assert first.returncode == 0, first.stderr[-3000:]
-    run = root / "runs" / "tiny"
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2, 3, 4]  # step 0: the evaluation before training
-    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+
+    def steps() -> list[int]:
+        return [json.loads(line)["step"] for line in storage.read_text(storage.join(run, "metrics.jsonl")).splitlines()]
+
+    assert steps() == [0, 1, 2, 3, 4]  # step 0: the evaluation before training
+    assert json.loads(storage.read_text(storage.join(run, "summary.json")))["steps"] == 4
     resumed = _train(*layout, "train.steps=6")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 4" in resumed.stdout + resumed.stderr
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2, 3, 4, 5, 6]
+    assert steps() == [0, 1, 2, 3, 4, 5, 6]
