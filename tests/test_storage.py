@@ -65,6 +65,40 @@ def test_unsupported_urls_are_config_errors_naming_the_key(key, value, why):
         load_config(DEMO, [f"{key}={value}"], local=False)
 
 
+def test_an_hf_model_and_its_tokenizer_load_from_a_bucket_as_from_a_disk(bucket, tmp_path):
+    import jax
+    import numpy as np
+
+    from jaxreplay.models.hf import load_hf_model, read_model_config
+    from jaxreplay.models.tokenizer import load_tokenizer
+    from tiny_hf import write_model
+
+    local = write_model(tmp_path / "hf")
+    url = storage.join(bucket, "models", "tiny")
+    storage.upload(local, url)
+    cfg = read_model_config(url)
+    assert cfg == read_model_config(local).__class__(**{**vars(read_model_config(local)), "hf_path": url})
+    _, _, params = load_hf_model(url)
+    _, _, expected = load_hf_model(local)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected)))
+    assert load_tokenizer(url).encode("1+2=") == load_tokenizer(local).encode("1+2=")
+
+
+def test_a_dataset_reads_from_a_bucket_as_from_a_disk(bucket, tmp_path):
+    import json as json_module
+
+    from jaxreplay.tasks.datasets import split_files
+
+    for split in ("train", "test"):
+        (tmp_path / "data" / split).parent.mkdir(exist_ok=True)
+        (tmp_path / "data" / f"{split}.jsonl").write_text(
+            "".join(json_module.dumps({"question": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(5)))
+    storage.upload(tmp_path / "data", storage.join(bucket, "data"))
+    for path in (storage.join(bucket, "data", "{split}.jsonl"), storage.join(bucket, "data")):
+        files = split_files(path, "train")
+        assert [f.read_text() for f in files] == [(tmp_path / "data" / "train.jsonl").read_text()]
+
+
 HOLD = textwrap.dedent("""
     import sys, time
     from jaxreplay.train import rundir
@@ -148,6 +182,19 @@ def test_a_bucket_run_killed_after_its_second_checkpoint_resumes_from_the_bucket
     assert not (tmp_path / "gs:").exists() and not any(p.name.startswith("gs:") for p in tmp_path.rglob("*"))
     kept = storage.listdir(storage.join(run_url, "replay"))
     assert 1 <= len(kept) <= 2, kept  # the kept steps' replay checkpoints, no more
+    assert storage.listdir(storage.join(run_url, "tensorboard"))  # TensorBoard's event files, uploaded
+    if placement:
+        return
+    # A copied run resumes: bucket -> disk, then disk -> another bucket prefix.
+    on_disk = tmp_path / "copied"
+    storage.download(run_url, on_disk)
+    out = train_cli(str(on_disk), f"train.steps={STEPS + 2}", cwd=tmp_path).communicate(timeout=600)[0]
+    assert f"resumed from step {STEPS}" in out and f"done: {STEPS + 2} steps" in out, out
+    back = storage.join(bucket, "copied-back")
+    storage.upload(on_disk, back)
+    out = train_cli(back, f"train.steps={STEPS + 4}", cwd=tmp_path).communicate(timeout=600)[0]
+    assert f"resumed from step {STEPS + 2}" in out and f"done: {STEPS + 4} steps" in out, out
+    assert metric_steps(back) == list(range(0, STEPS + 5))
 
 
 @pytest.mark.slow
