@@ -99,9 +99,9 @@ test: $(STAMP)
 ## make venv-skypilot: SkyPilot alone in .venv-skypilot (Python >= 3.12), for `sky jobs launch launch/skypilot.yaml`
 ## and the test that validates that file (tests/test_pod_recipe.py); never in a lane's venv, whose pins it would move
 SKYPILOT ?= skypilot==0.14.1
-SKYPILOT_PYTHON ?= $(shell for p in python3.12 python3.13 python3; do $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $$p && break; done)
+SKYPILOT_PYTHON ?= $(call find_python,3.12 3.13)
 .venv-skypilot/.installed-$(SKYPILOT):
-	@test -n "$(SKYPILOT_PYTHON)" || { echo "make: no Python >= 3.12 found for .venv-skypilot; set SKYPILOT_PYTHON=/path/to/python3.12" >&2; exit 2; }
+	@test -n "$(SKYPILOT_PYTHON)" || { echo "jaxreplay: error: no Python 3.12 or 3.13 for .venv-skypilot on PATH, in pyenv's versions or uv's; set SKYPILOT_PYTHON=/path/to/python3.12" >&2; exit 2; }
 	@test -x .venv-skypilot/bin/python || $(SKYPILOT_PYTHON) -m venv .venv-skypilot
 	.venv-skypilot/bin/python -m pip install --quiet --upgrade pip uv
 	.venv-skypilot/bin/python -m uv pip install --python .venv-skypilot/bin/python --quiet '$(SKYPILOT)' pyyaml
