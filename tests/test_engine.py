@@ -185,7 +185,7 @@ def test_rows_whose_weights_change_mid_sequence_record_the_log_prob_of_the_distr
             pos = np.array([[int(mask[:P].sum()) + t - 1]])
             logits, cache = step(params, tokens[None, P + t - 1:P + t], pos, mask[None], cache, P + t - 1)
             want.append(jax.nn.log_softmax(filter_logits(logits[0, -1], temperature=0.7))[tokens[P + t]])
-        np.testing.assert_allclose(c.rollout.logprobs[r, P:P + n], np.asarray(want), atol=1e-5)
+        np.testing.assert_allclose(c.rollout.logprobs[r, P:P + n], np.asarray(want), rtol=1e-5, atol=1e-5)
         h, unembed = score_hidden(GRAPHDEF, final_params, jnp.asarray(tokens[None]), jnp.asarray(mask[None]))
         one_version, _ = sequence_scores(h, jnp.asarray(tokens[None]), unembed, temperature=0.7, with_entropy=False)
         differs += not np.allclose(np.asarray(one_version)[0, P:P + n], want, atol=1e-3)

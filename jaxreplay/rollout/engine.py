@@ -103,10 +103,25 @@ class Pool(NamedTuple):
     keys: jax.Array  # [S] typed keys: the row's key
 
 
+class Prefixes(NamedTuple):
+    """Prefilled prompts whose rows wait for slots: Q entries, each one prompt's K/V and the
+    logits its rows' first tokens are drawn from."""
+
+    cache: KVCache  # [Q, kv_heads, P, head_dim] per layer
+    logits: jax.Array  # [Q, V] f32: the last prompt position's
+    tokens: jax.Array  # [Q, P] int32
+    mask: jax.Array  # [Q, P] bool
+    version: jax.Array  # [Q] int32: the weights that prefilled it
+
+
 @dataclasses.dataclass
-class _Running:
-    tag: Any
-    slots: np.ndarray  # [G] int
+class _Group:
+    """A group on the host between submit and collect."""
+
+    prompt: PromptGroup
+    entry: int = -1  # its prefix entry while rows wait for slots
+    to_place: int = 0  # the next row to put in a slot
+    rows: dict = dataclasses.field(default_factory=dict)  # row j -> (tokens, mask, logprobs, versions) once stopped
 
 
 @dataclasses.dataclass
@@ -123,16 +138,20 @@ class EngineStats:
 class JaxEngine:
     """The in-JAX engine: S slots, chunks of K decode steps, one prefill per prompt group.
 
-    Settings as `sampling.make_sampler` (same draw, same model code). A group starts only when
-    G slots are free; lowest free slots first, groups in submission order.
+    Settings as `sampling.make_sampler` (same draw, same model code). Between chunks, in this
+    order: queued groups are prefilled (in submission order, while their rows would find free
+    slots) into prefix entries; waiting rows are placed in the lowest free slots, each drawing
+    its first token from its prompt's logits; one chunk decodes; rows that stopped leave their
+    slots, and a group whose G rows have all stopped is complete. A group's rows may start in
+    different chunks; each row's slot is freed as soon as it stops.
     """
 
     def __init__(self, graphdef, model_cfg: ModelConfig, params, *, slots: int, group_size: int, prompt_len: int,
                  max_new_tokens: int, chunk_steps: int = 8, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, greedy: bool = False, stop_ids: Sequence[int] = (), pad_id: int = 0,
                  kv_cache_dtype: Optional[str] = None, prefill_chunk_size: int = 0, version: int = 0):
-        if group_size <= 0 or slots < group_size:
-            raise ValueError(f"slots ({slots}) must hold at least one group of group_size ({group_size}) rows")
+        if group_size <= 0 or slots <= 0:
+            raise ValueError(f"slots ({slots}) and group_size ({group_size}) must be positive")
         if chunk_steps <= 0 or max_new_tokens <= 0:
             raise ValueError(f"chunk_steps ({chunk_steps}) and max_new_tokens ({max_new_tokens}) must be positive")
         if not greedy and temperature <= 0:
@@ -144,15 +163,19 @@ class JaxEngine:
         self.chunk_steps, self.pad_id = chunk_steps, pad_id
         self.params, self.version = params, version
         self.stats = EngineStats()
-        self._prefill, self._decode = _programs(
+        self._prefill, self._place, self._decode = _programs(
             graphdef, model_cfg, group_size, prompt_len, max_new_tokens, chunk_steps,
             (bool(greedy), float(temperature), int(top_k), float(top_p)), tuple(int(s) for s in stop_ids), pad_id,
             kv_cache_dtype, prefill_chunk_size)
         self.pool = _empty_pool(model_cfg, slots, prompt_len, max_new_tokens, pad_id, kv_cache_dtype)
-        self._queue: collections.deque[PromptGroup] = collections.deque()
-        self._running: list[_Running] = []
-        self._free = list(range(slots))
+        entries = -(-slots // group_size) + 1  # enough prompts to fill every slot, and one more
+        self.prefixes = _empty_prefixes(model_cfg, entries, prompt_len, pad_id, kv_cache_dtype)
+        self._queue: collections.deque[_Group] = collections.deque()
+        self._waiting: list[_Group] = []  # prefilled, some rows not placed yet, in submission order
+        self._free_entries = list(range(entries))
+        self._slot_row: list[Optional[tuple[_Group, int]]] = [None] * slots
         self._done = np.ones(slots, bool)
+        self._open: list[_Group] = []  # started, not complete, in submission order
         self._completed: list[CompletedGroup] = []
 
     # -- the protocol --------------------------------------------------------------
@@ -162,16 +185,17 @@ class JaxEngine:
             if np.shape(g.tokens) != (self.prompt_len,) or np.shape(g.mask) != (self.prompt_len,):
                 raise ValueError(f"a prompt group needs tokens and mask of shape ({self.prompt_len},), "
                                  f"got {np.shape(g.tokens)} and {np.shape(g.mask)}")
-            self._queue.append(g)
+            self._queue.append(_Group(g))
 
     def step(self) -> None:
-        self._start_queued()
+        self._prefill_queued()
+        self._place_waiting()
         if (~self._done).any():
             self.pool, steps = self._decode(self.params, self.pool, jnp.int32(self.version))
             self.stats.chunks += 1
             self.stats.decode_steps += int(steps)
             self._done = np.asarray(self.pool.done)
-        self._take_completed()
+        self._take_stopped()
 
     def collect(self) -> list[CompletedGroup]:
         out, self._completed = self._completed, []
@@ -181,73 +205,105 @@ class JaxEngine:
         self.params, self.version = params, int(version)
 
     def pending(self) -> int:
-        return len(self._queue) + len(self._running) + len(self._completed)
+        return len(self._queue) + len(self._open) + len(self._completed)
 
     # -- between chunks --------------------------------------------------------------
 
     def free_slots(self) -> int:
-        return len(self._free)
+        return sum(row is None for row in self._slot_row)
 
     def queued(self) -> int:
         return len(self._queue)
 
-    def _start_queued(self) -> None:
-        """Prefills as many queued groups as free slots hold, in calls of 2^k groups (one
-        program per power of two)."""
-        n = min(len(self._queue), len(self._free) // self.group_size)
+    def _prefill_queued(self) -> None:
+        """Prefills queued groups into free prefix entries while the rows already waiting leave
+        free slots for theirs, in calls of 2^k groups (one program per power of two)."""
+        waiting_rows = sum(self.group_size - g.to_place for g in self._waiting)
+        room = self.free_slots() - waiting_rows
+        n = min(len(self._queue), len(self._free_entries), max(0, -(-room // self.group_size)))
         if not n:
             return
         groups = [self._queue.popleft() for _ in range(n)]
-        slots = np.asarray(self._free[:n * self.group_size], np.int32).reshape(n, self.group_size)
-        self._free = self._free[n * self.group_size:]
         start = 0
         for bit in reversed(range(n.bit_length())):
             size = 1 << bit
             if not n & size:
                 continue
-            part, part_slots = groups[start:start + size], slots[start:start + size]
-            tokens = np.stack([np.asarray(g.tokens, np.int32) for g in part])
-            mask = np.stack([np.asarray(g.mask, bool) for g in part])
-            keys = jnp.stack([g.key for g in part])
-            self.pool, prefilled = self._prefill(self.params, self.pool, tokens, mask, part_slots, keys,
-                                                 jnp.int32(self.version))
+            part = groups[start:start + size]
+            entries = [self._free_entries.pop(0) for _ in part]
+            tokens = np.stack([np.asarray(g.prompt.tokens, np.int32) for g in part])
+            mask = np.stack([np.asarray(g.prompt.mask, bool) for g in part])
+            self.prefixes, prefilled = self._prefill(self.params, self.prefixes, tokens, mask,
+                                                     np.asarray(entries, np.int32), jnp.int32(self.version))
             self.stats.prefill_rows += int(prefilled)
             self.stats.prefill_calls += 1
-            self._running.extend(_Running(g.tag, s) for g, s in zip(part, part_slots))
+            for g, e in zip(part, entries):
+                g.entry = e
+            self._waiting.extend(part)
+            self._open.extend(part)
             start += size
+
+    def _place_waiting(self) -> None:
+        """Puts waiting rows in the lowest free slots, in one call of a fixed size S (unused
+        places point past the pool and are dropped)."""
+        free = [s for s, row in enumerate(self._slot_row) if row is None]
+        entry, row, slot, keys = [], [], [], []
+        for g in self._waiting:
+            while g.to_place < self.group_size and len(slot) < len(free):
+                entry.append(g.entry)
+                row.append(g.to_place)
+                slot.append(free[len(slot)])
+                keys.append(g.prompt.key)
+                self._slot_row[slot[-1]] = (g, g.to_place)
+                g.to_place += 1
+        if not slot:
+            return
+        unused = self.slots - len(slot)
+        pad = lambda xs, fill: np.asarray(xs + [fill] * unused, np.int32)
+        keys = jnp.stack(keys + [keys[0]] * unused)
+        self.pool = self._place(self.pool, self.prefixes, pad(entry, 0), pad(row, 0), pad(slot, self.slots), keys)
+        for g in [g for g in self._waiting if g.to_place == self.group_size]:
+            self._free_entries.append(g.entry)
+            g.entry = -1
+        self._free_entries.sort()
+        self._waiting = [g for g in self._waiting if g.to_place < self.group_size]
         self._done = np.asarray(self.pool.done)
 
-    def _take_completed(self) -> None:
-        finished = [r for r in self._running if self._done[r.slots].all()]
-        if not finished:
+    def _take_stopped(self) -> None:
+        """Copies every stopped row out of its slot and frees the slot; groups whose rows have
+        all stopped are complete, in submission order."""
+        stopped = [s for s, row in enumerate(self._slot_row) if row is not None and self._done[s]]
+        if not stopped:
             return
-        rows = np.concatenate([r.slots for r in finished])
-        tokens, mask, logprobs, versions = jax.device_get(_gather(self.pool, rows))
-        completion = mask & (np.arange(mask.shape[1]) >= self.prompt_len)[None, :]
-        g = self.group_size
-        for k, r in enumerate(finished):
-            part = slice(k * g, (k + 1) * g)
+        fields = jax.device_get(_gather(self.pool, np.asarray(stopped, np.int32)))
+        for k, s in enumerate(stopped):
+            g, j = self._slot_row[s]
+            g.rows[j] = tuple(f[k] for f in fields)
+            self._slot_row[s] = None
+        g_size = self.group_size
+        for g in [g for g in self._open if len(g.rows) == g_size]:
+            tokens, mask, logprobs, versions = (np.stack([g.rows[j][i] for j in range(g_size)]) for i in range(4))
+            completion = mask & (np.arange(mask.shape[1]) >= self.prompt_len)[None, :]
             self._completed.append(CompletedGroup(
-                r.tag, Rollout(tokens=tokens[part], attention_mask=mask[part], completion_mask=completion[part],
-                               logprobs=logprobs[part]), token_versions=versions[part]))
-        done = {id(r) for r in finished}
-        self._running = [r for r in self._running if id(r) not in done]
-        self._free = sorted(self._free + rows.tolist())
+                g.prompt.tag, Rollout(tokens=tokens, attention_mask=mask, completion_mask=completion,
+                                      logprobs=logprobs), token_versions=versions))
+        self._open = [g for g in self._open if len(g.rows) < g_size]
 
 
 @functools.lru_cache(maxsize=32)
 def _programs(graphdef, cfg: ModelConfig, g: int, p: int, n_new: int, k_steps: int, draw: tuple, stop_ids: tuple,
               pad_id: int, kv_cache_dtype, prefill_chunk_size: int):
-    """The jitted (prefill, decode chunk) of one engine shape, shared by engines of that shape
-    (jit caches compiled programs per function object)."""
+    """The jitted (prefill, place, decode chunk) of one engine shape, shared by engines of that
+    shape (jit caches compiled programs per function object)."""
     greedy, temperature, top_k, top_p = draw
     choose = functools.partial(choose_token, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
     stops = np.asarray(stop_ids, np.int32).reshape(-1)
-    prefill = jax.jit(functools.partial(_prefill_groups, graphdef, cfg, choose, stops, g, p, n_new, pad_id,
-                                        kv_cache_dtype, prefill_chunk_size), donate_argnums=1)
+    prefill = jax.jit(functools.partial(_prefill_prompts, graphdef, cfg, kv_cache_dtype, prefill_chunk_size),
+                      donate_argnums=1)
+    place = jax.jit(functools.partial(_place_rows, choose, stops, p, n_new, pad_id), donate_argnums=0)
     decode = jax.jit(functools.partial(_decode_chunk, graphdef, cfg, choose, stops, p, n_new, k_steps),
                      donate_argnums=1)
-    return prefill, decode
+    return prefill, place, decode
 
 
 @jax.jit
@@ -277,38 +333,55 @@ def _stopped(token: jax.Array, stops: np.ndarray) -> jax.Array:
     return (token[:, None] == stops[None, :]).any(axis=-1) if stops.size else jnp.zeros(token.shape, bool)
 
 
-def _prefill_groups(graphdef, cfg: ModelConfig, choose, stops, g: int, p: int, n_new: int, pad_id: int,
-                    kv_cache_dtype, prefill_chunk_size: int, params, pool: Pool, tokens, mask, slots, keys,
-                    version) -> tuple[Pool, jax.Array]:
-    """Prefills `tokens`/`mask` [n, P] once each, copies each prompt's K/V into its G `slots`
-    [n, G], and draws the G rows' first tokens from its last logits with the rows' keys.
-    Also returns how many prompt rows went through the model (n: what `EngineStats` counts)."""
-    n = tokens.shape[0]
+def _empty_prefixes(cfg: ModelConfig, entries: int, p: int, pad_id: int, kv_cache_dtype) -> Prefixes:
+    return Prefixes(cache=init_cache(cfg, entries, p, kv_cache_dtype),
+                    logits=jnp.zeros((entries, cfg.vocab_size), jnp.float32),
+                    tokens=jnp.full((entries, p), pad_id, jnp.int32), mask=jnp.zeros((entries, p), bool),
+                    version=jnp.zeros((entries,), jnp.int32))
+
+
+def _prefill_prompts(graphdef, cfg: ModelConfig, kv_cache_dtype, prefill_chunk_size: int, params,
+                     prefixes: Prefixes, tokens, mask, entries, version) -> tuple[Prefixes, jax.Array]:
+    """Prefills `tokens`/`mask` [n, P], one row per prompt (not per completion), into prefix
+    `entries` [n]. Also returns how many rows went through the model (what `EngineStats` counts)."""
+    n, p = tokens.shape
     model = nnx.merge(graphdef, params)
     mask = mask.astype(bool)
     cache = init_cache(cfg, n, p, kv_cache_dtype)
     h, cache = _prefill(model, tokens, positions_from_mask(mask), mask, cache, prefill_chunk_size, lambda c: c)
-    logits = jnp.repeat(model.unembed(h)[:, 0], g, axis=0)  # [n * G, V]: one prefill, G draws
-    row_keys = jax.vmap(lambda key: jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(g)))(keys).reshape(-1)
-    token, logp = choose(logits, jax.vmap(jax.random.fold_in)(row_keys, jnp.zeros(n * g, jnp.int32)))
-    rows = slots.reshape(-1)
-    rep = lambda x: jnp.repeat(x, g, axis=0)
+    put = lambda buf, new: buf.at[entries].set(new.astype(buf.dtype))
+    return Prefixes(
+        cache=KVCache(*(tuple(put(a, b) for a, b in zip(pa, pb))
+                        for pa, pb in ((prefixes.cache.k, cache.k), (prefixes.cache.v, cache.v)))),
+        logits=put(prefixes.logits, model.unembed(h)[:, 0]), tokens=put(prefixes.tokens, tokens),
+        mask=put(prefixes.mask, mask), version=put(prefixes.version, jnp.full((n,), version)),
+    ), jnp.int32(h.shape[0])
+
+
+def _place_rows(choose, stops, p: int, n_new: int, pad_id: int, pool: Pool, prefixes: Prefixes, entry, row, slot,
+                group_keys) -> Pool:
+    """Row `row[i]` of the prompt in prefix `entry[i]` starts in pool slot `slot[i]` (slots past
+    the pool are dropped): the prompt's K/V copied in, its first token drawn from the prompt's
+    logits with the row's key, fold_in(fold_in(group key, row), 0)."""
+    row_keys = jax.vmap(jax.random.fold_in)(group_keys, row)
+    token, logp = choose(prefixes.logits[entry], jax.vmap(jax.random.fold_in)(row_keys, jnp.zeros_like(row)))
+    n = slot.shape[0]
     length = p + n_new
-    put = lambda buf, new: buf.at[rows].set(new)
-    first = jnp.zeros((n * g, length), bool).at[:, p].set(True)
+    put = lambda buf, new: buf.at[slot].set(new.astype(buf.dtype), mode="drop")
+    first = jnp.zeros((n, length), bool).at[:, p].set(True)
     return Pool(
-        cache=KVCache(*(tuple(pool_x.at[rows, :, :p].set(rep(x).astype(pool_x.dtype)) for pool_x, x in zip(a, b))
-                        for a, b in ((pool.cache.k, cache.k), (pool.cache.v, cache.v)))),
-        tokens=put(pool.tokens, jnp.full((n * g, length), pad_id, jnp.int32).at[:, :p].set(rep(tokens))
+        cache=KVCache(*(tuple(a.at[slot, :, :p].set(b[entry].astype(a.dtype), mode="drop") for a, b in zip(pa, pb))
+                        for pa, pb in ((pool.cache.k, prefixes.cache.k), (pool.cache.v, prefixes.cache.v)))),
+        tokens=put(pool.tokens, jnp.full((n, length), pad_id, jnp.int32).at[:, :p].set(prefixes.tokens[entry])
                    .at[:, p].set(token)),
-        mask=put(pool.mask, first.at[:, :p].set(rep(mask))),
+        mask=put(pool.mask, first.at[:, :p].set(prefixes.mask[entry])),
         logprobs=put(pool.logprobs, jnp.where(first, logp[:, None], 0.0)),
-        versions=put(pool.versions, jnp.full((n * g, n_new), -1, jnp.int32).at[:, 0].set(version)),
-        n_prompt=put(pool.n_prompt, rep(mask.sum(axis=-1).astype(jnp.int32))),
-        emitted=put(pool.emitted, jnp.ones((n * g,), jnp.int32)),
+        versions=put(pool.versions, jnp.full((n, n_new), -1, jnp.int32).at[:, 0].set(prefixes.version[entry])),
+        n_prompt=put(pool.n_prompt, prefixes.mask[entry].sum(axis=-1)),
+        emitted=put(pool.emitted, jnp.ones((n,), jnp.int32)),
         done=put(pool.done, _stopped(token, stops) | (n_new == 1)),
         keys=put(pool.keys, row_keys),
-    ), jnp.int32(h.shape[0])
+    )
 
 
 def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int, k_steps: int, params, pool: Pool,
