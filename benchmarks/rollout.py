@@ -242,13 +242,14 @@ def main(argv=None) -> None:
     import json
     from pathlib import Path
 
-    from benchmarks.device import CHIPS
+    from benchmarks.device import CHIPS, check_machine
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for rollout.json")
     parser.add_argument("--quick", action="store_true", help="tiny sizes on any backend: a dry run")
     parser.add_argument("--hbm-gbps", type=float, help="chip HBM GB/s (default: by device kind)")
     args = parser.parse_args(argv)
+    check_machine(args.quick)  # a full run needs a current JAX on an accelerator
     device = jax.devices()[0]
     bandwidth = args.hbm_gbps * 1e9 if args.hbm_gbps else CHIPS.get(device.device_kind, (None, None))[1]
     s = QUICK if args.quick else DEVICE
@@ -266,4 +267,12 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from benchmarks.device import DeviceError
+
+    try:
+        main()
+    except DeviceError as e:
+        print(f"rollout: {e}", file=sys.stderr)
+        sys.exit(2)
