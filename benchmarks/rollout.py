@@ -40,7 +40,7 @@ from jaxreplay.tasks.registry import make_task
 FULL = dict(vocab=512, width=256, layers=4, heads=8, kv_heads=2, head_dim=32, d_ff=704, rounds=5,
             tail=dict(prompts=64, group=8, prompt=32, cap=512, batch=64, chunk=16, stops=8),
             shared=dict(prompts=8, group=16, prompt=512, new=64, batch=64, chunk=16),
-            demo=dict(chunk=8))
+            demo=dict(chunk=8), full=dict(rows=64, prompt=32, new=128, chunk=16))
 # benchmarks/device.sh --rollout: Qwen2.5-0.5B's shape in bfloat16 (lm_head untied, for the stop
 # bias), long-tail and shared-prompt only, 3 rounds: under 5 minutes on one accelerator.
 DEVICE = dict(vocab=151_936, width=896, layers=24, heads=14, kv_heads=2, head_dim=64, d_ff=4864, rounds=3,

@@ -21,6 +21,7 @@ def test_quick_rollout_benchmark_prints_one_line_a_workload_in_order_then_the_fu
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rollout ")]
     assert [line.split()[1] for line in printed] == names and all(" ratio=" in line for line in printed)
     assert 0 < results["rollout"][0]["mean_len_engine"] <= rollout.QUICK["tail"]["cap"]
+    assert set(rollout.FULL) == set(rollout.QUICK), "the full run has every workload's sizes"
 
 
 def test_device_script_rollout_mode_dry_runs_on_cpu_and_refuses_a_full_run_without_an_accelerator(tmp_path):
