@@ -1,6 +1,8 @@
 """All CPU benchmarks in one process, side by side: prints a table of ratios, writes JSON.
 
-    .venv/bin/python -m benchmarks.run [--quick] [--out results.json] [--torch-python PATH]
+    .venv/bin/python -m benchmarks.run [rollout] [--quick] [--out results.json] [--torch-python PATH]
+
+`rollout` runs only the rollout-engine benchmark (benchmarks/rollout.py): one line a workload.
 
 `--quick` shrinks every benchmark to seconds (tests/test_benchmarks.py runs it so it cannot
 rot); its figures mean nothing. The full run takes a few minutes on 2 CPU cores. Absolute
@@ -17,7 +19,7 @@ import os
 import platform
 import time
 
-from benchmarks import learner, replay, sampler, scaling
+from benchmarks import learner, replay, rollout, sampler, scaling
 from jaxreplay.tools.xla_cpu import tune_cpu_compiler
 
 TARGETS = {"sampler_ratio_b16_b64": 2.0, "replay_share_of_loop": 0.02}
@@ -25,6 +27,7 @@ TARGETS = {"sampler_ratio_b16_b64": 2.0, "replay_share_of_loop": 0.02}
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("only", nargs="?", choices=["rollout"], help="run only this benchmark")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the code runs, measures nothing")
     parser.add_argument("--out", help="write the results here as JSON")
     parser.add_argument("--torch-python", help="interpreter with torch + transformers for the generate reference "
@@ -35,6 +38,16 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                            "loadavg_start": os.getloadavg()}, "quick": args.quick}
+    if args.only == "rollout":
+        results["rollout"] = rollout.run(quick=args.quick)
+        results["machine"]["loadavg_end"] = os.getloadavg()
+        results["seconds"] = time.perf_counter() - start
+        print(f"[rollout: {results['seconds']:.0f}s, load average {results['machine']['loadavg_start'][0]:.1f} | "
+              f"{results['machine']['loadavg_end'][0]:.1f} on {os.cpu_count()} cpus]", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+        return results
     for name, fn in [("sampler", functools.partial(sampler.run, torch_python=args.torch_python)),
                      ("learner", learner.run), ("replay", replay.throughput), ("demo", replay.demo_share),
                      ("scaling", scaling.run)]:

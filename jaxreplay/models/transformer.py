@@ -25,6 +25,8 @@ in *slots* 0..S-1. The query in slot q sees the key in slot s iff `s <= q` and
 is [B, T]. With a cache the slots are the cache's `max_len` entries, the T new
 tokens are written to slots `cache_index .. cache_index + T - 1`, and `key_mask`
 is [B, max_len] (True for every slot holding a real token, the new ones included).
+`cache_index` may also be one slot per row ([B] int32): the rollout engine's rows sit at
+different lengths in one pool.
 Left padding is just `key_mask == False` on the leading slots; RoPE uses the
 explicit `positions`, so a left-padded row gets the same logits as an unpadded one.
 
@@ -229,6 +231,10 @@ class Attention(nnx.Module):
 
         if kv is None:  # whole sequences: the keys are the T tokens themselves, slots 0..T-1
             keys, values, first = k, v, 0
+        elif jnp.ndim(cache_index) == 1:  # one slot per row (the rollout engine's pool)
+            write = jax.vmap(lambda buf, new, i: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0, i, 0)))
+            kv = keys, values = write(kv[0], k, cache_index), write(kv[1], v, cache_index)
+            first = cache_index[:, None, None]  # [B, 1, 1]
         else:
             write = lambda buf, new: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0, 0, cache_index, 0))
             kv = keys, values = write(kv[0], k), write(kv[1], v)
@@ -237,8 +243,8 @@ class Attention(nnx.Module):
                 keys, values = keys[:, :, :cache_index + t], values[:, :, :cache_index + t]
         # Query j sits in slot first + j and sees slot s iff s <= first + j and key_mask[:, s].
         n_keys = keys.shape[2]
-        causal = jnp.arange(n_keys)[None, :] <= first + jnp.arange(t)[:, None]  # [T, S]
-        visible = causal[None] & key_mask[:, None, :n_keys]  # [B, T, S]
+        causal = jnp.arange(n_keys)[None, :] <= first + jnp.arange(t)[:, None]  # [T, S], or [B, T, S] per row
+        visible = (causal if causal.ndim == 3 else causal[None]) & key_mask[:, None, :n_keys]  # [B, T, S]
 
         # Query rows (token j, group g) of each kv head: [B, kv_heads, T * groups, head_dim].
         groups = self.n_heads // self.n_kv_heads
@@ -328,7 +334,8 @@ class Transformer(nnx.Module):
         """tokens, positions [B, T] int32; key_mask bool ([B, T], or [B, max_len] with a cache).
 
         Returns (logits [B, T, V] float32, the updated cache or None). With a cache,
-        `cache_index` (an int or traced int32 scalar) is the slot of tokens[:, 0].
+        `cache_index` (an int or traced int32 scalar, or int32 [B]: one per row) is the slot
+        of tokens[:, 0].
         """
         h, cache = self.hidden(tokens, positions, key_mask, cache, cache_index)
         return self.unembed(h), cache

@@ -16,6 +16,7 @@ draw and the learner must score alike, so both take the distribution over ids be
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -89,17 +90,37 @@ def argmax(x: jax.Array) -> jax.Array:
 def categorical(key: jax.Array, logp: jax.Array) -> jax.Array:
     """[B] int32: one draw from each row of log-probabilities `logp` [B, V], by inverse CDF in
     two levels: a block of about sqrt(V) tokens by its probability mass, then a token within
-    it, from two uniforms per row. Gumbel-max (jax.random.categorical) needs V random numbers
-    and two logarithms per row. Tokens of probability 0 (filtered out: -inf) are never drawn."""
+    it, from two uniforms per row (`key`: one key, or typed keys [B], one per row). Gumbel-max
+    (jax.random.categorical) needs V random numbers and two logarithms per row. Tokens of probability 0 (filtered out: -inf) are never drawn."""
     b, v = logp.shape
     width = 1 << math.ceil(math.log2(v) / 2)
     n_blocks = -(-v // width)
     probs = jnp.pad(jnp.exp(logp.astype(jnp.float32)), ((0, 0), (0, n_blocks * width - v)))
     probs = probs.reshape(b, n_blocks, width)
-    u_block, u_token = jax.random.uniform(key, (2, b, 1))
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 1:  # one key per row
+        u_block, u_token = jnp.moveaxis(jax.vmap(lambda k: jax.random.uniform(k, (2, 1)))(key), 1, 0)
+    else:
+        u_block, u_token = jax.random.uniform(key, (2, b, 1))
     block = _inverse_cdf(probs.sum(axis=-1), u_block)
     within = jnp.take_along_axis(probs, block[:, None, None], axis=1)[:, 0]
     return (block * width + _inverse_cdf(within, u_token)).astype(jnp.int32)
+
+
+def choose_token(logits: jax.Array, rng: jax.Array, *, greedy: bool, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, live_vocab: int = 0) -> tuple[jax.Array, jax.Array]:
+    """[B, V] logits -> (token [B] int32, its log-prob [B] under the sampling distribution): the
+    draw of every sampler. `greedy` takes the argmax and reports temperature-1 log-probs. `rng` is
+    one key, or one typed key per row ([B]: the rollout engine's rows draw independently).
+    `live_vocab` > 0: ids from it on (an embedding padded past the tokenizer) are never drawn."""
+    if greedy:
+        logits = mask_padded(logits.astype(jnp.float32), live_vocab)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        token = argmax(logits)
+    else:
+        logp = jax.nn.log_softmax(filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                                live_vocab=live_vocab), axis=-1)
+        token = categorical(rng, logp)
+    return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
 
 def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
@@ -214,18 +235,8 @@ def make_sampler(
         raise ValueError(f"prefill_chunk_size must be >= 0 (0 disables), got {prefill_chunk_size}")
     n_new = max_new_tokens
     stops = np.asarray(tuple(stop_ids), np.int32).reshape(-1)  # a constant of the program
-
-    def choose(logits, rng):
-        """[B, V] logits -> (token [B] int32, its log-prob [B] under the sampling distribution)."""
-        if greedy:
-            logits = mask_padded(logits.astype(jnp.float32), live_vocab)
-            logp = jax.nn.log_softmax(logits, axis=-1)
-            token = argmax(logits)
-        else:
-            logp = jax.nn.log_softmax(filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                                                    live_vocab=live_vocab), axis=-1)
-            token = categorical(rng, logp)
-        return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+    choose = functools.partial(choose_token, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
+                               live_vocab=live_vocab)
 
     def constrain(cache: KVCache) -> KVCache:
         if mesh is None:
