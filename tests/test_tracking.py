@@ -12,13 +12,17 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from gcs_emulator import bucket, gcs_emulator  # noqa: F401 - fixtures
+from jaxreplay import storage
 from jaxreplay.config import ConfigError, load_config
 from jaxreplay.train.accounting import HISTOGRAMS
 from jaxreplay.train.metrics import read_metrics
+from jaxreplay.train import rundir
 from jaxreplay.train.recorder import RunRecorder, resume_config
 from test_crash import cli, logged_step, wait_for_step
 from test_train import DEMO, ROOT
@@ -32,6 +36,12 @@ needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reas
 def _offline(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def next_second() -> None:
+    """W&B names an offline run's folder by its start time, to the second, and its id: a resumed
+    invocation started within the same second as the one before would write into that folder."""
+    time.sleep(1.001 - time.time() % 1)
 
 
 def wandb_records(path: Path):
@@ -85,6 +95,7 @@ def test_the_recorder_logs_scalars_histograms_config_and_summary_to_one_w_and_b_
         for step in range(4):
             recorder.write(step, {"train/loss": 1.0 / (step + 1), "replay/times_sampled_hist": counts})
     run_id = json.loads((tmp_path / "wandb.json").read_text())["id"]
+    next_second()
     # Resumed from the checkpoint at step 1: steps 2 and 3 are recorded again, and only once.
     with RunRecorder.open(tmp_path, config, 1, log=lambda _: None) as recorder:
         for step in (1, 2, 3, 4):  # step 1 is the checkpoint's: already logged
@@ -103,6 +114,21 @@ def test_the_recorder_logs_scalars_histograms_config_and_summary_to_one_w_and_b_
     assert {"train", "replay", "model", "wandb"} <= first["config"]
     assert resumed["summary"]["eval/accuracy_end"] == 0.5
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3, 4]
+
+
+@needs_wandb
+def test_a_bucket_run_dir_keeps_the_w_and_b_id_and_offline_files_in_the_bucket(bucket, tmp_path):
+    config = load_config(DEMO, OFFLINE)
+    for resume, steps in ((None, range(2)), (1, range(2, 4))):  # the second invocation: a fresh local mirror
+        with rundir.claim(bucket, lease_s=5) as run_dir:
+            with RunRecorder.open(run_dir, config, resume, log=lambda _: None) as recorder:
+                for step in steps:
+                    recorder.write(step, {"train/loss": float(step)})
+        next_second()
+    storage.download(storage.join(bucket, "wandb"), tmp_path / "copy" / "wandb")
+    first, resumed = offline_runs(tmp_path / "copy")
+    assert first["id"] == resumed["id"] == json.loads(storage.read_text(storage.join(bucket, "wandb.json")))["id"]
+    assert [row["_step"] for row in first["history"] + resumed["history"]] == [0, 1, 2, 3]
 
 
 @needs_wandb
