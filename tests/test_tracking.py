@@ -202,4 +202,11 @@ def test_an_offline_demo_run_resumed_after_sigterm_is_one_w_and_b_run_with_each_
     steps = [row["_step"] for r in runs for row in r["history"]]
     assert sorted(steps) == sorted(set(steps)) == [r["step"] for r in read_metrics(run)]
     assert steps[-1] == step + 2
+    rows = {row["_step"]: row for r in runs for row in r["history"]}
+    for record in read_metrics(run):  # the same scalars and histograms as metrics.jsonl (and TensorBoard)
+        for key, value in record.items():
+            if key in HISTOGRAMS and value and sum(value):
+                assert rows[record["step"]][f"{key}/_type"] == "histogram"
+            elif key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                assert rows[record["step"]][key] == pytest.approx(value), key
     assert runs[-1]["summary"]["steps"] == step + 2
