@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="print the resolved config without running")
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
+    show.add_argument("--flat", action="store_true",
+                      help="one dotted `key: value` line per setting, e.g. `train.steps: 300` (train.steps=300 as an "
+                           "override)")
     ev = sub.add_parser("eval", help="pass@1 and pass@k of a checkpoint or HF model on the task's eval split")
     ev.add_argument("config")
     ev.add_argument("overrides", nargs="*")
@@ -182,7 +185,11 @@ def _command(argv: list[str] | None) -> int:
 
             from jaxreplay.config import to_dict
 
-            print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+            if args.flat:
+                flat = _flat(to_dict(config))
+                print("".join(f"{key}: {_yaml_value(value)}\n" for key, value in flat.items()), end="")
+            else:
+                print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
             return 0
         from jaxreplay.train import rundir
 
@@ -240,6 +247,25 @@ def _compile(args: argparse.Namespace) -> int:
         print(f"jaxreplay: does not fit: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}: the config's sections and keys as dotted keys."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _yaml_value(value) -> str:
+    """`value` as one line of YAML that an override (`key=value`) reads back as the same value."""
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip()
+    return text.removesuffix("\n...").removesuffix("...").strip()
 
 
 def _yaml_string(text: str) -> str:

@@ -260,6 +260,18 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases tracking (the `tracking` extra; train/tracking.py), beside metrics.jsonl and
+    TensorBoard. "offline" writes W&B's run files under RUN_DIR/wandb for `wandb sync` later (TPU
+    workers without outbound access); a resume continues the same W&B run (its id in RUN_DIR/wandb.json)."""
+
+    mode: Literal["disabled", "offline", "online"] = "disabled"
+    project: str = "jaxreplay"
+    entity: Optional[str] = None  # None: the W&B account's default entity
+    name: Optional[str] = None  # the run's display name; None: the run dir's name
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -271,6 +283,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     @property
     def rollouts_per_step(self) -> int:
@@ -648,6 +661,7 @@ def validate(c: Config, local: bool = True) -> None:
     _validate_mesh(c)
     _validate_distributed(c)
     _validate_locations(c)
+    _validate_wandb(c)
     for check in _owner_checks():
         check(c)
     if local:
@@ -674,6 +688,8 @@ def _validate_machine(c: Config) -> None:
         _require(not storage.is_url(value) or importlib.util.find_spec("tensorflow") is None, key,
                  f"{value}: run dirs and caches in buckets need the default tier (Python >= 3.12, no TensorFlow); "
                  "the Reverb lane writes them to a disk")
+    _require(c.wandb.mode == "disabled" or importlib.util.find_spec("wandb") is not None, "wandb.mode",
+             f"{c.wandb.mode} needs wandb (pip install 'jaxreplay[tracking]'), or use disabled")
     hf_path = c.model.hf_path
     config_json = None if hf_path is None else storage.join(hf_path, "config.json")
     _require(hf_path is None or (storage.exists(config_json) if storage.is_url(hf_path) else Path(config_json).is_file()),
@@ -739,6 +755,13 @@ def _validate_mesh(c: Config) -> None:
     if m.actor_devices:
         _require(m.actor_devices % m.actor_tensor == 0, "mesh.actor_tensor",
                  f"{m.actor_tensor} does not divide mesh.actor_devices={m.actor_devices}")
+
+
+def _validate_wandb(c: Config) -> None:
+    """Names W&B would refuse only once the run is under way (project and entity: no / \\ # ? % :)."""
+    for key, value in (("wandb.project", c.wandb.project), ("wandb.entity", c.wandb.entity)):
+        _require(value is None or (value.strip() != "" and not set(value) & set("/\\#?%:")), key,
+                 f"{show(value)} is not a W&B {key.split('.')[1]} name (not empty, none of / \\ # ? % :)")
 
 
 def _validate_distributed(c: Config) -> None:

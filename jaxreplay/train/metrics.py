@@ -1,4 +1,4 @@
-"""Run metrics: one JSON object per learner step in metrics.jsonl, TensorBoard beside it."""
+"""Run metrics: one JSON object per learner step in metrics.jsonl, TensorBoard (and W&B) beside it."""
 
 from __future__ import annotations
 
@@ -46,15 +46,16 @@ TENSORBOARD_DIR = "tensorboard"
 
 
 class MetricsWriter:
-    """Appends to metrics.jsonl and writes TensorBoard events.
+    """Appends to metrics.jsonl and writes TensorBoard events; with a `tracker` (tracking.Tracker),
+    logs the same scalars and histograms to W&B.
 
     `purge_step`: TensorBoard hides the events of earlier writers at this step and later,
     so a resumed run (which drops those rows from metrics.jsonl: recorder.py) shows each
     step once. Each writer gets its own event file: tensorboardX names them by the second,
     and a second writer within the same second would overwrite the first's."""
 
-    def __init__(self, run_dir: str | Path, purge_step: Optional[int] = None):
-        self.path = Path(run_dir) / METRICS_FILE
+    def __init__(self, run_dir: str | Path, purge_step: Optional[int] = None, tracker: Any = None):
+        self.path, self.tracker = Path(run_dir) / METRICS_FILE, tracker
         self._file = open(self.path, "a", buffering=1)
         try:
             SummaryWriter = _summary_writer_class()
@@ -72,6 +73,8 @@ class MetricsWriter:
                     self._histogram(key, value, HISTOGRAMS[key], step)
                 elif key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, step)
+        if self.tracker is not None:
+            self.tracker.write(record, HISTOGRAMS)
         return record
 
     def _histogram(self, key: str, counts: list[int], edges: tuple[int, ...], step: int) -> None:
@@ -92,6 +95,8 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""The one place that writes a run's records: config.yaml, metrics.jsonl (+ TensorBoard), summary.json.
+"""The one place that writes a run's records: config.yaml, metrics.jsonl (+ TensorBoard, W&B), summary.json.
 
 The records must say what the run did:
 - config.yaml holds exactly the settings the run used (the driver hands over the resolved
@@ -24,6 +24,7 @@ import yaml
 
 from jaxreplay.config import Config, ConfigError, config_from_raw, read_yaml, show, to_dict
 from jaxreplay.train.metrics import METRICS_FILE, MetricsWriter
+from jaxreplay.train.tracking import Tracker
 
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
@@ -54,6 +55,9 @@ MAY_CHANGE_ON_RESUME: dict[str, str] = {
     "train.logits_chunk_size": "memory only (the same logits, a chunk at a time): another slice may need another",
     "sampling.prefill_chunk_size": "memory only (the same prefill, a chunk at a time): another slice may need another",
     "warmstart.cache_dir": "where the shared warm start is cached, not what it holds",
+    # Not wandb.project or wandb.entity: the W&B run a resume continues (wandb.json's id) lives there.
+    "wandb.mode": "whether and how the metrics also go to W&B; a run tracked before continues its W&B run",
+    "wandb.name": "the W&B run's display name",
 }
 
 
@@ -132,11 +136,12 @@ class RunRecorder:
         self.run_dir, self._config, self._metrics = run_dir, config, metrics
 
     @classmethod
-    def open(cls, run_dir: str | Path, config: Config, resume_step: Optional[int],
+    def open(cls, run_dir: Any, config: Config, resume_step: Optional[int],
              log: Callable[[str], None] = print) -> "RunRecorder":
-        """`resume_step`: the checkpoint step the run resumes from, or None for a fresh start
-        (whatever an earlier attempt without a checkpoint left is then overwritten)."""
-        run_dir = Path(run_dir)
+        """`run_dir`: a `rundir.RunDir` or a local path; `resume_step`: the checkpoint step the run
+        resumes from, or None for a fresh start (whatever an earlier attempt without a checkpoint
+        left is then overwritten)."""
+        where, run_dir = run_dir, Path(run_dir)
         if resume_step is not None:
             config = resume_config(run_dir, config, log)  # may refuse: nothing is written before it
         write_atomic(run_dir / CONFIG_FILE, _yaml(config))
@@ -145,7 +150,8 @@ class RunRecorder:
             log(f"{METRICS_FILE}: dropped {dropped} rows " + (
                 "of an earlier attempt that left no checkpoint" if resume_step is None
                 else f"past the checkpoint at step {resume_step} (or torn)"))
-        metrics = MetricsWriter(run_dir, purge_step=0 if resume_step is None else resume_step + 1)
+        tracker = Tracker.open(where, config, resume_step, log)
+        metrics = MetricsWriter(run_dir, purge_step=0 if resume_step is None else resume_step + 1, tracker=tracker)
         return cls(run_dir, config, metrics)
 
     @property
@@ -157,6 +163,8 @@ class RunRecorder:
         """Records `config` as the run's settings (e.g. with the calibrated samples_per_insert)."""
         self._config = config
         write_atomic(self.run_dir / CONFIG_FILE, _yaml(config))
+        if self._metrics.tracker is not None:
+            self._metrics.tracker.update_config(config)
 
     def write(self, step: int, record: Mapping[str, Any]) -> dict[str, Any]:
         """Appends one step's metrics (to metrics.jsonl and TensorBoard); returns the JSON record."""
@@ -164,6 +172,8 @@ class RunRecorder:
 
     def summary(self, summary: Mapping[str, Any]) -> None:
         write_atomic(self.run_dir / SUMMARY_FILE, json.dumps(dict(summary), indent=2) + "\n")
+        if self._metrics.tracker is not None:
+            self._metrics.tracker.summary(summary)
 
     def last_summary(self) -> dict[str, Any]:
         return last_summary(self.run_dir)
