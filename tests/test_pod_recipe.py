@@ -117,30 +117,6 @@ def test_the_recipe_compiles_each_gsm8k_config_for_its_own_slice():
         assert _raw(config)["mesh"]["topology"] == slice_name
 
 
-def _fits_table() -> list[str]:
-    return [line for line in DOC.read_text().splitlines() if line.startswith("| `pod_v5e-")]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("words", _doc_commands("jaxreplay"), ids=lambda words: words[2])
-def test_the_recipes_compile_commands_fit(words, tmp_path):
-    """As the page runs them (on the TPU lane: libtpu compiles for the slice on this CPU)."""
-    from jaxreplay.tools.topology import libtpu_version
-
-    if libtpu_version() is None:
-        pytest.skip("libtpu is not installed on this lane (make venv LANE=tpu)")
-    from benchmarks.fit_table import row
-    from jaxreplay.cli import main
-
-    out = tmp_path / "fit.json"
-    assert main([*words[1:], "--json", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert report["fits"] is True and report["n_devices"] == int(words[-1].split("-")[1])
-    name = Path(words[2]).stem
-    table_row = row(name, report)
-    assert table_row.split(" | ")[:3] == next(line for line in _fits_table() if f"`{name}`" in line).split(" | ")[:3]
-
-
 def _dry_run(words: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.path.dirname(shutil.which('git'))}"}
     return subprocess.run([sys.executable, *words, "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
