@@ -183,10 +183,10 @@ def _command(argv: list[str] | None) -> int:
         if args.command == "config":
             import yaml
 
-            from jaxreplay.config import to_dict
+            from jaxreplay.config import flatten, to_dict
 
             if args.flat:
-                flat = _flat(to_dict(config))
+                flat = flatten(to_dict(config))
                 print("".join(f"{key}: {_yaml_value(value)}\n" for key, value in flat.items()), end="")
             else:
                 print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
@@ -247,17 +247,6 @@ def _compile(args: argparse.Namespace) -> int:
         print(f"jaxreplay: does not fit: {e}", file=sys.stderr)
         return 1
     return 0
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} -> {"a.b": 1}: the config's sections and keys as dotted keys."""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _yaml_value(value) -> str:

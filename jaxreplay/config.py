@@ -313,6 +313,17 @@ def to_dict(config: Config) -> dict[str, Any]:
     return plain(dataclasses.asdict(config))
 
 
+def flatten(tree: typing.Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: a config's sections and keys as dotted keys (as overrides name them)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, typing.Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (), *, local: bool = True) -> Config:
     """Reads YAML (or the defaults when `path` is None), applies `a.b=value` overrides, validates.
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
-from jaxreplay.config import Config, ConfigError, config_from_raw, read_yaml, show, to_dict
+from jaxreplay.config import Config, ConfigError, config_from_raw, flatten, read_yaml, show, to_dict
 from jaxreplay.train.metrics import METRICS_FILE, MetricsWriter
 from jaxreplay.train.tracking import Tracker
 
@@ -81,7 +81,7 @@ def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None
     stored = read_yaml(path, "the run's stored config")
     if not isinstance(stored, dict):
         raise ConfigError(f"the run's stored config {path} is not a mapping of sections; move it away to start afresh")
-    old, new, default = _flat(stored), _flat(to_dict(config)), _flat(to_dict(Config()))
+    old, new, default = flatten(stored), flatten(to_dict(config)), flatten(to_dict(Config()))
     refused, allowed, adopted = [], [], []
     for key, after in new.items():
         before = old.get(key, default.get(key))  # a key added since the run began: it ran with the default
@@ -112,17 +112,6 @@ def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None
     if allowed:
         log(f"resume with changed settings, recorded in {path}: {'; '.join(allowed)}")
     return config
-
-
-def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}: a config's sections and keys as dotted keys."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _with_replay(config: Config, **changes: Any) -> Config:
