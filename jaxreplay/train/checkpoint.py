@@ -1,8 +1,10 @@
 """Orbax checkpoints of the learner, tied to the Reverb checkpoint taken with them.
 
 A checkpoint is one Orbax step holding two items: `state` (params, optimizer
-state, RNG key) and `meta` (counters, and the path of the Reverb checkpoint taken
-just before, so a resume restores exactly that buffer, never a newer orphan).
+state, RNG key) and `meta` (counters, the path of the Reverb checkpoint taken
+just before, so a resume restores exactly that buffer, never a newer orphan, and
+the run-changing settings the step was trained with, which a resume is checked
+against even where config.yaml is gone or edited).
 Orbax finalises a step by an atomic rename, so a half-written one is never listed;
 steps past `keep` are likewise renamed away before they are deleted, so a kill
 mid-delete leaves no half-deleted step listed either.
@@ -64,13 +66,17 @@ def _unreadable(directory: str | Path, step: int):
 
 
 _DELETED = ".deleted"  # steps past `keep` are renamed in here, then deleted
+SETTINGS = "trained_with"  # meta's key for the run-changing settings; absent in steps written before it
 
 
 class Checkpointer:
-    def __init__(self, directory: Any, keep: int, timeout_s: Optional[float] = None):
+    def __init__(self, directory: Any, keep: int, timeout_s: Optional[float] = None,
+                 settings: Optional[dict] = None):
         """`directory`: a local path or a bucket URL (either as `storage.orbax_path` gives it).
         `timeout_s`: how long Orbax's barriers between processes wait (`distributed.timeout_s`),
-        instead of its own 20 minutes."""
+        instead of its own 20 minutes. `settings`: the run-changing settings each step records
+        (recorder.run_settings); update it when they change (a calibrated ratio)."""
+        self.settings = settings
         self.directory = storage.orbax_path(directory) if isinstance(directory, (str, os.PathLike)) else directory
         # A step killed mid-write stays a tmp directory, never listed, deleted on the next start. On a
         # bucket (no rename) steps past `keep` are deleted where they are.
@@ -99,7 +105,9 @@ class Checkpointer:
         self._manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dataclasses.asdict(progress))
+                state=ocp.args.StandardSave(state),
+                meta=ocp.args.JsonSave({**dataclasses.asdict(progress),
+                                        **({} if self.settings is None else {SETTINGS: self.settings})}),
             ),
             force=True,
         )
@@ -115,6 +123,13 @@ class Checkpointer:
                 paths.add(meta["replay_checkpoint"])
         return paths
 
+    def trained_with(self, step: int) -> Optional[dict]:
+        """The run-changing settings step `step` was trained with; None for a step written before
+        checkpoints recorded them."""
+        with _unreadable(self.directory, step):
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        return meta.get(SETTINGS)
+
     def restore(self, state_like: Any, step: Optional[int] = None) -> tuple[Any, Progress]:
         """Restores onto the structure, shapes, dtypes and shardings of `state_like`."""
         step = self.latest_step() if step is None else step
@@ -126,7 +141,9 @@ class Checkpointer:
                 step,
                 args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
             )
-            return restored.state, Progress(**restored.meta)
+            meta = dict(restored.meta)
+            meta.pop(SETTINGS, None)
+            return restored.state, Progress(**meta)
 
     def close(self) -> None:
         self._manager.close()

@@ -37,7 +37,7 @@ from jaxreplay.train.calibrate import calibrated, measure_mu
 from jaxreplay.train.checkpoint import CheckpointError, Checkpointer, Progress
 from jaxreplay.train.guards import Preempted, PreemptionNotice
 from jaxreplay.train.placement import Placement, params_digest, placement_for
-from jaxreplay.train.recorder import RunRecorder, last_summary, resume_config
+from jaxreplay.train.recorder import CONFIG_FILE, RunRecorder, last_summary, resume_config, run_settings
 from jaxreplay.train.roles import run_concurrent
 from jaxreplay.train.run import Run, table_counters
 from jaxreplay.train.stack import build_stack, resolved_model
@@ -98,9 +98,10 @@ def _train(config: Config, run_dir: rundir.RunDir, log: Callable[[str], None]) -
     c = resolved_model(_with_backend(config, placement, log))
     if resume is None and (run_dir / "config.yaml").exists():
         log(f"no checkpoint to resume in {run_dir}: starting from step 0")
+    trained_with = _trained_with(run_dir, config, resume, coord, log)
     # Refused before anything is written when the config changes the run; only the leader records.
-    recorder = RunRecorder.open(run_dir, c, resume, log) if placement.is_leader else None
-    c = recorder.config if recorder else resume_config(run_dir, c, log) if resume is not None else c
+    recorder = RunRecorder.open(run_dir, c, resume, log, trained_with) if placement.is_leader else None
+    c = recorder.config if recorder else resume_config(run_dir, c, log, trained_with) if resume is not None else c
     run_dir.sync()
     try:
         log(placement.describe())
@@ -113,6 +114,7 @@ def _train(config: Config, run_dir: rundir.RunDir, log: Callable[[str], None]) -
                 run.checkpoints = False
         try:
             run.config = c = stack.config = _calibrated(run, run_dir, coord, log)
+            run.checkpointer.settings = run_settings(c)  # the calibrated ratio is what the steps train with
             if recorder:
                 recorder.update_config(c)
                 run_dir.sync()
@@ -158,6 +160,24 @@ def _agreed_latest_step(run_dir: rundir.RunDir, config: Config,
     return chosen
 
 
+def _trained_with(run_dir: rundir.RunDir, config: Config, step: Optional[int],
+                  coord: Optional[distributed.Coordinator], log: Callable[[str], None]) -> Optional[dict]:
+    """The run-changing settings checkpoint step `step` recorded, which the resume is checked
+    against; None (said once) for a step written before checkpoints recorded them."""
+    if step is None:
+        return None
+    checkpointer = Checkpointer(run_dir.checkpoints(), keep=config.checkpoint.keep,
+                                timeout_s=coord.timeout_s if coord is not None else None)
+    try:
+        settings = checkpointer.trained_with(step)
+    finally:
+        checkpointer.close()
+    if settings is None:
+        log(f"warning: checkpoint step {step} in {run_dir.checkpoints()} records no settings (written before "
+            f"checkpoints recorded them): the resume is checked against {CONFIG_FILE} alone")
+    return settings
+
+
 def latest_step(run_dir: rundir.RunDir, keep: int) -> Optional[int]:
     """The step of the latest complete checkpoint in `run_dir`, if any."""
     if not run_dir.has_checkpoints():
@@ -174,7 +194,8 @@ def _run_state(stack, placement: Placement, recorder: Optional[RunRecorder], run
     """The run as the latest checkpoint left it (onto this placement's meshes), or fresh."""
     c = stack.config
     checkpointer = Checkpointer(run_dir.checkpoints(), keep=c.checkpoint.keep,
-                                timeout_s=c.distributed.timeout_s if placement.kind == "multihost" else None)
+                                timeout_s=c.distributed.timeout_s if placement.kind == "multihost" else None,
+                                settings=run_settings(c))
     progress = Progress()  # its accounting dict is the one the checkpoints save
     run = Run(config=c, placement=placement, stack=stack, recorder=recorder, checkpointer=checkpointer,
               progress=progress, params=stack.params, opt_state=stack.opt_state,

@@ -62,22 +62,37 @@ def may_change(key: str) -> bool:
     return any(fnmatch.fnmatchcase(key, pattern) for pattern in MAY_CHANGE_ON_RESUME)
 
 
-def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None] = print) -> Config:
-    """The config a resume in `run_dir` records: `config`, checked against the stored config.yaml.
+def run_settings(config: Config) -> dict[str, Any]:
+    """The settings that change the run (every key `may_change` refuses), as dotted keys: what each
+    checkpoint records, so a resume is checked even where config.yaml is gone or edited."""
+    return {key: value for key, value in _flat(to_dict(config)).items() if not may_change(key)}
+
+
+def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None] = print,
+                  trained_with: Optional[Mapping[str, Any]] = None) -> Config:
+    """The config a resume in `run_dir` records: `config`, checked against the stored config.yaml
+    and against `trained_with`, the run-changing settings the checkpoint recorded (`run_settings`),
+    which win over config.yaml's: a deleted or edited config.yaml does not hide a change.
 
     Refuses (`ConfigError`, one line naming every key, old -> new) a change to a key that changes
     the run; logs the allowed changes. `replay.backend: auto` matches the backend stored. With
     `replay.calibrate_steps` > 0 the stored `samples_per_insert` (the calibrated one) is kept.
     A value taken from config.yaml is validated like the command line's: an edited config.yaml
     is refused (`ConfigError`, exit code 2 from the CLI), never trained on unchecked.
-    Only reads: every process of a multi-host run can call it. No config.yaml: `config` itself."""
+    Only reads: every process of a multi-host run can call it. Neither config.yaml nor
+    `trained_with`: `config` itself."""
     path = Path(run_dir) / CONFIG_FILE
-    if not path.exists():
+    old: dict[str, Any] = {}
+    if path.exists():
+        stored = read_yaml(path, "the run's stored config")
+        if not isinstance(stored, dict):
+            raise ConfigError(f"the run's stored config {path} is not a mapping of sections; move it away to start "
+                              "afresh")
+        old = _flat(stored)
+    elif trained_with is None:
         return config
-    stored = read_yaml(path, "the run's stored config")
-    if not isinstance(stored, dict):
-        raise ConfigError(f"the run's stored config {path} is not a mapping of sections; move it away to start afresh")
-    old, new, default = _flat(stored), _flat(to_dict(config)), _flat(to_dict(Config()))
+    old.update(trained_with or {})  # the checkpoint's record of what the run computed with
+    new, default = _flat(to_dict(config)), _flat(to_dict(Config()))
     refused, allowed, adopted = [], [], []
     for key, after in new.items():
         before = old.get(key, default.get(key))  # a key added since the run began: it ran with the default
@@ -133,12 +148,13 @@ class RunRecorder:
 
     @classmethod
     def open(cls, run_dir: str | Path, config: Config, resume_step: Optional[int],
-             log: Callable[[str], None] = print) -> "RunRecorder":
+             log: Callable[[str], None] = print, trained_with: Optional[Mapping[str, Any]] = None) -> "RunRecorder":
         """`resume_step`: the checkpoint step the run resumes from, or None for a fresh start
-        (whatever an earlier attempt without a checkpoint left is then overwritten)."""
+        (whatever an earlier attempt without a checkpoint left is then overwritten);
+        `trained_with`: that step's recorded run-changing settings (`resume_config`)."""
         run_dir = Path(run_dir)
         if resume_step is not None:
-            config = resume_config(run_dir, config, log)  # may refuse: nothing is written before it
+            config = resume_config(run_dir, config, log, trained_with)  # may refuse: nothing is written before it
         write_atomic(run_dir / CONFIG_FILE, _yaml(config))
         dropped = keep_metrics_through(run_dir / METRICS_FILE, -1 if resume_step is None else resume_step)
         if dropped:

@@ -1,0 +1,103 @@
+"""Checkpoint faults found by outside testing (issue 33), on real run dirs and the real CLI:
+a resume checked against the settings the checkpoint recorded (config.yaml deleted or edited),
+a run dir that fills up, damaged checkpoint files. Each ends in one line, exit 2, or is survived."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gcs_emulator import bucket, gcs_emulator  # noqa: F401 - fixtures
+from jaxreplay.config import load_config
+from jaxreplay.train.driver import train
+from test_train import DEMO, ROOT, TINY
+
+STEPS = 2
+RUN = [*TINY, "warmstart.steps=2", f"train.steps={STEPS}", "checkpoint.every=1", "checkpoint.keep=2",
+       "train.eval_every=1000", "task.eval_size=8"]
+
+
+def cli(run_dir, *overrides: str, cwd=ROOT, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxreplay.cli", "train", str(DEMO), *RUN, *overrides,
+                           f"run.dir={run_dir}"], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A run dir with checkpoints at steps 1 and 2 (seed 0); tests work on copies."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    train(load_config(DEMO, [*RUN, f"run.dir={run_dir}"]), log=lambda _: None)
+    return run_dir
+
+
+def copy_of(trained: Path, tmp_path: Path) -> Path:
+    shutil.copytree(trained, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def refused(result: subprocess.CompletedProcess, *named: str) -> str:
+    """The one stderr line of a refused resume, exit 2, naming every key in `named`."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, (result.returncode, result.stdout[-2000:], result.stderr)
+    assert lines[0].startswith("jaxreplay: config error: "), lines
+    for key in named:
+        assert key in lines[0], lines[0]
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------------
+# The checkpoint records the run-changing settings it was trained with
+
+
+def test_a_resume_without_config_yaml_is_checked_against_the_checkpoints_settings(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    (run_dir / "config.yaml").unlink()
+    line = refused(cli(run_dir, "run.seed=1", "replay.max_size=128", "train.steps=3"), "run.seed", "replay.max_size")
+    assert "run.seed: 0 -> 1" in line and "train.steps" not in line  # a key that may change is not named
+    assert not (run_dir / "config.yaml").exists()  # nothing written
+
+
+def test_an_edited_config_yaml_does_not_hide_a_change_from_the_checkpoint(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    stored = yaml.safe_load((run_dir / "config.yaml").read_text())
+    stored["run"]["seed"] = 7
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(stored))
+    assert "run.seed: 0 -> 7" in refused(cli(run_dir, "run.seed=7", "train.steps=3"), "run.seed")
+
+
+def meta_file(run_dir: Path, step: int) -> Path:
+    """The JSON file of a step's `meta` item (Orbax's layout: `metadata` in the item's directory)."""
+    return run_dir / "checkpoints" / str(step) / "meta" / "metadata"
+
+
+def test_a_checkpoint_from_before_settings_were_recorded_resumes_with_a_warning(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    (run_dir / "config.yaml").unlink()
+    meta = meta_file(run_dir, STEPS)
+    record = json.loads(meta.read_text())
+    assert record.pop("trained_with")["run.seed"] == 0
+    meta.write_text(json.dumps(record))
+    result = cli(run_dir, "train.steps=3")
+    assert result.returncode == 0 and not result.stderr.strip(), (result.stdout[-3000:], result.stderr)
+    assert f"warning: checkpoint step {STEPS} in" in result.stdout and "records no settings" in result.stdout
+    assert f"resumed from step {STEPS}" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_bucket_run_without_config_yaml_is_checked_against_the_checkpoints_settings(trained, bucket, tmp_path):
+    from jaxreplay import storage
+
+    run_url = storage.join(bucket, "run")
+    for path in trained.rglob("*"):
+        if path.is_file() and path.name != "config.yaml" and not path.name.startswith("."):
+            storage.write_bytes(storage.join(run_url, path.relative_to(trained).as_posix()), path.read_bytes())
+    assert not storage.exists(storage.join(run_url, "config.yaml"))
+    refused(cli(run_url, "run.seed=1", "train.steps=3", "run.lease_s=8", cwd=tmp_path), "run.seed: 0 -> 1")
+    assert not storage.exists(storage.join(run_url, "config.yaml"))
+
