@@ -101,3 +101,54 @@ def test_a_bucket_run_without_config_yaml_is_checked_against_the_checkpoints_set
     refused(cli(run_url, "run.seed=1", "train.steps=3", "run.lease_s=8", cwd=tmp_path), "run.seed: 0 -> 1")
     assert not storage.exists(storage.join(run_url, "config.yaml"))
 
+
+
+# ----------------------------------------------------------------------------------
+# A run dir that fills up: one line naming the path, exit 2; the latest complete step stays the latest
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 20 MB tmpfs, filled but for 400 KB: room for two of RUN's checkpoints, not three."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): needs root and "
+                    "mount permission")
+    try:
+        free = shutil.disk_usage(mount).free
+        (mount / "filler").write_bytes(b"\0" * (free - 400 * 1024))
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_run_dir_that_fills_up_ends_in_one_line_naming_the_path_and_its_copy_resumes(small_disk, tmp_path):
+    run_dir = small_disk / "run"
+    result = cli(run_dir, "train.steps=8")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, (result.returncode, result.stdout[-2000:], result.stderr)
+    assert lines[0].startswith(f"jaxreplay: write error: {run_dir}") and "No space left on device" in lines[0]
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps and steps[-1] < 8, steps
+    roomy = tmp_path / "roomy"
+    shutil.copytree(run_dir, roomy)
+    resumed = cli(roomy, "train.steps=8")
+    assert resumed.returncode == 0, (resumed.stdout[-3000:], resumed.stderr)
+    assert f"resumed from step {steps[-1]} " in resumed.stdout
+
+
+def test_write_failures_are_found_behind_other_errors_and_keep_the_file_they_name():
+    from jaxreplay.train.checkpoint import write_failure
+
+    try:
+        try:
+            raise OSError(28, "No space left on device", "/run/checkpoints/3/state")
+        except OSError as e:
+            raise ValueError("Error writing local file: [errno 28] something") from e
+    except ValueError as e:
+        assert write_failure(e).filename == "/run/checkpoints/3/state"
+    assert write_failure(ValueError("NOT_FOUND: Read-only file system")).errno == 30
+    assert write_failure(OSError(2, "No such file or directory", "x")) is None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -65,6 +66,28 @@ def _unreadable(directory: str | Path, step: int):
                               f"({type(e).__name__}: {first})") from e
 
 
+# What an OS-level write failure says, where a library hands it on as text (tensorstore's errors)
+_WRITE_FAILURES = {errno.ENOSPC: "No space left on device", errno.EROFS: "Read-only file system",
+                   errno.EDQUOT: "Disk quota exceeded"}
+
+
+def write_failure(error: BaseException) -> Optional[OSError]:
+    """The OS-level write failure (disk full, read-only, quota) behind `error`, if one is: the
+    first such OSError along its causes, preferring one that names its file."""
+    found: list[OSError] = []
+    seen, e = set(), error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _WRITE_FAILURES:
+            found.append(e)
+        else:
+            for code, text in _WRITE_FAILURES.items():
+                if text in str(e):
+                    found.append(OSError(code, text))
+        e = e.__cause__ or e.__context__
+    return next((e for e in found if e.filename), found[0] if found else None)
+
+
 _DELETED = ".deleted"  # steps past `keep` are renamed in here, then deleted
 SETTINGS = "trained_with"  # meta's key for the run-changing settings; absent in steps written before it
 
@@ -102,6 +125,18 @@ class Checkpointer:
         return list(self._manager.all_steps())
 
     def save(self, step: int, state: Any, progress: Progress) -> None:
+        """A full disk (or a read-only one, or a quota) raises an OSError naming the step's
+        directory; the step is then never listed, so the latest complete one stays the latest."""
+        try:
+            self._save(step, state, progress)
+        except Exception as e:
+            failure = write_failure(e)
+            if failure is None:
+                raise
+            raise OSError(failure.errno, _WRITE_FAILURES[failure.errno],
+                          failure.filename or storage.join(str(self.directory), str(step))) from e
+
+    def _save(self, step: int, state: Any, progress: Progress) -> None:
         self._manager.save(
             step,
             args=ocp.args.Composite(

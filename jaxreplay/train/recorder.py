@@ -232,11 +232,17 @@ def keep_metrics_through(path: Path, step: int) -> int:
 def write_atomic(path: Path, text: str) -> None:
     """`path` holds `text` or, after a kill at any moment, what it held before."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk: say which file, and leave no partial one taking space
+        tmp.unlink(missing_ok=True)
+        if e.filename:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def _yaml(config: Config) -> str:
