@@ -295,9 +295,10 @@ def _bad_input(error: Exception) -> bool:
     Hugging Face model directory): exit code 2, like a config error."""
     from jaxreplay.models.errors import HFModelError
     from jaxreplay.tasks.datasets import DatasetError
+    from jaxreplay.replay.inprocess import DamagedCheckpoint
     from jaxreplay.train.checkpoint import CheckpointError
 
-    return isinstance(error, (CheckpointError, DatasetError, HFModelError))
+    return isinstance(error, (CheckpointError, DamagedCheckpoint, DatasetError, HFModelError))
 
 
 if __name__ == "__main__":

@@ -152,3 +152,74 @@ def test_write_failures_are_found_behind_other_errors_and_keep_the_file_they_nam
         assert write_failure(e).filename == "/run/checkpoints/3/state"
     assert write_failure(ValueError("NOT_FOUND: Read-only file system")).errno == 30
     assert write_failure(OSError(2, "No such file or directory", "x")) is None
+
+
+# ----------------------------------------------------------------------------------
+# Damaged replay checkpoints: named, passed over for the step before, never trained on
+
+
+def replay_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "replay" / json.loads(meta_file(run_dir, step).read_text())["replay_checkpoint"]
+
+
+def overwrite(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 16] = bytes(16)
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+
+
+def bad_crc(path: Path) -> None:
+    """Changes one stored byte of a zip member, so its CRC no longer matches (zip's own check)."""
+    data = bytearray(path.read_bytes())
+    data[64] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "npz overwritten": (lambda d: overwrite(next(d.glob("*.npz"))), ".npz"),
+    "npz truncated": (lambda d: truncate(next(d.glob("*.npz"))), ".npz"),
+    "npz bad crc": (lambda d: bad_crc(next(d.glob("*.npz"))), ".npz"),
+    "tables.json truncated": (lambda d: truncate(d / "tables.json"), "tables.json"),
+    "replay dir missing": (lambda d: shutil.rmtree(d), "DONE"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_replay_checkpoint_is_named_and_the_step_before_it_resumed(trained, tmp_path, damage):
+    run_dir = copy_of(trained, tmp_path)
+    spoil, named = DAMAGE[damage]
+    spoil(replay_dir(run_dir, STEPS))
+    result = cli(run_dir, "train.steps=3")
+    assert result.returncode == 0 and not result.stderr.strip(), (result.stdout[-3000:], result.stderr)
+    said = [line for line in result.stdout.splitlines() if "is damaged" in line]
+    assert len(said) == 1 and f"checkpoint step {STEPS} is damaged" in said[0] and named in said[0], said
+    assert f"resuming from step {STEPS - 1}" in said[0]
+    assert f"resumed from step {STEPS - 1} " in result.stdout
+    assert (run_dir / "damaged" / f"step-{STEPS}").is_dir()  # kept for a look, not deleted
+
+
+def test_no_undamaged_step_left_ends_in_one_line_and_exit_2(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    for step in (STEPS - 1, STEPS):
+        truncate(next(replay_dir(run_dir, step).glob("*.npz")))
+    result = cli(run_dir, "train.steps=3")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, (result.returncode, result.stdout[-2000:], result.stderr)
+    assert lines[0].startswith("jaxreplay: error: CheckpointError: no undamaged checkpoint left in"), lines
+
+
+def test_a_replay_checkpoint_from_before_the_hashes_resumes_unchecked(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    replay = replay_dir(run_dir, STEPS)
+    (replay / "DONE").write_text("")  # as written before: an empty marker, no sha256 in tables.json
+    meta = json.loads((replay / "tables.json").read_text())
+    for table in meta["tables"]:
+        del table["sha256"]
+    (replay / "tables.json").write_text(json.dumps(meta))
+    result = cli(run_dir, "train.steps=3")
+    assert result.returncode == 0 and "is damaged" not in result.stdout, (result.stdout[-3000:], result.stderr)
+    assert f"resumed from step {STEPS} " in result.stdout

@@ -161,9 +161,12 @@ class Checkpointer:
     def trained_with(self, step: int) -> Optional[dict]:
         """The run-changing settings step `step` was trained with; None for a step written before
         checkpoints recorded them."""
+        return self.meta(step).get(SETTINGS)
+
+    def meta(self, step: int) -> dict:
+        """Step `step`'s `meta` item alone (counters, replay checkpoint, settings)."""
         with _unreadable(self.directory, step):
-            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-        return meta.get(SETTINGS)
+            return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
 
     def restore(self, state_like: Any, step: Optional[int] = None) -> tuple[Any, Progress]:
         """Restores onto the structure, shapes, dtypes and shardings of `state_like`."""

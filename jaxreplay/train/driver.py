@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 from jaxreplay import storage
 from jaxreplay.compat import multiprocess_checkpoint_gap
 from jaxreplay.config import Config, ConfigError
+from jaxreplay.replay import inprocess
 from jaxreplay.replay.multiprocess import open_replay
 from jaxreplay.replay.ports import check_port
 from jaxreplay.replay.reader import reader_for
@@ -90,7 +91,7 @@ def _train(config: Config, run_dir: rundir.RunDir, log: Callable[[str], None]) -
     if coord is not None:  # before any wait on run.dir: a pod whose workers each have their own disk ends here
         # process 0 may still be waiting out an earlier run's lease (at most run.lease_s)
         rundir.check_shared(run_dir, distributed.Coordinator(rundir.SHARED_CHECK_S + config.run.lease_s))
-    resume = _agreed_latest_step(run_dir, config, coord)
+    resume = _agreed_latest_step(run_dir, config, coord, log)
     if resume is not None and resume >= config.train.steps:
         log(f"nothing to run: no step ran, because the checkpoint in {run_dir.checkpoints()} is already at "
             f"step {resume} >= train.steps={config.train.steps}; raise train.steps to train further")
@@ -137,13 +138,13 @@ def _with_backend(config: Config, placement: Placement, log: Callable[[str], Non
     return dataclasses.replace(config, replay=dataclasses.replace(config.replay, backend=backend))
 
 
-def _agreed_latest_step(run_dir: rundir.RunDir, config: Config,
-                        coord: Optional[distributed.Coordinator]) -> Optional[int]:
+def _agreed_latest_step(run_dir: rundir.RunDir, config: Config, coord: Optional[distributed.Coordinator],
+                        log: Callable[[str], None]) -> Optional[int]:
     """The step to resume from. Multi-host, every process lists the steps it can read (Orbax's
     manager is collective there, so all open it), process 0 chooses, and all check that they can
     read its choice, so no process resumes from another step (their collectives would not match)."""
     if coord is None:
-        return latest_step(run_dir, config.checkpoint.keep)
+        return latest_step(run_dir, config.checkpoint.keep, log, resolve_backend(config.replay.backend))
     checkpointer = Checkpointer(run_dir.checkpoints(), keep=config.checkpoint.keep, timeout_s=coord.timeout_s)
     try:
         steps = checkpointer.all_steps()
@@ -178,15 +179,46 @@ def _trained_with(run_dir: rundir.RunDir, config: Config, step: Optional[int],
     return settings
 
 
-def latest_step(run_dir: rundir.RunDir, keep: int) -> Optional[int]:
-    """The step of the latest complete checkpoint in `run_dir`, if any."""
+def latest_step(run_dir: rundir.RunDir, keep: int, log: Callable[[str], None] = lambda _: None,
+                backend: Optional[str] = None) -> Optional[int]:
+    """The step of the latest complete checkpoint in `run_dir`, if any. With the in-process
+    replay backend on a local run dir, a step whose replay checkpoint is damaged (a file cut
+    short or changed since it was written: its sha256) is named in one line and moved to
+    `damaged/`, and the step before it is taken; none left: `CheckpointError`."""
     if not run_dir.has_checkpoints():
         return None
     checkpointer = Checkpointer(run_dir.checkpoints(), keep=keep)
     try:
-        return checkpointer.latest_step()
+        steps = sorted(checkpointer.all_steps(), reverse=True)
+        if backend != "inprocess" or run_dir.remote:  # a bucket's replay files are checked as they are restored
+            return steps[0] if steps else None
+        for i, step in enumerate(steps):
+            why = _damage(run_dir, checkpointer, step)
+            if why is None:
+                return step
+            aside = run_dir / DAMAGED_DIR / f"step-{step}"
+            aside.parent.mkdir(exist_ok=True)
+            os.replace(run_dir.local / rundir.CHECKPOINT_DIR / str(step), aside)
+            log(f"checkpoint step {step} is damaged, moved to {aside}: {why}; "
+                + (f"resuming from step {steps[i + 1]}" if i + 1 < len(steps) else "no complete step is left"))
+        raise CheckpointError(f"no undamaged checkpoint left in {run_dir.checkpoints()} (the damaged ones are in "
+                              f"{run_dir / DAMAGED_DIR}): start afresh in a new run.dir")
     finally:
         checkpointer.close()
+
+
+DAMAGED_DIR = "damaged"  # in the run dir: checkpoint steps passed over as damaged, kept for a look
+
+
+def _damage(run_dir: rundir.RunDir, checkpointer: Checkpointer, step: int) -> Optional[str]:
+    """What is damaged in step `step` (its meta, or its in-process replay checkpoint), or None."""
+    try:
+        name = checkpointer.meta(step).get("replay_checkpoint")
+        if name:
+            inprocess.verify(run_dir / rundir.REPLAY_DIR / name)
+    except (CheckpointError, inprocess.DamagedCheckpoint) as e:
+        return str(e)
+    return None
 
 
 def _run_state(stack, placement: Placement, recorder: Optional[RunRecorder], run_dir: rundir.RunDir,
