@@ -95,10 +95,11 @@ def test_a_bucket_run_without_config_yaml_is_checked_against_the_checkpoints_set
 
     run_url = storage.join(bucket, "run")
     for path in trained.rglob("*"):
-        if path.is_file() and path.name != "config.yaml" and not path.name.startswith("."):
+        if path.is_file() and path.name not in ("config.yaml", "run.lock") and not path.name.startswith("."):
             storage.write_bytes(storage.join(run_url, path.relative_to(trained).as_posix()), path.read_bytes())
     assert not storage.exists(storage.join(run_url, "config.yaml"))
-    refused(cli(run_url, "run.seed=1", "train.steps=3", "run.lease_s=8", cwd=tmp_path), "run.seed: 0 -> 1")
+    line = refused(cli(run_url, "run.seed=1", "train.steps=3", "run.lease_s=8", cwd=tmp_path), "run.seed: 0 -> 1")
+    assert f"change the run in {run_url}," in line
     assert not storage.exists(storage.join(run_url, "config.yaml"))
 
 

@@ -112,7 +112,8 @@ def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None
         else:
             refused.append(change)
     if refused:
-        raise ConfigError(f"{'; '.join(refused)}; these change the run in {path.parent}, so a resume with them is "
+        where = getattr(run_dir, "url", path.parent)  # a bucket run dir by its URL, not its local mirror
+        raise ConfigError(f"{'; '.join(refused)}; these change the run in {where}, so a resume with them is "
                           "refused: use a new run.dir, or restore the old values")
     if adopted:
         try:
@@ -152,9 +153,9 @@ class RunRecorder:
         """`resume_step`: the checkpoint step the run resumes from, or None for a fresh start
         (whatever an earlier attempt without a checkpoint left is then overwritten);
         `trained_with`: that step's recorded run-changing settings (`resume_config`)."""
-        run_dir = Path(run_dir)
         if resume_step is not None:
             config = resume_config(run_dir, config, log, trained_with)  # may refuse: nothing is written before it
+        run_dir = Path(run_dir)
         write_atomic(run_dir / CONFIG_FILE, _yaml(config))
         dropped = keep_metrics_through(run_dir / METRICS_FILE, -1 if resume_step is None else resume_step)
         if dropped:
