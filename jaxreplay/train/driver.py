@@ -190,7 +190,7 @@ def latest_step(run_dir: rundir.RunDir, keep: int, log: Callable[[str], None] = 
     checkpointer = Checkpointer(run_dir.checkpoints(), keep=keep)
     try:
         steps = sorted(checkpointer.all_steps(), reverse=True)
-        if backend != "inprocess" or run_dir.remote:  # a bucket's replay files are checked as they are restored
+        if not steps or backend != "inprocess" or run_dir.remote:  # a bucket's replay files: checked on restore
             return steps[0] if steps else None
         for i, step in enumerate(steps):
             why = _damage(run_dir, checkpointer, step)
