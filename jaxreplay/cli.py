@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -110,19 +111,46 @@ def _ks(text: str) -> tuple[int, ...]:
 @contextlib.contextmanager
 def _native_logs_to(path: Path):
     """Sends what C++ libraries (Reverb, TensorFlow, XLA) write to file descriptor 2 into
-    `path`, keeping Python's own stderr (progress bar, errors) on the terminal."""
+    `path`, keeping Python's own stderr (progress bar, errors) on the terminal. Exceptions
+    that libraries' threads and callbacks drop (Orbax's closed event loop after a failed
+    save, tensorboardX's flush thread) go there too, as they are not the run's outcome."""
     sys.stderr.flush()
     terminal = os.dup(2)
     with open(path, "a") as log:
         os.dup2(log.fileno(), 2)
     previous, sys.stderr = sys.stderr, os.fdopen(os.dup(terminal), "w", buffering=1)
+    hooks = sys.unraisablehook, threading.excepthook
+    sys.unraisablehook = lambda u: _to_native_log(path, u.exc_type, u.exc_value, u.exc_traceback,
+                                                  f"Exception ignored in: {u.object!r}" if u.object else u.err_msg)
+    threading.excepthook = lambda a: _to_native_log(path, a.exc_type, a.exc_value, a.exc_traceback,
+                                                    f"Exception in thread {a.thread.name if a.thread else '?'}")
     try:
         yield
     finally:
+        sys.unraisablehook, threading.excepthook = hooks
         sys.stderr.close()
         sys.stderr = previous
         os.dup2(terminal, 2)
         os.close(terminal)
+
+
+def _to_native_log(path: Path, kind, value, tb, header) -> None:
+    with contextlib.suppress(Exception):  # the disk may be full: then it is dropped
+        with open(path, "a") as log:
+            log.write(f"{header}\n{''.join(traceback.format_exception(kind, value, tb))}")
+
+
+def _quiet_exit() -> None:
+    """After a write failure, the libraries' own failures at exit (tensorboardX flushing onto the
+    full disk) are no news: stderr from here on goes nowhere (the run dir's native.log may be
+    what cannot be written)."""
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    sys.stderr = open(os.devnull, "w")
+    sys.unraisablehook = lambda u: None
+    threading.excepthook = lambda a: None
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -154,6 +182,7 @@ def _command(argv: list[str] | None) -> int:
     tune_cpu_compiler()  # before the first JAX computation
     from jaxreplay.config import ConfigError, load_config
 
+    config = None
     try:
         if args.command in research.COMMANDS:
             return research.run(args)
@@ -223,6 +252,14 @@ def _command(argv: list[str] | None) -> int:
     except Exception as e:  # one line for users; --debug for developers
         if args.debug:
             traceback.print_exc()
+        if failure := _write_failure(e):  # disk full, read-only, quota: the path and the OS's word
+            where = failure.filename or (config.run.dir if config is not None else None)
+            print(f"jaxreplay: error: cannot write {where or '?'}: {failure.strerror or failure}; the latest complete "
+                  "checkpoint is unchanged: free space (or make it writable) and run the same command again",
+                  file=sys.stderr, flush=True)
+            if argv is None and not args.debug:
+                _quiet_exit()
+            return 2
         print(f"jaxreplay: error: {type(e).__name__}: {one_line(str(e))}", file=sys.stderr)
         return 2 if _bad_input(e) else 1
 
@@ -262,14 +299,21 @@ def _yaml_string(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+def _write_failure(error: Exception):
+    from jaxreplay.train.checkpoint import write_failure
+
+    return write_failure(error)
+
+
 def _bad_input(error: Exception) -> bool:
     """Errors that name something wrong in what the user gave (a checkpoint, a dataset, a
     Hugging Face model directory): exit code 2, like a config error."""
     from jaxreplay.models.errors import HFModelError
     from jaxreplay.tasks.datasets import DatasetError
+    from jaxreplay.replay.inprocess import DamagedCheckpoint
     from jaxreplay.train.checkpoint import CheckpointError
 
-    return isinstance(error, (CheckpointError, DatasetError, HFModelError))
+    return isinstance(error, (CheckpointError, DamagedCheckpoint, DatasetError, HFModelError))
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def test_restore_refuses_other_settings_and_incomplete_checkpoints(tmp_path):
         name = s.checkpoint()
     with pytest.raises(ValueError, match=r"different table settings: rate_limit"):
         server("replay.samples_per_insert=3", checkpoint_root=tmp_path, restore_from=name)
-    with pytest.raises(FileNotFoundError, match="no complete in-process replay checkpoint"):
+    with pytest.raises(ValueError, match=r"nope/DONE: missing \(the marker of a complete replay checkpoint\)"):
         server(checkpoint_root=tmp_path, restore_from="nope")
     with pytest.raises(ValueError, match="relative to a checkpoint_root; none was given"):
         server(restore_from=name)

@@ -15,15 +15,21 @@ table per process, as shards of one (multiprocess.py).
 Checkpoints are plain directories: per table an `.npz` of the items (fields, keys,
 priorities, times sampled; loaded without pickle) and a `tables.json` of settings,
 counters and the selectors' RNG state, written under a temporary name and renamed into
-place. A seeded server therefore samples the same items as an uninterrupted one after
+place. tables.json holds each .npz's sha256 and the `DONE` marker tables.json's, hashed
+from the bytes as they are written, so a file cut short or changed since is named on
+restore (`DamagedCheckpoint`) before a table is filled from it; checkpoints written before
+the hashes (an empty `DONE`) are read unchecked. A seeded server therefore samples the same items as an uninterrupted one after
 a restore: runs with the same seed are reproducible, resumed or not.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import io
 import json
 import os
+import zipfile
 import tempfile
 import threading
 import time
@@ -39,6 +45,49 @@ from jaxreplay.replay.tables import (
 _DONE = "DONE"  # marks a complete checkpoint, as in Reverb's
 _FORMAT = 2  # 2: tables.json holds the selectors' RNG state (format 1 had none)
 _SELECTOR_STREAM = 0x5E1EC7  # keeps the selectors' stream apart from other users of the same seed
+
+
+class DamagedCheckpoint(ValueError):
+    """A replay checkpoint with a file that is missing, cut short or changed since it was written."""
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"{path}: missing ({what})") from None
+
+
+def _json(path: str, data: bytes):
+    try:
+        record = json.loads(data)
+        record.keys()  # an object, as written
+    except (ValueError, AttributeError) as e:
+        raise DamagedCheckpoint(f"{path}: not a JSON object as written ({e})") from None
+    return record
+
+
+def verify(path: str | os.PathLike) -> dict:
+    """The checkpoint's tables.json, once its files match the hashes written with them; else
+    `DamagedCheckpoint` naming the first file that does not."""
+    path = os.fspath(path)
+    done = _read(os.path.join(path, _DONE), "the marker of a complete replay checkpoint")
+    expected = _json(os.path.join(path, _DONE), done) if done.strip() else {}  # empty: written before the hashes
+    text = _read(os.path.join(path, "tables.json"), "the replay checkpoint's settings and counters")
+    if expected and _sha256(text) != expected.get("tables.json"):
+        raise DamagedCheckpoint(f"{os.path.join(path, 'tables.json')}: its sha256 is not the one written with it")
+    meta = _json(os.path.join(path, "tables.json"), text)
+    for table in meta.get("tables", []):
+        if "sha256" in table:
+            npz = os.path.join(path, f"{table['definition']['name']}.npz")
+            if _sha256(_read(npz, "a replay table's items")) != table["sha256"]:
+                raise DamagedCheckpoint(f"{npz}: its sha256 is not the one written with it (cut short or changed)")
+    return meta
 
 
 @dataclasses.dataclass
@@ -200,12 +249,18 @@ class InProcessServer:
                 arrays["key"] = np.array([it.key for it in t.items], np.uint64)
                 arrays["priority"] = np.array([it.priority for it in t.items], np.float64)
                 arrays["times_sampled"] = np.array([it.times_sampled for it in t.items], np.int64)
-                np.savez(os.path.join(staging, f"{t.name}.npz"), **arrays)
+                buffer = io.BytesIO()  # hashed as written: no second pass over the file
+                np.savez(buffer, **arrays)
+                data = buffer.getvalue()
+                with open(os.path.join(staging, f"{t.name}.npz"), "wb") as f:
+                    f.write(data)
                 meta["tables"].append({"definition": dataclasses.asdict(t.definition),
-                                       "inserts": t.inserts, "samples": t.samples})
-            with open(os.path.join(staging, "tables.json"), "w") as f:
-                json.dump(meta, f)
-            open(os.path.join(staging, _DONE), "w").close()
+                                       "inserts": t.inserts, "samples": t.samples, "sha256": _sha256(data)})
+            text = json.dumps(meta).encode()
+            with open(os.path.join(staging, "tables.json"), "wb") as f:
+                f.write(text)
+            with open(os.path.join(staging, _DONE), "w") as f:
+                json.dump({"tables.json": _sha256(text)}, f)
             name = f"{time.strftime('%Y%m%dT%H%M%S')}-{self._next_key}-{os.urandom(4).hex()}"
             os.replace(staging, os.path.join(self._checkpoint_root, name))
             return name
@@ -262,10 +317,7 @@ class InProcessServer:
         return t
 
     def _restore(self, path: str) -> None:
-        if not os.path.exists(os.path.join(path, _DONE)):
-            raise FileNotFoundError(f"no complete in-process replay checkpoint at {path}")
-        with open(os.path.join(path, "tables.json")) as f:
-            meta = json.load(f)
+        meta = verify(path)
         saved = {m["definition"]["name"]: m for m in meta["tables"]}
         if sorted(saved) != sorted(self._tables):
             raise ValueError(f"replay checkpoint {path} holds tables {sorted(saved)}, the config {sorted(self._tables)}")
@@ -277,14 +329,20 @@ class InProcessServer:
                          for f in dataclasses.fields(TableDef) if getattr(got, f.name) != getattr(t.definition, f.name)]
                 raise ValueError(f"replay checkpoint {path} was saved with different table settings: "
                                  + "; ".join(diffs))
-            with np.load(os.path.join(path, f"{name}.npz"), allow_pickle=False) as z:
+            npz = os.path.join(path, f"{name}.npz")
+            try:
+                z = np.load(npz, allow_pickle=False)
                 fields = {k: z[f"field.{k}"] for k in t.item_spec if f"field.{k}" in z}
+                keys, priorities, sampled = z["key"], z["priority"], z["times_sampled"]
+            except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as e:  # unhashed (older) files
+                raise DamagedCheckpoint(f"{npz}: not a readable table ({e.__class__.__name__}: {e})") from None
+            with z:
                 if set(fields) != set(t.item_spec) or any(
                         fields[k].shape[1:] != shape or fields[k].dtype != dtype
                         for k, (shape, dtype) in t.item_spec.items()):
                     raise ValueError(f"replay checkpoint {path}: table {name!r} was saved with other item fields")
                 t.items = [_Item(int(key), {k: a[i] for k, a in fields.items()}, float(pr), int(ts))
-                           for i, (key, pr, ts) in enumerate(zip(z["key"], z["priority"], z["times_sampled"]))]
+                           for i, (key, pr, ts) in enumerate(zip(keys, priorities, sampled))]
             t.inserts, t.samples = saved[name]["inserts"], saved[name]["samples"]
         self._next_key = meta["next_key"]
         if "rng" in meta:  # format 1 checkpoints carry none: sampling continues from `seed`

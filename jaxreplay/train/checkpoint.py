@@ -1,8 +1,10 @@
 """Orbax checkpoints of the learner, tied to the Reverb checkpoint taken with them.
 
 A checkpoint is one Orbax step holding two items: `state` (params, optimizer
-state, RNG key) and `meta` (counters, and the path of the Reverb checkpoint taken
-just before, so a resume restores exactly that buffer, never a newer orphan).
+state, RNG key) and `meta` (counters, the path of the Reverb checkpoint taken
+just before, so a resume restores exactly that buffer, never a newer orphan, and
+the run-changing settings the step was trained with, which a resume is checked
+against even where config.yaml is gone or edited).
 Orbax finalises a step by an atomic rename, so a half-written one is never listed;
 steps past `keep` are likewise renamed away before they are deleted, so a kill
 mid-delete leaves no half-deleted step listed either.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -63,14 +66,40 @@ def _unreadable(directory: str | Path, step: int):
                               f"({type(e).__name__}: {first})") from e
 
 
+# What an OS-level write failure says, where a library hands it on as text (tensorstore's errors)
+_WRITE_FAILURES = {errno.ENOSPC: "No space left on device", errno.EROFS: "Read-only file system",
+                   errno.EDQUOT: "Disk quota exceeded"}
+
+
+def write_failure(error: BaseException) -> Optional[OSError]:
+    """The OS-level write failure (disk full, read-only, quota) behind `error`, if one is: the
+    first such OSError along its causes, preferring one that names its file."""
+    found: list[OSError] = []
+    seen, e = set(), error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _WRITE_FAILURES:
+            found.append(e)
+        else:
+            for code, text in _WRITE_FAILURES.items():
+                if text in str(e):
+                    found.append(OSError(code, text))
+        e = e.__cause__ or e.__context__
+    return next((e for e in found if e.filename), found[0] if found else None)
+
+
 _DELETED = ".deleted"  # steps past `keep` are renamed in here, then deleted
+SETTINGS = "trained_with"  # meta's key for the run-changing settings; absent in steps written before it
 
 
 class Checkpointer:
-    def __init__(self, directory: Any, keep: int, timeout_s: Optional[float] = None):
+    def __init__(self, directory: Any, keep: int, timeout_s: Optional[float] = None,
+                 settings: Optional[dict] = None):
         """`directory`: a local path or a bucket URL (either as `storage.orbax_path` gives it).
         `timeout_s`: how long Orbax's barriers between processes wait (`distributed.timeout_s`),
-        instead of its own 20 minutes."""
+        instead of its own 20 minutes. `settings`: the run-changing settings each step records
+        (recorder.run_settings); update it when they change (a calibrated ratio)."""
+        self.settings = settings
         self.directory = storage.orbax_path(directory) if isinstance(directory, (str, os.PathLike)) else directory
         # A step killed mid-write stays a tmp directory, never listed, deleted on the next start. On a
         # bucket (no rename) steps past `keep` are deleted where they are.
@@ -96,10 +125,24 @@ class Checkpointer:
         return list(self._manager.all_steps())
 
     def save(self, step: int, state: Any, progress: Progress) -> None:
+        """A full disk (or a read-only one, or a quota) raises an OSError naming the step's
+        directory; the step is then never listed, so the latest complete one stays the latest."""
+        try:
+            self._save(step, state, progress)
+        except Exception as e:
+            failure = write_failure(e)
+            if failure is None:
+                raise
+            raise OSError(failure.errno, _WRITE_FAILURES[failure.errno],
+                          failure.filename or storage.join(str(self.directory), str(step))) from e
+
+    def _save(self, step: int, state: Any, progress: Progress) -> None:
         self._manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dataclasses.asdict(progress))
+                state=ocp.args.StandardSave(state),
+                meta=ocp.args.JsonSave({**dataclasses.asdict(progress),
+                                        **({} if self.settings is None else {SETTINGS: self.settings})}),
             ),
             force=True,
         )
@@ -115,6 +158,16 @@ class Checkpointer:
                 paths.add(meta["replay_checkpoint"])
         return paths
 
+    def trained_with(self, step: int) -> Optional[dict]:
+        """The run-changing settings step `step` was trained with; None for a step written before
+        checkpoints recorded them."""
+        return self.meta(step).get(SETTINGS)
+
+    def meta(self, step: int) -> dict:
+        """Step `step`'s `meta` item alone (counters, replay checkpoint, settings)."""
+        with _unreadable(self.directory, step):
+            return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+
     def restore(self, state_like: Any, step: Optional[int] = None) -> tuple[Any, Progress]:
         """Restores onto the structure, shapes, dtypes and shardings of `state_like`."""
         step = self.latest_step() if step is None else step
@@ -126,7 +179,9 @@ class Checkpointer:
                 step,
                 args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
             )
-            return restored.state, Progress(**restored.meta)
+            meta = dict(restored.meta)
+            meta.pop(SETTINGS, None)
+            return restored.state, Progress(**meta)
 
     def close(self) -> None:
         self._manager.close()

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 from jaxreplay import storage
 from jaxreplay.compat import multiprocess_checkpoint_gap
 from jaxreplay.config import Config, ConfigError
+from jaxreplay.replay import inprocess
 from jaxreplay.replay.multiprocess import open_replay
 from jaxreplay.replay.ports import check_port
 from jaxreplay.replay.reader import reader_for
@@ -37,7 +38,7 @@ from jaxreplay.train.calibrate import calibrated, measure_mu
 from jaxreplay.train.checkpoint import CheckpointError, Checkpointer, Progress
 from jaxreplay.train.guards import Preempted, PreemptionNotice
 from jaxreplay.train.placement import Placement, params_digest, placement_for
-from jaxreplay.train.recorder import RunRecorder, last_summary, resume_config
+from jaxreplay.train.recorder import CONFIG_FILE, RunRecorder, last_summary, resume_config, run_settings
 from jaxreplay.train.roles import run_concurrent
 from jaxreplay.train.run import Run, table_counters
 from jaxreplay.train.stack import build_stack, resolved_model
@@ -90,7 +91,7 @@ def _train(config: Config, run_dir: rundir.RunDir, log: Callable[[str], None]) -
     if coord is not None:  # before any wait on run.dir: a pod whose workers each have their own disk ends here
         # process 0 may still be waiting out an earlier run's lease (at most run.lease_s)
         rundir.check_shared(run_dir, distributed.Coordinator(rundir.SHARED_CHECK_S + config.run.lease_s))
-    resume = _agreed_latest_step(run_dir, config, coord)
+    resume = _agreed_latest_step(run_dir, config, coord, log)
     if resume is not None and resume >= config.train.steps:
         log(f"nothing to run: no step ran, because the checkpoint in {run_dir.checkpoints()} is already at "
             f"step {resume} >= train.steps={config.train.steps}; raise train.steps to train further")
@@ -98,9 +99,10 @@ def _train(config: Config, run_dir: rundir.RunDir, log: Callable[[str], None]) -
     c = resolved_model(_with_backend(config, placement, log))
     if resume is None and (run_dir / "config.yaml").exists():
         log(f"no checkpoint to resume in {run_dir}: starting from step 0")
+    trained_with = _trained_with(run_dir, config, resume, coord, log)
     # Refused before anything is written when the config changes the run; only the leader records.
-    recorder = RunRecorder.open(run_dir, c, resume, log) if placement.is_leader else None
-    c = recorder.config if recorder else resume_config(run_dir, c, log) if resume is not None else c
+    recorder = RunRecorder.open(run_dir, c, resume, log, trained_with) if placement.is_leader else None
+    c = recorder.config if recorder else resume_config(run_dir, c, log, trained_with) if resume is not None else c
     run_dir.sync()
     try:
         log(placement.describe())
@@ -113,6 +115,7 @@ def _train(config: Config, run_dir: rundir.RunDir, log: Callable[[str], None]) -
                 run.checkpoints = False
         try:
             run.config = c = stack.config = _calibrated(run, run_dir, coord, log)
+            run.checkpointer.settings = run_settings(c)  # the calibrated ratio is what the steps train with
             if recorder:
                 recorder.update_config(c)
                 run_dir.sync()
@@ -135,13 +138,13 @@ def _with_backend(config: Config, placement: Placement, log: Callable[[str], Non
     return dataclasses.replace(config, replay=dataclasses.replace(config.replay, backend=backend))
 
 
-def _agreed_latest_step(run_dir: rundir.RunDir, config: Config,
-                        coord: Optional[distributed.Coordinator]) -> Optional[int]:
+def _agreed_latest_step(run_dir: rundir.RunDir, config: Config, coord: Optional[distributed.Coordinator],
+                        log: Callable[[str], None]) -> Optional[int]:
     """The step to resume from. Multi-host, every process lists the steps it can read (Orbax's
     manager is collective there, so all open it), process 0 chooses, and all check that they can
     read its choice, so no process resumes from another step (their collectives would not match)."""
     if coord is None:
-        return latest_step(run_dir, config.checkpoint.keep)
+        return latest_step(run_dir, config.checkpoint.keep, log, resolve_backend(config.replay.backend))
     checkpointer = Checkpointer(run_dir.checkpoints(), keep=config.checkpoint.keep, timeout_s=coord.timeout_s)
     try:
         steps = checkpointer.all_steps()
@@ -158,15 +161,64 @@ def _agreed_latest_step(run_dir: rundir.RunDir, config: Config,
     return chosen
 
 
-def latest_step(run_dir: rundir.RunDir, keep: int) -> Optional[int]:
-    """The step of the latest complete checkpoint in `run_dir`, if any."""
+def _trained_with(run_dir: rundir.RunDir, config: Config, step: Optional[int],
+                  coord: Optional[distributed.Coordinator], log: Callable[[str], None]) -> Optional[dict]:
+    """The run-changing settings checkpoint step `step` recorded, which the resume is checked
+    against; None (said once) for a step written before checkpoints recorded them."""
+    if step is None:
+        return None
+    checkpointer = Checkpointer(run_dir.checkpoints(), keep=config.checkpoint.keep,
+                                timeout_s=coord.timeout_s if coord is not None else None)
+    try:
+        settings = checkpointer.trained_with(step)
+    finally:
+        checkpointer.close()
+    if settings is None:
+        log(f"warning: checkpoint step {step} in {run_dir.checkpoints()} records no settings (written before "
+            f"checkpoints recorded them): the resume is checked against {CONFIG_FILE} alone")
+    return settings
+
+
+def latest_step(run_dir: rundir.RunDir, keep: int, log: Callable[[str], None] = lambda _: None,
+                backend: Optional[str] = None) -> Optional[int]:
+    """The step of the latest complete checkpoint in `run_dir`, if any. With the in-process
+    replay backend on a local run dir, a step whose replay checkpoint is damaged (a file cut
+    short or changed since it was written: its sha256) is named in one line and moved to
+    `damaged/`, and the step before it is taken; none left: `CheckpointError`."""
     if not run_dir.has_checkpoints():
         return None
     checkpointer = Checkpointer(run_dir.checkpoints(), keep=keep)
     try:
-        return checkpointer.latest_step()
+        steps = sorted(checkpointer.all_steps(), reverse=True)
+        if not steps or backend != "inprocess" or run_dir.remote:  # a bucket's replay files: checked on restore
+            return steps[0] if steps else None
+        for i, step in enumerate(steps):
+            why = _damage(run_dir, checkpointer, step)
+            if why is None:
+                return step
+            aside = run_dir / DAMAGED_DIR / f"step-{step}"
+            aside.parent.mkdir(exist_ok=True)
+            os.replace(run_dir.local / rundir.CHECKPOINT_DIR / str(step), aside)
+            log(f"checkpoint step {step} is damaged, moved to {aside}: {why}; "
+                + (f"resuming from step {steps[i + 1]}" if i + 1 < len(steps) else "no complete step is left"))
+        raise CheckpointError(f"no undamaged checkpoint left in {run_dir.checkpoints()} (the damaged ones are in "
+                              f"{run_dir / DAMAGED_DIR}): start afresh in a new run.dir")
     finally:
         checkpointer.close()
+
+
+DAMAGED_DIR = "damaged"  # in the run dir: checkpoint steps passed over as damaged, kept for a look
+
+
+def _damage(run_dir: rundir.RunDir, checkpointer: Checkpointer, step: int) -> Optional[str]:
+    """What is damaged in step `step` (its meta, or its in-process replay checkpoint), or None."""
+    try:
+        name = checkpointer.meta(step).get("replay_checkpoint")
+        if name:
+            inprocess.verify(run_dir / rundir.REPLAY_DIR / name)
+    except (CheckpointError, inprocess.DamagedCheckpoint) as e:
+        return str(e)
+    return None
 
 
 def _run_state(stack, placement: Placement, recorder: Optional[RunRecorder], run_dir: rundir.RunDir,
@@ -174,7 +226,8 @@ def _run_state(stack, placement: Placement, recorder: Optional[RunRecorder], run
     """The run as the latest checkpoint left it (onto this placement's meshes), or fresh."""
     c = stack.config
     checkpointer = Checkpointer(run_dir.checkpoints(), keep=c.checkpoint.keep,
-                                timeout_s=c.distributed.timeout_s if placement.kind == "multihost" else None)
+                                timeout_s=c.distributed.timeout_s if placement.kind == "multihost" else None,
+                                settings=run_settings(c))
     progress = Progress()  # its accounting dict is the one the checkpoints save
     run = Run(config=c, placement=placement, stack=stack, recorder=recorder, checkpointer=checkpointer,
               progress=progress, params=stack.params, opt_state=stack.opt_state,

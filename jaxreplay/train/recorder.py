@@ -66,22 +66,37 @@ def may_change(key: str) -> bool:
     return any(fnmatch.fnmatchcase(key, pattern) for pattern in MAY_CHANGE_ON_RESUME)
 
 
-def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None] = print) -> Config:
-    """The config a resume in `run_dir` records: `config`, checked against the stored config.yaml.
+def run_settings(config: Config) -> dict[str, Any]:
+    """The settings that change the run (every key `may_change` refuses), as dotted keys: what each
+    checkpoint records, so a resume is checked even where config.yaml is gone or edited."""
+    return {key: value for key, value in flatten(to_dict(config)).items() if not may_change(key)}
+
+
+def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None] = print,
+                  trained_with: Optional[Mapping[str, Any]] = None) -> Config:
+    """The config a resume in `run_dir` records: `config`, checked against the stored config.yaml
+    and against `trained_with`, the run-changing settings the checkpoint recorded (`run_settings`),
+    which win over config.yaml's: a deleted or edited config.yaml does not hide a change.
 
     Refuses (`ConfigError`, one line naming every key, old -> new) a change to a key that changes
     the run; logs the allowed changes. `replay.backend: auto` matches the backend stored. With
     `replay.calibrate_steps` > 0 the stored `samples_per_insert` (the calibrated one) is kept.
     A value taken from config.yaml is validated like the command line's: an edited config.yaml
     is refused (`ConfigError`, exit code 2 from the CLI), never trained on unchecked.
-    Only reads: every process of a multi-host run can call it. No config.yaml: `config` itself."""
+    Only reads: every process of a multi-host run can call it. Neither config.yaml nor
+    `trained_with`: `config` itself."""
     path = Path(run_dir) / CONFIG_FILE
-    if not path.exists():
+    old: dict[str, Any] = {}
+    if path.exists():
+        stored = read_yaml(path, "the run's stored config")
+        if not isinstance(stored, dict):
+            raise ConfigError(f"the run's stored config {path} is not a mapping of sections; move it away to start "
+                              "afresh")
+        old = flatten(stored)
+    elif trained_with is None:
         return config
-    stored = read_yaml(path, "the run's stored config")
-    if not isinstance(stored, dict):
-        raise ConfigError(f"the run's stored config {path} is not a mapping of sections; move it away to start afresh")
-    old, new, default = flatten(stored), flatten(to_dict(config)), flatten(to_dict(Config()))
+    old.update(trained_with or {})  # the checkpoint's record of what the run computed with
+    new, default = flatten(to_dict(config)), flatten(to_dict(Config()))
     refused, allowed, adopted = [], [], []
     for key, after in new.items():
         before = old.get(key, default.get(key))  # a key added since the run began: it ran with the default
@@ -101,7 +116,8 @@ def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None
         else:
             refused.append(change)
     if refused:
-        raise ConfigError(f"{'; '.join(refused)}; these change the run in {path.parent}, so a resume with them is "
+        where = getattr(run_dir, "url", path.parent)  # a bucket run dir by its URL, not its local mirror
+        raise ConfigError(f"{'; '.join(refused)}; these change the run in {where}, so a resume with them is "
                           "refused: use a new run.dir, or restore the old values")
     if adopted:
         try:
@@ -126,13 +142,15 @@ class RunRecorder:
 
     @classmethod
     def open(cls, run_dir: Any, config: Config, resume_step: Optional[int],
-             log: Callable[[str], None] = print) -> "RunRecorder":
+             log: Callable[[str], None] = print, trained_with: Optional[Mapping[str, Any]] = None) -> "RunRecorder":
         """`run_dir`: a `rundir.RunDir` or a local path; `resume_step`: the checkpoint step the run
         resumes from, or None for a fresh start (whatever an earlier attempt without a checkpoint
-        left is then overwritten)."""
-        where, run_dir = run_dir, Path(run_dir)
+        left is then overwritten); `trained_with`: that step's recorded run-changing settings
+        (`resume_config`)."""
+        where = run_dir
         if resume_step is not None:
-            config = resume_config(run_dir, config, log)  # may refuse: nothing is written before it
+            config = resume_config(run_dir, config, log, trained_with)  # may refuse: nothing is written before it
+        run_dir = Path(run_dir)
         write_atomic(run_dir / CONFIG_FILE, _yaml(config))
         dropped = keep_metrics_through(run_dir / METRICS_FILE, -1 if resume_step is None else resume_step)
         if dropped:
@@ -215,11 +233,17 @@ def keep_metrics_through(path: Path, step: int) -> int:
 def write_atomic(path: Path, text: str) -> None:
     """`path` holds `text` or, after a kill at any moment, what it held before."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk: say which file, and leave no partial one taking space
+        tmp.unlink(missing_ok=True)
+        if e.filename:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def _yaml(config: Config) -> str:

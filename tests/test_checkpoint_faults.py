@@ -1,0 +1,226 @@
+"""Checkpoint faults found by outside testing (issue 33), on real run dirs and the real CLI:
+a resume checked against the settings the checkpoint recorded (config.yaml deleted or edited),
+a run dir that fills up, damaged checkpoint files. Each ends in one line, exit 2, or is survived."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gcs_emulator import bucket, gcs_emulator  # noqa: F401 - fixtures
+from jaxreplay.config import load_config
+from jaxreplay.train.driver import train
+from test_train import DEMO, ROOT, TINY
+
+STEPS = 2
+RUN = [*TINY, "warmstart.steps=2", f"train.steps={STEPS}", "checkpoint.every=1", "checkpoint.keep=2",
+       "train.eval_every=1000", "task.eval_size=8"]
+
+
+def cli(run_dir, *overrides: str, cwd=ROOT, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxreplay.cli", "train", str(DEMO), *RUN, *overrides,
+                           f"run.dir={run_dir}"], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A run dir with checkpoints at steps 1 and 2 (seed 0); tests work on copies."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    train(load_config(DEMO, [*RUN, f"run.dir={run_dir}"]), log=lambda _: None)
+    return run_dir
+
+
+def copy_of(trained: Path, tmp_path: Path) -> Path:
+    shutil.copytree(trained, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def refused(result: subprocess.CompletedProcess, *named: str) -> str:
+    """The one stderr line of a refused resume, exit 2, naming every key in `named`."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, (result.returncode, result.stdout[-2000:], result.stderr)
+    assert lines[0].startswith("jaxreplay: config error: "), lines
+    for key in named:
+        assert key in lines[0], lines[0]
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------------
+# The checkpoint records the run-changing settings it was trained with
+
+
+def test_a_resume_without_config_yaml_is_checked_against_the_checkpoints_settings(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    (run_dir / "config.yaml").unlink()
+    line = refused(cli(run_dir, "run.seed=1", "replay.max_size=128", "train.steps=3"), "run.seed", "replay.max_size")
+    assert "run.seed: 0 -> 1" in line and "train.steps" not in line  # a key that may change is not named
+    assert not (run_dir / "config.yaml").exists()  # nothing written
+
+
+def test_an_edited_config_yaml_does_not_hide_a_change_from_the_checkpoint(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    stored = yaml.safe_load((run_dir / "config.yaml").read_text())
+    stored["run"]["seed"] = 7
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(stored))
+    assert "run.seed: 0 -> 7" in refused(cli(run_dir, "run.seed=7", "train.steps=3"), "run.seed")
+
+
+def meta_file(run_dir: Path, step: int) -> Path:
+    """The JSON file of a step's `meta` item (Orbax's layout: `metadata` in the item's directory)."""
+    return run_dir / "checkpoints" / str(step) / "meta" / "metadata"
+
+
+def test_a_checkpoint_from_before_settings_were_recorded_resumes_with_a_warning(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    (run_dir / "config.yaml").unlink()
+    meta = meta_file(run_dir, STEPS)
+    record = json.loads(meta.read_text())
+    assert record.pop("trained_with")["run.seed"] == 0
+    meta.write_text(json.dumps(record))
+    result = cli(run_dir, "train.steps=3")
+    assert result.returncode == 0 and not result.stderr.strip(), (result.stdout[-3000:], result.stderr)
+    assert f"warning: checkpoint step {STEPS} in" in result.stdout and "records no settings" in result.stdout
+    assert f"resumed from step {STEPS}" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_bucket_run_without_config_yaml_is_checked_against_the_checkpoints_settings(trained, bucket, tmp_path):
+    from jaxreplay import storage
+
+    run_url = storage.join(bucket, "run")
+    for path in trained.rglob("*"):
+        if path.is_file() and path.name not in ("config.yaml", "run.lock") and not path.name.startswith("."):
+            storage.write_bytes(storage.join(run_url, path.relative_to(trained).as_posix()), path.read_bytes())
+    assert not storage.exists(storage.join(run_url, "config.yaml"))
+    line = refused(cli(run_url, "run.seed=1", "train.steps=3", "run.lease_s=8", cwd=tmp_path), "run.seed: 0 -> 1")
+    assert f"change the run in {run_url}," in line
+    assert not storage.exists(storage.join(run_url, "config.yaml"))
+
+
+
+# ----------------------------------------------------------------------------------
+# A run dir that fills up: one line naming the path, exit 2; the latest complete step stays the latest
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 20 MB tmpfs, filled but for 400 KB: room for two of RUN's checkpoints, not three."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): needs root and "
+                    "mount permission")
+    try:
+        free = shutil.disk_usage(mount).free
+        (mount / "filler").write_bytes(b"\0" * (free - 400 * 1024))
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_run_dir_that_fills_up_ends_in_one_line_naming_the_path_and_its_copy_resumes(small_disk, tmp_path):
+    run_dir = small_disk / "run"
+    result = cli(run_dir, "train.steps=8")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, (result.returncode, result.stdout[-2000:], result.stderr)
+    assert lines[0].startswith(f"jaxreplay: error: cannot write {run_dir}") and "No space left on device" in lines[0]
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps and steps[-1] < 8, steps
+    roomy = tmp_path / "roomy"
+    shutil.copytree(run_dir, roomy)
+    resumed = cli(roomy, "train.steps=8")
+    assert resumed.returncode == 0, (resumed.stdout[-3000:], resumed.stderr)
+    assert f"resumed from step {steps[-1]} " in resumed.stdout
+
+
+def test_write_failures_are_found_behind_other_errors_and_keep_the_file_they_name():
+    from jaxreplay.train.checkpoint import write_failure
+
+    try:
+        try:
+            raise OSError(28, "No space left on device", "/run/checkpoints/3/state")
+        except OSError as e:
+            raise ValueError("Error writing local file: [errno 28] something") from e
+    except ValueError as e:
+        assert write_failure(e).filename == "/run/checkpoints/3/state"
+    assert write_failure(ValueError("NOT_FOUND: Read-only file system")).errno == 30
+    assert write_failure(OSError(2, "No such file or directory", "x")) is None
+
+
+# ----------------------------------------------------------------------------------
+# Damaged replay checkpoints: named, passed over for the step before, never trained on
+
+
+def replay_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "replay" / json.loads(meta_file(run_dir, step).read_text())["replay_checkpoint"]
+
+
+def overwrite(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 16] = bytes(16)
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+
+
+def bad_crc(path: Path) -> None:
+    """Changes one stored byte of a zip member, so its CRC no longer matches (zip's own check)."""
+    data = bytearray(path.read_bytes())
+    data[64] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "npz overwritten": (lambda d: overwrite(next(d.glob("*.npz"))), ".npz"),
+    "npz truncated": (lambda d: truncate(next(d.glob("*.npz"))), ".npz"),
+    "npz bad crc": (lambda d: bad_crc(next(d.glob("*.npz"))), ".npz"),
+    "tables.json truncated": (lambda d: truncate(d / "tables.json"), "tables.json"),
+    "replay dir missing": (lambda d: shutil.rmtree(d), "DONE"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_replay_checkpoint_is_named_and_the_step_before_it_resumed(trained, tmp_path, damage):
+    run_dir = copy_of(trained, tmp_path)
+    spoil, named = DAMAGE[damage]
+    spoil(replay_dir(run_dir, STEPS))
+    result = cli(run_dir, "train.steps=3")
+    assert result.returncode == 0 and not result.stderr.strip(), (result.stdout[-3000:], result.stderr)
+    said = [line for line in result.stdout.splitlines() if "is damaged" in line]
+    assert len(said) == 1 and f"checkpoint step {STEPS} is damaged" in said[0] and named in said[0], said
+    assert f"resuming from step {STEPS - 1}" in said[0]
+    assert f"resumed from step {STEPS - 1} " in result.stdout
+    assert (run_dir / "damaged" / f"step-{STEPS}").is_dir()  # kept for a look, not deleted
+
+
+def test_no_undamaged_step_left_ends_in_one_line_and_exit_2(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    for step in (STEPS - 1, STEPS):
+        truncate(next(replay_dir(run_dir, step).glob("*.npz")))
+    result = cli(run_dir, "train.steps=3")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, (result.returncode, result.stdout[-2000:], result.stderr)
+    assert lines[0].startswith("jaxreplay: error: CheckpointError: no undamaged checkpoint left in"), lines
+
+
+def test_a_replay_checkpoint_from_before_the_hashes_resumes_unchecked(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    replay = replay_dir(run_dir, STEPS)
+    (replay / "DONE").write_text("")  # as written before: an empty marker, no sha256 in tables.json
+    meta = json.loads((replay / "tables.json").read_text())
+    for table in meta["tables"]:
+        del table["sha256"]
+    (replay / "tables.json").write_text(json.dumps(meta))
+    result = cli(run_dir, "train.steps=3")
+    assert result.returncode == 0 and "is damaged" not in result.stdout, (result.stdout[-3000:], result.stderr)
+    assert f"resumed from step {STEPS} " in result.stdout
