@@ -192,17 +192,19 @@ def latest_step(run_dir: rundir.RunDir, keep: int, log: Callable[[str], None] = 
         steps = sorted(checkpointer.all_steps(), reverse=True)
         if not steps or backend != "inprocess" or run_dir.remote:  # a bucket's replay files: checked on restore
             return steps[0] if steps else None
+        damaged = []
         for i, step in enumerate(steps):
             why = _damage(run_dir, checkpointer, step)
             if why is None:
                 return step
+            damaged.append(f"checkpoint step {step}: {why}")
             aside = run_dir / DAMAGED_DIR / f"step-{step}"
             aside.parent.mkdir(exist_ok=True)
             os.replace(run_dir.local / rundir.CHECKPOINT_DIR / str(step), aside)
             log(f"checkpoint step {step} is damaged, moved to {aside}: {why}; "
                 + (f"resuming from step {steps[i + 1]}" if i + 1 < len(steps) else "no complete step is left"))
-        raise CheckpointError(f"no undamaged checkpoint left in {run_dir.checkpoints()} (the damaged ones are in "
-                              f"{run_dir / DAMAGED_DIR}): start afresh in a new run.dir")
+        raise CheckpointError(f"no undamaged checkpoint left in {run_dir.checkpoints()} ({'; '.join(damaged)}; "
+                              f"moved to {run_dir / DAMAGED_DIR}): start afresh in a new run.dir")
     finally:
         checkpointer.close()
 
