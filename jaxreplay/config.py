@@ -39,31 +39,53 @@ DType = Literal["float32", "bfloat16", "float16"]
 class ModelConfig:
     """A Llama/Qwen2/Qwen3-family decoder."""
 
+    # embedding rows (≥ the tokenizer's vocabulary)
     vocab_size: int = 32
+    # residual width
     d_model: int = 128
+    # decoder blocks
     n_layers: int = 2
+    # query heads
     n_heads: int = 4
+    # key/value heads (grouped-query attention; divides `n_heads`)
     n_kv_heads: int = 2
+    # per-head width (even, for RoPE)
     head_dim: int = 32
+    # SwiGLU hidden width
     d_ff: int = 384
+    # longest prompt + completion
     max_seq_len: int = 16
+    # RoPE base
     rope_theta: float = 10_000.0
-    # Llama 3.1+ RoPE scaling (HF rope_type "llama3"); a factor of 1 is plain RoPE.
+    # Llama 3.1+ RoPE scaling (HF `rope_type: llama3`): wavelengths above `rope_original_max_len` /
+    # `rope_low_freq_factor` are slowed by this factor, those below `rope_original_max_len` /
+    # `rope_high_freq_factor` kept, those between interpolated; 1 = plain RoPE
     rope_scaling_factor: float = 1.0
+    # Llama 3.1+ RoPE scaling: wavelengths above `rope_original_max_len` / this are slowed by `rope_scaling_factor`
     rope_low_freq_factor: float = 1.0
+    # Llama 3.1+ RoPE scaling: wavelengths below `rope_original_max_len` / this are kept
     rope_high_freq_factor: float = 4.0
+    # Llama 3.1+ RoPE scaling: the context length the model was pretrained at
     rope_original_max_len: int = 8192
+    # RMSNorm epsilon
     norm_eps: float = 1e-6
+    # share input embedding and output head
     tie_embeddings: bool = True
+    # bias on q/k/v projections (Qwen2)
     attention_bias: bool = False
+    # RMSNorm on queries and keys (Qwen3)
     qk_norm: bool = False
+    # dtype of the parameters: float32, bfloat16 or float16
     param_dtype: DType = "float32"
+    # dtype of activations and matmuls: float32, bfloat16 or float16
     compute_dtype: DType = "float32"
-    # A local Hugging Face model directory: its config.json replaces every architecture key
-    # above (all but max_seq_len and the dtypes) and its safetensors the initial weights.
+    # a local Hugging Face model directory (Llama, Qwen2 or Qwen3; config.json, safetensors, tokenizer), or a gs://
+    # URL: the architecture comes from its config.json (every `model.*` key above except `max_seq_len` and the
+    # dtypes is ignored) and the initial weights from its safetensors
     hf_path: Optional[str] = None
-    # The architecture alone, for `jaxreplay compile` when hf_path is not given: a directory
-    # holding a config.json, or the name of one shipped in jaxreplay/architectures.
+    # the architecture alone, for `jaxreplay compile` when `model.hf_path` is not given: a directory holding a
+    # config.json, or a shipped one: `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-7b`, `qwen3-0.6b`
+    # (jaxreplay/models/architectures)
     hf_config: Optional[str] = None
 
 
@@ -80,26 +102,55 @@ class TaskConfig:
     Dataset keys left null take the source's defaults (tasks.datasets.SOURCES).
     """
 
+    # `arithmetic` (the embedded task), `gsm8k` or `math` (local files in `task.path`, else TFDS), `jsonl` or
+    # `parquet` (local files)
     name: Literal["arithmetic", "gsm8k", "math", "jsonl", "parquet"] = "arithmetic"
+    # smallest operand size in digits (arithmetic)
     min_digits: int = 2
+    # largest operand size in digits; operands are zero-padded to it (arithmetic)
     max_digits: int = 2
+    # any of `+`, `-`, `*`
     operations: tuple[str, ...] = ("+",)
-    reverse_answer: bool = True  # least significant digit first: the order carries flow
-    scratchpad: bool = False  # arithmetic, '+' only: work the columns (digits, carry in, sum) before the answer
+    # write answers least significant digit first: the order in which carries flow
+    reverse_answer: bool = True
+    # arithmetic, `+` only: the completion first works every column, least significant first (`a+b+carry=two-digit
+    # sum`, comma-separated), then `:` and the answer; the reward reads the answer after the last `:`, the warm
+    # start teaches the format (its sloppy teacher writes every carry in as 0). 10·max_digits + 2 tokens:
+    # `sampling.max_new_tokens` must hold them
+    scratchpad: bool = False
+    # held-out problems, never drawn for training
     eval_size: int = 256
+    # seed of the eval set
     data_seed: int = 1234
-    path: Optional[str] = None  # e.g. data/{split}-*.parquet, data/{split}.jsonl or a Hub repository's directory
-    data_dir: Optional[str] = None  # gsm8k/math without path: the TFDS data_dir (null: TFDS's default)
-    tfds_name: Optional[str] = None  # gsm8k/math without path: the TFDS dataset name
+    # local files: a pattern with `{split}` for the split name ending in `.parquet` or `.jsonl` (glob wildcards
+    # allowed: `data/{split}-*.parquet`), or a directory in a Hub dataset's layout (`data/{split}-*.parquet`,
+    # `{split}-*.parquet`, `{split}.jsonl`; a config's directory `{config}/`); required for jsonl/parquet
+    path: Optional[str] = None
+    # gsm8k/math without `task.path`: the TFDS `data_dir` holding the prepared dataset (null: TFDS's default);
+    # nothing is downloaded
+    data_dir: Optional[str] = None
+    # gsm8k/math without `task.path`: TFDS dataset name (null: `gsm8k`; `hendrycks_math` for MATH, which TFDS has no
+    # builder for: prepare it under that name)
+    tfds_name: Optional[str] = None
+    # dataset split of the training stream
     train_split: str = "train"
+    # dataset split of the held-out eval set
     eval_split: str = "test"
+    # record field holding the prompt (null: gsm8k `question`, math `problem`, files `prompt`)
     prompt_field: Optional[str] = None
+    # record field holding the answer (null: gsm8k `answer`, math `solution`, files `answer`)
     answer_field: Optional[str] = None
-    reward: Optional[str] = None  # tasks.rewards.REWARDS
+    # reward by name: `math_equivalence` (last `\boxed{}`), `gsm8k` (`#### n`, box or last number), `exact_match`;
+    # null: gsm8k for gsm8k, else math_equivalence; must be null for arithmetic
+    reward: Optional[str] = None
+    # prompt text; `{prompt}` is replaced by the record's prompt
     prompt_template: str = "{prompt}"
-    chat_template: bool = False  # wrap the prompt in the tokenizer's chat template
-    max_prompt_len: int = 256  # dataset prompts are left-padded to this many tokens
-    long_prompts: Literal["skip", "error"] = "skip"  # prompts longer than max_prompt_len
+    # wrap the prompt in the tokenizer's chat template (needs `model.hf_path`)
+    chat_template: bool = False
+    # dataset prompts are left-padded to this many tokens
+    max_prompt_len: int = 256
+    # a longer prompt is `skip`ped (counted and logged) or an `error`
+    long_prompts: Literal["skip", "error"] = "skip"
 
 
 @dataclass(frozen=True)
@@ -112,23 +163,36 @@ class WarmStartConfig:
     systematic error that RL with an exact-match reward can find and fix.
     """
 
+    # supervised warm-start steps (0 = none)
     steps: int = 800
+    # examples per warm-start step
     batch_size: int = 64
+    # Adam learning rate of the warm start
     learning_rate: float = 1e-3
+    # share of demonstrations that forget their carries
     teacher_carry_error: float = 0.75
-    cache_dir: str = ""  # "": RUN_DIR/../.warmstart-cache, shared by the runs under one parent (a sweep's)
+    # where warm starts are cached, each under a hash of the settings that produce it (model, task, `warmstart.*`,
+    # `run.seed`, `sampling.max_new_tokens`, JAX version); "": `.warmstart-cache` beside `run.dir`; `jaxreplay
+    # sweep` sets OUT/.warmstart-cache, so every setting of a seed shares one
+    cache_dir: str = ""
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
     """Rollout sampling; the learner scores with the same temperature."""
 
+    # rollout temperature (the learner scores with the same)
     temperature: float = 1.0
+    # nucleus sampling
     top_p: float = 1.0
-    top_k: int = 0  # 0 disables top-k
+    # top-k sampling (0 = off)
+    top_k: int = 0
+    # completion length cap
     max_new_tokens: int = 5
-    kv_cache_dtype: Optional[DType] = None  # None: model.compute_dtype
-    prefill_chunk_size: int = 0  # prompt tokens prefilled per model call (0: the whole prompt at once)
+    # dtype of the KV cache (float32, bfloat16, float16); null: `model.compute_dtype`
+    kv_cache_dtype: Optional[DType] = None
+    # prompt tokens prefilled per model call (0: the whole prompt at once); long prompts need less memory
+    prefill_chunk_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -140,66 +204,135 @@ class ReplayConfig:
     on exactly once, freshest first (selector/max_size/ratio settings are ignored).
     """
 
+    # `replay`, or `on_policy`: the baseline queue, each rollout trained on once, freshest first
     mode: Literal["replay", "on_policy"] = "replay"
+    # uniform, fifo, lifo or prioritized
     selector: Selector = "uniform"
+    # exponent of the prioritized selector; priorities are |advantage| + 0.001, fixed at insertion
     priority_exponent: float = 1.0
+    # N: the FIFO window of freshest rollouts
     max_size: int = 512
-    max_times_sampled: int = 0  # 0 = unlimited
+    # remove an item after this many samples (0 = never). In replay mode the loop then assembles each batch over
+    # several turns from what can be sampled without blocking, which cannot deadlock; the measured ratio cannot
+    # exceed it, whatever `samples_per_insert` says. Not with `positive_fraction`
+    max_times_sampled: int = 0
+    # target replay ratio
     samples_per_insert: float = 2.0
+    # inserts before the first sample
     min_size_to_sample: int = 128
-    error_buffer: Optional[float] = None  # None: batch_size + samples_per_insert
-    positive_fraction: float = 0.0  # d > 0: a second table keeps the freshest dN correct rollouts
-    # Freshness knobs, each off by default (README "Replay knobs"):
-    max_age: int = 0  # K > 0: never sample, and evict, rollouts more than K policy versions old
-    fresh_fraction: float = 0.0  # f > 0: round(fB) rows of every batch from the newest actor step's rollouts
-    priority_decay: float = 1.0  # prioritized selector: priority x decay ** age (1: no decay)
-    drop_zero_advantage_groups: bool = False  # groups whose advantages are all 0 are never inserted
-    calibrate_steps: int = 0  # > 0: samples_per_insert from the mu measured over this many calls (calibrate.py)
-    cost_rho: float = 0.1  # rho of the cost model used by calibration
+    # limiter tolerance; null = `train.batch_size + samples_per_insert`; must be ≥ (batch + spi) / 2
+    error_buffer: Optional[float] = None
+    # d: positive-bias sampling (replay mode). A second table keeps the freshest dN rollouts with reward > 0 beside
+    # the freshest (1−d)N of all; each batch takes round(dB) rows from it (all from the main table until a correct
+    # rollout exists); the main limiter runs at spi·(1−d) so each rollout is still trained on `samples_per_insert`
+    # times on average
+    positive_fraction: float = 0.0
+    # K > 0: never sample, and evict, rollouts more than K policy versions behind the learner (in-process backend,
+    # single process; see "Replay knobs" in the docs)
+    max_age: int = 0
+    # f: round(fB) rows of every batch from a table of the last R rollouts inserted (the newest actor step's); the
+    # main limiter runs at spi·B_main/B (replay mode, single process)
+    fresh_fraction: float = 0.0
+    # prioritized selector: priority = (|advantage| + 0.001) × decay^age, age in policy versions (1: no decay)
+    priority_decay: float = 1.0
+    # groups whose advantages are all 0 are not inserted (counted in `replay/dropped_groups`; single process)
+    drop_zero_advantage_groups: bool = False
+    # > 0: after the warm start and before the table is built, time this many generation calls and learner updates
+    # (throwaway copies, compiling calls left out), measure mu, and set `samples_per_insert` to the cost model's y =
+    # √(mu / (`cost_rho` + R/N)); saved in `RUN_DIR/calibration.json` and reused on resume (Reverb fixes the limiter
+    # when the table is built)
+    calibrate_steps: int = 0
+    # rho of the cost model (see `jaxreplay theory`) used by calibration
+    cost_rho: float = 0.1
+    # every blocking replay call ends with a clear error after this (its waits run in 0.1 s slices, so SIGTERM acts
+    # during them)
     timeout_s: float = 60.0
-    port: int = 0  # 0 picks a free port
-    backend: Literal["auto", "reverb", "inprocess"] = "auto"  # auto: reverb where installed (replay/__init__.py)
+    # Reverb server port (0 = a free one). Reverb listens on all interfaces (it takes no bind address); a port
+    # another run or program holds is refused before anything starts
+    port: int = 0
+    # `reverb` (a Reverb server; multi-host: one on process 0), `inprocess` (the same table semantics in this
+    # process, no Reverb/TensorFlow: Python 3.12, Colab; multi-host: one shard per process), or `auto`: reverb where
+    # it is installed, else inprocess
+    backend: Literal["auto", "reverb", "inprocess"] = "auto"
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Learner and actor shapes and the GRPO/PPO update."""
 
+    # learner steps
     steps: int = 300
-    # Equal-budget comparisons: also stop at the first learner step once the actor generated this many
-    # completion tokens (0: off), and evaluate after the first step past each multiple of eval_every_tokens.
-    max_generated_tokens: float = 0.0  # a float, so budgets past 2**31 tokens can be written (2e9)
+    # also stop at the first learner step once the actor has generated this many completion tokens (0: off):
+    # settings compared at one inference budget; `summary.json` says which rule stopped the run (`stopped_by`). A
+    # float, so budgets past 2**31 tokens can be written (2e9)
+    max_generated_tokens: float = 0.0
+    # also evaluate after the first learner step past each multiple of this many generated tokens (0: off)
     eval_every_tokens: float = 0.0
-    batch_size: int = 64  # rollouts per learner step (B)
-    prompts_per_step: int = 8  # prompts per actor step; R = prompts_per_step * group_size
-    group_size: int = 8  # G completions per prompt
+    # rollouts per learner step (B)
+    batch_size: int = 64
+    # prompts per actor step
+    prompts_per_step: int = 8
+    # completions per prompt (G); R = prompts × G rollouts per actor step
+    group_size: int = 8
+    # AdamW learning rate (constant after warm-up)
     learning_rate: float = 3e-4
-    warmup_steps: int = 10  # linear learning-rate warm-up, then constant
+    # linear learning-rate warm-up, then constant: a fresh Adam state's first steps are sign-like
+    warmup_steps: int = 10
+    # AdamW weight decay
     weight_decay: float = 0.0
+    # Adam's first-moment decay
     adam_b1: float = 0.9
+    # Adam's second-moment decay
     adam_b2: float = 0.99
+    # global-norm clipping
     grad_clip: float = 1.0
-    max_nonfinite_steps: int = 5  # this many non-finite (skipped) updates in a row stop the run
+    # a step with a non-finite loss, gradient or update is skipped (params and optimizer state kept, `nonfinite` = 1
+    # in its metrics); this many in a row stop the run without a checkpoint, so the latest one holds the last good
+    # params
+    max_nonfinite_steps: int = 5
+    # PPO clip range below 1 (ratio ≥ 1 - eps_low)
     eps_low: float = 0.2
+    # PPO clip range above 1 (ratio ≤ 1 + eps_high)
     eps_high: float = 0.2
-    kl_coef: float = 0.0  # > 0 adds k3 KL to the warm-start reference policy
+    # k3 KL penalty to the warm-start policy (0 = off, as in the paper)
+    kl_coef: float = 0.0
+    # learner steps between evaluations
     eval_every: int = 20
-    weight_sync_every: int = 1  # disaggregated mode: learner steps between weight pushes to the actor
-    loss: Literal["grpo", "tis", "asymre"] = "grpo"  # learn.losses.LOSSES
+    # disaggregated mode: learner steps between weight pushes to the actor (k)
+    weight_sync_every: int = 1
+    # `grpo` (PPO-clipped ratio on the frozen behaviour log-probs), `tis` (truncated importance sampling: gradient
+    # min(ratio, `tis_cap`)·A·∇log π), `asymre` (REINFORCE, no ratio, advantage r − (V + dV))
+    loss: Literal["grpo", "tis", "asymre"] = "grpo"
+    # frozen at generation: `group_normalized` (GRPO), `group_centered` (Dr.GRPO, no std), `leave_one_out` (RLOO);
+    # `asymre` needs one of the last two
     advantage: Literal["group_normalized", "group_centered", "leave_one_out"] = "group_normalized"
+    # `token_mean` (DAPO: every completion token weighs the same), `sequence_mean` (GRPO: per completion, then over
+    # the batch), `constant` (Dr.GRPO: token sum / (B · `sampling.max_new_tokens`))
     loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
-    tis_cap: float = 2.0  # truncated importance sampling: ratio capped here
-    asymre_delta_v: float = -0.1  # AsymRE: advantage r - (V + dV)
-    micro_batch_size: int = 0  # rows per forward/backward pass, gradients summed over the batch (0: all)
-    remat: Literal["none", "full", "dots"] = "none"  # models.transformer.REMAT_POLICIES, per decoder block
-    logits_chunk_size: int = 0  # positions unembedded at a time by the learner (0: all at once)
-    adam_mu_dtype: Optional[DType] = None  # Adam's first moment (None: the params' dtype)
+    # ratio cap of `tis`
+    tis_cap: float = 2.0
+    # dV of `asymre`: the baseline is V + dV (V = group mean)
+    asymre_delta_v: float = -0.1
+    # rows per forward/backward pass, gradients summed over the batch (0: the whole batch); divides
+    # `train.batch_size`, a multiple of the mesh's data parallelism
+    micro_batch_size: int = 0
+    # per decoder block: `none`, `full` (recompute the block in the backward pass) or `dots` (keep its projections'
+    # outputs, recompute the rest)
+    remat: Literal["none", "full", "dots"] = "none"
+    # positions whose logits the learner computes at a time (0: all at once)
+    logits_chunk_size: int = 0
+    # dtype of Adam's first moment (null: the params'); `bfloat16` saves 2 bytes per parameter (see "Memory and
+    # jaxreplay compile" in the docs)
+    adam_mu_dtype: Optional[DType] = None
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 50  # learner steps between checkpoints (Orbax + Reverb together)
-    every_seconds: float = 0.0  # also checkpoint once this long has passed since the last one (0: off)
+    # learner steps between checkpoints (Orbax + Reverb together)
+    every: int = 50
+    # also checkpoint after a learner step once this many seconds have passed since the last checkpoint (0: off)
+    every_seconds: float = 0.0
+    # checkpoints kept (older ones are deleted with the replay checkpoints they name)
     keep: int = 2
 
 
@@ -214,12 +347,19 @@ class MeshConfig:
     checked where it is built (`sharding.make_mesh`), since that needs the device count.
     """
 
+    # data-parallel size of the (learner's) mesh; one of data, fsdp, tensor may be -1: the rest of the devices
     data: int = 1
+    # fully-sharded data-parallel size: parameters and Adam moments sharded over it
     fsdp: int = 1
+    # tensor-parallel size (heads, mlp, vocab)
     tensor: int = 1
+    # 0: colocated (one mesh samples and trains); > 0: disaggregated, the first this many devices sample, the rest
+    # train on the mesh above
     actor_devices: int = 0
+    # disaggregated mode: tensor-parallel size of the actor mesh (data parallel over the rest)
     actor_tensor: int = 1
-    topology: Optional[str] = None  # the TPU slice the config is sized for (jaxreplay.tools.topology), e.g. v5e-8
+    # the TPU slice the config is sized for (e.g. `v5e-8`); `jaxreplay compile` compiles for it
+    topology: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -231,32 +371,49 @@ class DistributedConfig:
     and cluster auto-detection (TPU pod metadata, SLURM, Open MPI).
     """
 
+    # multi-host SPMD: this process is one of a `jax.distributed` job (the multihost placement,
+    # `jaxreplay/train/driver.py`)
     enabled: bool = False
-    coordinator_address: str = ""  # "host:port" of process 0
-    num_processes: int = 0  # 0: detected
-    process_id: int = -1  # -1: detected
-    replay_address: str = ""  # "host:port" of process 0's Reverb server; "": the coordinator's host
-    timeout_s: float = 300.0  # start-up, barriers and every wait on another process
-    # A process silent this long is dead: the coordination service fails every other process's
-    # waits, so a killed peer stops the job in seconds (JAX's own default is 100 s).
+    # host:port of process 0's coordinator; "": JAX_COORDINATOR_ADDRESS or cluster detection (TPU pods)
+    coordinator_address: str = ""
+    # job size; 0: detected
+    num_processes: int = 0
+    # this process's index; -1: detected
+    process_id: int = -1
+    # `replay.backend=reverb`: host:port of the Reverb server on process 0; "": the coordinator's host, the port
+    # process 0 publishes
+    replay_address: str = ""
+    # start-up, barriers and every wait on another process
+    timeout_s: float = 300.0
+    # a process silent this long counts as dead and fails every other process's waits, so a killed peer stops the
+    # job in seconds (JAX's default: 100 s; not settable on the Reverb tier's jax 0.4.34)
     heartbeat_timeout_s: float = 10.0
-    # Where process 0's coordination service listens; "": coordinator_address itself, so only
-    # on that interface (JAX alone listens on every one). "[::]:PORT" for every interface.
+    # where process 0's coordination service listens; "": `coordinator_address` itself, that interface only (JAX
+    # alone listens on every one); `[::]:PORT` for every interface
     coordinator_bind_address: str = ""
-    # Mutual TLS between the coordination service and its clients (pods on shared networks):
-    # PEM files, all three or none; jax 0.12 only (the Reverb tier's jax 0.4.34 has none).
+    # PEM certificate of this process, for mutual TLS between the coordination service and its clients; the three
+    # `mtls_*_file` keys are all set or none (jax 0.12; the Reverb tier's jax 0.4.34 has none, and refuses them)
     mtls_cert_file: str = ""
+    # PEM private key for mutual TLS (with `mtls_cert_file` and `mtls_ca_file`)
     mtls_key_file: str = ""
+    # PEM certificate authority that signs the peers' certificates, for mutual TLS
     mtls_ca_file: str = ""
-    mtls_peer_uri_prefix: str = ""  # accept a peer by a URI SAN prefix (e.g. "spiffe://example.org/")
+    # with mutual TLS: accept a peer whose certificate has a URI SAN starting with this (ends in `/`, e.g.
+    # `spiffe://example.org/`) instead of host name verification
+    mtls_peer_uri_prefix: str = ""
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    dir: str = "runs/demo"  # a local path or a bucket URL (gs://BUCKET/PATH)
+    # run directory, a local path or a bucket URL (gs://BUCKET/PATH): created if missing, locked while a run uses it
+    # (`run.lock`)
+    dir: str = "runs/demo"
+    # seed of init, prompt stream, sampling and the in-process replay selectors (≥ 0)
     seed: int = 0
+    # terminal progress bars (warm start, training and eval)
     progress_bar: bool = True
-    lease_s: float = 60.0  # a bucket run dir's lock: how long a preempted run's lease blocks the resume
+    # a bucket run dir's lock: renewed every lease_s / 4 seconds; how long a preempted run's lease blocks the resume
+    lease_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -265,10 +422,14 @@ class WandbConfig:
     TensorBoard. "offline" writes W&B's run files under RUN_DIR/wandb for `wandb sync` later (TPU
     workers without outbound access); a resume continues the same W&B run (its id in RUN_DIR/wandb.json)."""
 
+    # `offline` or `online`: also log to Weights & Biases (the `tracking` extra); `disabled`: not
     mode: Literal["disabled", "offline", "online"] = "disabled"
+    # the W&B project (may not change on resume)
     project: str = "jaxreplay"
-    entity: Optional[str] = None  # None: the W&B account's default entity
-    name: Optional[str] = None  # the run's display name; None: the run dir's name
+    # the W&B entity (null: the account's default; may not change on resume)
+    entity: Optional[str] = None
+    # the W&B run's display name (null: the run dir's name)
+    name: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from jaxreplay.rollout.rollouts import row_spec
 from jaxreplay.tasks.registry import make_task
 from jaxreplay.train.checkpoint import Checkpointer
 from jaxreplay.train.driver import train
+from jaxreplay.train.metric_keys import KEYS as DOCUMENTED_KEYS
 from jaxreplay.train.metrics import read_metrics
 from jaxreplay.train.run import checkpoint_tree
 
@@ -54,6 +55,8 @@ def test_short_run_logs_every_step_and_respects_the_limiter(tmp_path):
     config, summary = run(tmp_path, "train.steps=8")
     records = read_metrics(config.run.dir)
     assert [r["step"] for r in records] == list(range(9))  # step 0 is the warm-start eval
+    for r in records:  # the metrics reference (docs/reference/metrics.md) lists every key a run writes
+        assert r.keys() <= DOCUMENTED_KEYS, f"add to jaxreplay/train/metric_keys.py: {r.keys() - DOCUMENTED_KEYS}"
     for r in records[1:]:
         assert REQUIRED_KEYS <= r.keys(), REQUIRED_KEYS - r.keys()
         assert 0 <= r["staleness/mean"] <= r["staleness/max"] <= r["policy_version"]
