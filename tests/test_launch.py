@@ -238,11 +238,10 @@ def test_a_python_that_cannot_check_the_config_is_refused_in_one_line(bin_dir, t
     _refused(_dry_run(bin_dir, *UP, "--python", str(bare)), str(bare), "lacks jaxreplay's requirements")
 
 
-def test_launcher_and_readme_name_only_configs_that_exist():
+def test_launcher_and_pod_docs_name_only_configs_that_exist():
     doc = ast.get_docstring(ast.parse(LAUNCHER.read_text()))
-    readme = (ROOT / "README.md").read_text()
-    pod_section = readme.split("## Multi-host and TPU pods", 1)[1].split("\n## ", 1)[0]
-    named = re.findall(r"configs/[\w.{},-]+\.yaml", doc + pod_section)
+    pods = (ROOT / "docs" / "pods.md").read_text()
+    named = re.findall(r"configs/[\w.{},-]+\.yaml", doc + pods)
     assert named
     for name in named:
         expanded = [name]

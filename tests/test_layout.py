@@ -1,5 +1,5 @@
 """The package layout as a specification: stages in order, no import reaching up, no circles,
-and the README's Layout tree listing exactly the modules that exist."""
+and the docs' Layout tree (docs/architecture.md) listing exactly the modules that exist."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jaxreplay"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"  # its "## Layout" tree
 
 # Lowest first. A module may import its own stage and the stages below it, never one above.
 # The root modules sit at the ends: config and compat below every subpackage, cli and
@@ -163,8 +164,8 @@ def test_old_module_paths_import_the_moved_module_with_a_warning():
 
 
 def layout_tree() -> set[str]:
-    """The paths the README's Layout section lists under jaxreplay/: modules, and packages as `dir/`."""
-    text = (ROOT / "README.md").read_text()
+    """The paths the Layout section of docs/architecture.md lists under jaxreplay/: modules, and packages as `dir/`."""
+    text = ARCHITECTURE.read_text()
     section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     block = section.split("```", 2)[1]
     lines = block.splitlines()
@@ -184,7 +185,7 @@ def layout_tree() -> set[str]:
     return listed
 
 
-def test_the_readme_layout_lists_exactly_the_modules_that_exist():
+def test_the_docs_layout_lists_exactly_the_modules_that_exist():
     actual = set()
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE)
@@ -200,6 +201,6 @@ def test_the_readme_layout_lists_exactly_the_modules_that_exist():
 
 @pytest.mark.parametrize("stage", STAGES[4:12])
 def test_the_layout_says_what_each_stage_may_import(stage):
-    listed = [line for line in (ROOT / "README.md").read_text().splitlines()
+    listed = [line for line in ARCHITECTURE.read_text().splitlines()
               if line.startswith(f"  {stage.split('.')[1]}/")]
     assert listed and "may import" in listed[0], listed

@@ -112,12 +112,24 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+INTRO = (
+    "A config is a YAML file of sections; every key is optional and defaults as below. Any key can also be set on "
+    "the command line as a dotted override (`train.steps=300`), and `jaxreplay config CONFIG --flat` prints a "
+    "config's resolved keys in that form.",
+    "",
+    "Unknown keys, wrong types and impossible values (including rate-limiter settings that would deadlock) are "
+    "rejected before anything starts, with a one-line error naming the key (exit code 2). Every float must be "
+    "finite and every integer fit in 32 bits, and numbers with a range are checked against it (`config.RANGES`); "
+    "the modules that own the keys check them (`config.OWNERS`). The file must be a regular file of at most 1 MiB "
+    "of UTF-8 YAML, without duplicate keys, expanding (aliases included) to at most 10,000 values; errors quote at "
+    "most 80 characters of a value.",
+    "",
+    "Each key's meaning below is the comment above its field in `jaxreplay/config.py`.",
+)
+
+
 def config_page() -> str:
-    out = [HEADER.format(source="jaxreplay/config.py"), "# Config reference", "",
-           "A config is a YAML file of sections; every key is optional and defaults as below. Any key can be set "
-           "on the command line as a dotted override (`train.steps=300`); `jaxreplay config CONFIG --flat` prints "
-           "a config's resolved keys in that form. How configs are checked: "
-           "[Configs and their checks](../configs.md).", ""]
+    out = [HEADER.format(source="jaxreplay/config.py"), "# Config reference", "", *INTRO, ""]
     for name, cls, fields in config_fields():
         out += [f"## `{name}`", ""]
         doc = inspect.cleandoc(cls.__doc__) if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}(") else ""
