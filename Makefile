@@ -1,7 +1,7 @@
 # The two commands of the quickstart: `make demo` and `make test`. Each creates its lane's venv
 # when missing, installs jaxreplay into it with that lane's constraints, and runs.
 #
-# LANE picks the dependency tier (README, "Dependency tiers"):
+# LANE picks the dependency tier (docs/install.md):
 #   default    Python >= 3.12, current jax/flax/orbax, in-process replay   .venv
 #   py313      the same constraints on Python 3.13                          .venv-py313
 #   gpu-image  jax 0.11.2 and the flax/optax/orbax that run with it (3.12)  .venv-gpu-image

@@ -1,4 +1,4 @@
-"""The README's fit table: `jaxreplay compile` on every real-model config, on the slice it names.
+"""The fit table of docs/benchmarks.md: `jaxreplay compile` on every real-model config, on the slice it names.
 
     python -m benchmarks.fit_table [--out DIR] [CONFIG ...]   # default: the pod and real-model configs
 

@@ -85,7 +85,7 @@ TPUS = {
 
 
 class Tier(NamedTuple):
-    """A dependency lane as the workers get it (README, "Dependency tiers")."""
+    """A dependency lane as the workers get it (docs/install.md)."""
 
     name: str
     python: str  # the Python version uv provides

@@ -36,7 +36,7 @@ def test_compile_on_the_local_devices_reports_the_demo_programs(tmp_path, capsys
     # The samplers run while the optimizer state stays resident: it is counted with them.
     assert rollout["held"] == evaluation["held"] > 0 and train["held"] == 0
     assert report["kv_cache"] > 0
-    from benchmarks.fit_table import row  # the README table's row of this report
+    from benchmarks.fit_table import row  # the docs/benchmarks.md table row of this report
 
     assert row("demo", report).startswith("| `demo` | local (1 x cpu) | data=1 fsdp=1 tensor=1 | 0.")
 

@@ -1,4 +1,4 @@
-"""The freshness knobs on real tables (README "Replay knobs"): max_age evictions, fresh anchors,
+"""The freshness knobs on real tables (docs/comparing.md, "Replay knobs"): max_age evictions, fresh anchors,
 freshness-decayed priorities, dropping zero-advantage groups; each off by default, measured
 as ages, fractions and priorities of what the tables hand out."""
 

@@ -4,7 +4,7 @@ The whole update is visible here: score the replayed sequences under the current
 params, compare with the behaviour log-probs frozen at generation time, clip,
 optionally penalise KL to a reference, then one optax step.
 
-Memory, for real models (README, "Fitting a model in memory"): the batch can be
+Memory, for real models (docs/memory.md): the batch can be
 split into micro-batches whose gradients are summed (`train.micro_batch_size`);
 each decoder block can be rematerialised (`train.remat`); the logits are computed a
 chunk of positions at a time (`train.logits_chunk_size`), never as one [B, T, V]
