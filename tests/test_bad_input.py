@@ -241,7 +241,7 @@ def case_bad_flag_value(tmp_path):
 
 
 def case_theory_with_a_negative_cost(tmp_path):
-    return ["theory", "--mu", "-1", "--rho", "0.1", "--alpha", "0.3"], "--mu must be a positive"
+    return ["theory", "--mu", "-1", "--rho", "0.1", "--alpha", "0.3"], "argument --mu: must be a positive"
 
 
 FAST = [case_malformed_yaml, case_missing_config_file, case_config_is_a_directory, case_config_is_a_fifo,
