@@ -2,15 +2,17 @@
 
 Building the parser and `--version` import nothing heavy (no JAX, no Flax): `jaxreplay --help`,
 `jaxreplay train --help` and `jaxreplay --version` answer in a fraction of a second. Every failure
-ends in one line, `jaxreplay: <kind>: <why>` (`jaxreplay.error_line`; `fail` picks the kind).
+ends in one line, `jaxreplay: <kind>: <why>` (`jaxreplay.error_line`; `described` picks the kind).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -56,6 +58,10 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
+        if choice := re.match(r"argument .+: invalid choice: '?(.+?)'? \(choose from (.+)\)$", message):
+            known = [c.strip(" '") for c in choice.group(2).split(",")]
+            if guess := difflib.get_close_matches(choice.group(1), known, n=1):
+                message = f"{message}; did you mean {guess[0]}?"
         self.exit(2, error_line("usage error", f"{message} (see {self.prog} --help)") + "\n")
 
 

@@ -143,7 +143,7 @@ def test_a_usage_error_is_one_line_naming_the_command_help(capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and err.count("jaxreplay:") == 1, err
     assert err.startswith("jaxreplay: usage error: argument COMMAND: invalid choice: 'trian'") and \
-        err.rstrip().endswith("(see jaxreplay --help)")
+        err.rstrip().endswith("; did you mean train? (see jaxreplay --help)")
     with pytest.raises(SystemExit) as e:
         main(["eval", DEMO, "--k", "0"])
     assert e.value.code == 2 and capsys.readouterr().err == \
@@ -160,6 +160,12 @@ def test_an_unknown_key_suggests_the_right_one(capsys):
     assert main(["config", DEMO, "warmstart.zzz=3"]) == 2  # nothing close: the section's keys, not every key
     err = capsys.readouterr().err
     assert "(warmstart's keys: batch_size, cache_dir, learning_rate, steps, " in err and "train." not in err
+
+
+def test_an_unknown_sweep_key_suggests_the_right_one(tmp_path, capsys):
+    (tmp_path / "sweep.yaml").write_text(f"base: {DEMO}\nout: {tmp_path}\nseed: [0]\nsettings: {{a: []}}\n")
+    assert main(["sweep", str(tmp_path / "sweep.yaml")]) == 2
+    assert capsys.readouterr().err == "jaxreplay: config error: sweep: unknown key seed (did you mean seeds?)\n"
 
 
 def test_a_run_dir_another_run_holds_is_an_error_not_a_config_error(tmp_path):

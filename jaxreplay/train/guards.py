@@ -206,7 +206,8 @@ def abort(why: str) -> None:
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     with contextlib.suppress(Exception):
-        sys.stderr.write(error_line("interrupted", why) + "\n")
+        clear = "\r\x1b[K" if sys.stderr.isatty() else ""  # a progress bar's half-drawn line, on a terminal
+        sys.stderr.write(clear + error_line("interrupted", why) + "\n")
         sys.stderr.flush()
     os._exit(EXIT_CODE[signal.SIGINT])
 
