@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any, Callable, Iterator, Optional
 
-from jaxreplay import storage
+from jaxreplay import error_line, storage
 from jaxreplay.compat import multiprocess_checkpoint_gap
 from jaxreplay.config import Config, ConfigError
 from jaxreplay.replay import inprocess
