@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_VersionAction,
                         help="print jaxreplay's version and the versions it runs on (Python, JAX, Flax, ...) and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands",
-                                parser_class=_Parser)
+                                parser_class=_Parser, help="one of these; `jaxreplay COMMAND --help` explains it")
     train = command_parser(
         sub, "train", "train a policy, or resume the run in run.dir",
         "Reads a YAML config, applies the overrides, and trains; the same command resumes from run.dir's latest\n"

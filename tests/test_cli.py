@@ -50,6 +50,7 @@ def examples(parser: argparse.ArgumentParser) -> list[list[str]]:
 def test_every_command_is_listed_with_a_one_line_summary():
     help_text = _parser().format_help()
     names = commands()
+    assert all(action.help for action in _parser()._actions), "jaxreplay --help: an argument without help"
     assert set(names) >= {"train", "config", "eval", "export", "compile", "sweep", "report", "theory"}
     for name in names:
         assert re.search(rf"^    {name} +\S", help_text, re.M), f"{name} has no summary in jaxreplay --help"
@@ -134,7 +135,7 @@ def test_no_module_writes_an_error_line_of_its_own():
             if isinstance(first, ast.Constant) and isinstance(first.value, str) and id(node) not in docstrings \
                     and first.value.startswith("jaxreplay: ") and path.name != "__init__.py":
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert not found, found
+    assert not found, f"print error_line(kind, why) (from jaxreplay import error_line) instead: {found}"
 
 
 def test_a_usage_error_is_one_line_naming_the_command_help(capsys):
