@@ -14,6 +14,22 @@ import importlib.util
 import sys
 import warnings
 
+# The words a failed or stopped command's one stderr line may start with, after `jaxreplay: `.
+# Outside scripts parse them: config error (the config or an override), usage error (the command
+# line), error (anything else; with exit status 2 where the input is at fault), stopped (SIGTERM)
+# and interrupted (SIGINT, Ctrl-C).
+ERROR_KINDS = ("config error", "usage error", "error", "stopped", "interrupted")
+MAX_MESSAGE = 1000  # characters of an error line: messages may quote user input
+
+
+def error_line(kind: str, why: str) -> str:
+    """`jaxreplay: <kind>: <why>`, one line of at most MAX_MESSAGE characters: the one format every
+    command's failure or stop is reported in (the CLI, the signal guards, each process of a job)."""
+    if kind not in ERROR_KINDS:
+        raise ValueError(f"not an error kind: {kind!r} (one of {', '.join(ERROR_KINDS)})")
+    line = f"jaxreplay: {kind}: {' '.join(str(why).split())}"
+    return line if len(line) <= MAX_MESSAGE else f"{line[:MAX_MESSAGE - 3]}..."
+
 _MOVED = {
     **{f"jaxreplay.{m}": f"jaxreplay.train.{m}" for m in (
         "accounting", "calibrate", "checkpoint", "distributed", "driver", "eval", "guards", "metrics",

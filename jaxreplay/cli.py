@@ -1,86 +1,167 @@
-"""`jaxreplay` command line: train (and resume) from a YAML config plus dotted overrides."""
+"""`jaxreplay` command line: train (and resume) from a YAML config plus dotted overrides.
+
+Building the parser and `--version` import nothing heavy (no JAX, no Flax): `jaxreplay --help`,
+`jaxreplay train --help` and `jaxreplay --version` answer in a fraction of a second. Every failure
+ends in one line, `jaxreplay: <kind>: <why>` (`jaxreplay.error_line`; `described` picks the kind).
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
 import traceback
 from pathlib import Path
 
+from jaxreplay import ERROR_KINDS, error_line
 from jaxreplay.research import commands as research
 from jaxreplay.train import guards
 from jaxreplay.tools.xla_cpu import tune_cpu_compiler
 
+DESCRIPTION = "RL post-training of language models with experience replay, in JAX."
+EXAMPLES = """\
+examples:
+  jaxreplay train configs/demo.yaml                   # the demo on CPU (what `make demo` runs)
+  jaxreplay train configs/demo.yaml replay.samples_per_insert=4 run.dir=runs/spi4
+  jaxreplay eval runs/demo --k 1,8                    # pass@1 and pass@8 of the run's latest checkpoint
+  jaxreplay COMMAND --help                            # a command's arguments and examples
 
-MAX_MESSAGE = 1000  # characters of an error line: messages may quote user input
+Errors end in one line on stderr, `jaxreplay: KIND: WHY`, KIND one of: config error, usage error,
+error, stopped (SIGTERM), interrupted (SIGINT); exit status 2 where the input is at fault."""
 
 
-def one_line(text: str) -> str:
-    """`text` as one line of at most MAX_MESSAGE characters: what every error report prints."""
-    line = " ".join(text.split())
-    return line if len(line) <= MAX_MESSAGE else f"{line[:MAX_MESSAGE - 3]}..."
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and examples as written; each argument's help ends with its default, where
+    it has one the help does not already state."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default in (None, False, argparse.SUPPRESS) or "default" in text or
+                (not action.option_strings and action.nargs != argparse.OPTIONAL)):
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (tuple, list)) else default
+        return f"{text} (default: {shown})"
 
 
 class _Parser(argparse.ArgumentParser):
     """Usage errors as one line (exit code 2), like every other bad input."""
 
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
-        self.exit(2, f"jaxreplay: usage error: {one_line(f'{self.prog}: {message}')} (see {self.prog} --help)\n")
+        if choice := re.match(r"argument .+: invalid choice: '?(.+?)'? \(choose from (.+)\)$", message):
+            known = [c.strip(" '") for c in choice.group(2).split(",")]
+            if guess := difflib.get_close_matches(choice.group(1), known, n=1):
+                message = f"{message}; did you mean {guess[0]}?"
+        self.exit(2, error_line("usage error", f"{message} (see {self.prog} --help)") + "\n")
+
+
+def command_parser(sub: argparse._SubParsersAction, name: str, summary: str, description: str,
+                   examples: str) -> argparse.ArgumentParser:
+    """A subcommand: `summary` in `jaxreplay --help`'s list, `description` and `examples` (one
+    `jaxreplay ...` line each, `# comments` allowed) in its own --help."""
+    return sub.add_parser(name, help=summary, description=f"{summary[0].upper()}{summary[1:]}.\n\n{description}",
+                          epilog=f"examples:\n{examples}", formatter_class=HelpFormatter)
+
+
+OVERRIDES = "dotted overrides section.key=value, e.g. train.steps=40 (also after options)"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="jaxreplay", description=__doc__)
+    parser = _Parser(prog="jaxreplay", description=DESCRIPTION, epilog=EXAMPLES)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
-    parser.add_argument("--version", action=_VersionAction, help="print the versions this install runs on and exit")
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train, or resume the run in run.dir")
-    train.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
-    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. replay.samples_per_insert=4")
-    show = sub.add_parser("config", help="print the resolved config without running")
-    show.add_argument("config")
-    show.add_argument("overrides", nargs="*")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print jaxreplay's version and the versions it runs on (Python, JAX, Flax, ...) and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands",
+                                parser_class=_Parser, help="one of these; `jaxreplay COMMAND --help` explains it")
+    train = command_parser(
+        sub, "train", "train a policy, or resume the run in run.dir",
+        "Reads a YAML config, applies the overrides, and trains; the same command resumes from run.dir's latest\n"
+        "checkpoint. SIGTERM or Ctrl-C saves a final checkpoint first. Metrics go to run.dir (metrics.jsonl,\n"
+        "TensorBoard); the last line printed is `done: ...`.",
+        "  jaxreplay train configs/demo.yaml\n"
+        "  jaxreplay train configs/demo.yaml train.steps=40 replay.samples_per_insert=4 run.dir=runs/spi4\n"
+        "  jaxreplay train configs/demo.yaml run.dir=runs/spi4      # resumes it")
+    train.add_argument("config", help="the YAML config, e.g. configs/demo.yaml")
+    train.add_argument("overrides", nargs="*", help=OVERRIDES)
+    show = command_parser(
+        sub, "config", "print the resolved config without running",
+        "The config file with the overrides applied and every default filled in, checked as `train` would.",
+        "  jaxreplay config configs/demo.yaml replay.samples_per_insert=4\n"
+        "  jaxreplay config configs/demo.yaml --flat             # train.steps: 300, ...")
+    show.add_argument("config", help="the YAML config, e.g. configs/demo.yaml")
+    show.add_argument("overrides", nargs="*", help=OVERRIDES)
     show.add_argument("--flat", action="store_true",
                       help="one dotted `key: value` line per setting, e.g. `train.steps: 300` (train.steps=300 as an "
                            "override)")
-    ev = sub.add_parser("eval", help="pass@1 and pass@k of a checkpoint or HF model on the task's eval split")
-    ev.add_argument("config")
-    ev.add_argument("overrides", nargs="*")
-    source = ev.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="a run directory (or its checkpoints/)")
-    source.add_argument("--hf", help="a Hugging Face model directory")
+    ev = command_parser(
+        sub, "eval", "pass@1 and pass@k of a run's checkpoint or a Hugging Face model on the task's eval split",
+        "Give a run directory (it holds config.yaml) to evaluate its checkpoint with the config it trained\n"
+        "with, or a config file with --checkpoint RUN_DIR or --hf MODEL_DIR. Prints the results as one JSON line.",
+        "  jaxreplay eval runs/demo                            # the run's latest checkpoint\n"
+        "  jaxreplay eval runs/demo --k 1,8 --step 200 --out runs/demo/eval.json\n"
+        "  jaxreplay eval configs/demo.yaml --checkpoint runs/demo train.group_size=8\n"
+        "  jaxreplay eval configs/qwen2.5_0.5b_instruct_gsm8k_colab.yaml --hf models/qwen --split test")
+    ev.add_argument("config", metavar="run_dir|config",
+                    help="a run directory (local or gs://) holding config.yaml, or a YAML config file")
+    ev.add_argument("overrides", nargs="*", help=OVERRIDES)
+    source = ev.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", metavar="RUN_DIR",
+                        help="a run directory (or its checkpoints/) to evaluate (default: the run_dir given)")
+    source.add_argument("--hf", metavar="MODEL_DIR", help="a Hugging Face model directory to evaluate instead")
     ev.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    ev.add_argument("--split", help="dataset split to evaluate (sets task.eval_split)")
+    ev.add_argument("--split", help="dataset split to evaluate (sets task.eval_split; default: the config's)")
     ev.add_argument("--k", type=_ks, default=(1,), help="pass@k values, e.g. 1,8 (max(k) samples per problem)")
     ev.add_argument("--batch", type=int, default=128, help="rows per sampling call")
-    ev.add_argument("--out", help="write the results here as JSON")
-    ex = sub.add_parser("export", help="a checkpoint's policy as a Hugging Face model directory")
-    ex.add_argument("config", help="the run's config (with model.hf_path if it started from an HF model)")
-    ex.add_argument("overrides", nargs="*")
-    ex.add_argument("--checkpoint", required=True, help="a run directory (or its checkpoints/)")
-    ex.add_argument("--out", required=True, help="the directory to write")
+    ev.add_argument("--out", metavar="FILE", help="also write the results here as JSON")
+    ex = command_parser(
+        sub, "export", "write a checkpoint's policy as a Hugging Face model directory",
+        "Give a run directory (it holds config.yaml), or the run's config file with --checkpoint RUN_DIR.\n"
+        "A run started from an HF model (model.hf_path) keeps that model's config.json keys and tokenizer.",
+        "  jaxreplay export runs/demo --out exported/demo\n"
+        "  jaxreplay export runs/qwen --out exported/qwen --step 400 --dtype bfloat16\n"
+        "  jaxreplay export runs/qwen/config.yaml model.hf_path=models/qwen --checkpoint runs/qwen --out exported/qwen")
+    ex.add_argument("config", metavar="run_dir|config",
+                    help="a run directory (local or gs://) holding config.yaml, or the run's YAML config "
+                         "(with model.hf_path if it started from an HF model)")
+    ex.add_argument("overrides", nargs="*", help=OVERRIDES)
+    ex.add_argument("--checkpoint", metavar="RUN_DIR",
+                    help="a run directory (or its checkpoints/) (default: the run_dir given)")
+    ex.add_argument("--out", required=True, metavar="DIR", help="the directory to write (required)")
     ex.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the saved weights")
-    co = sub.add_parser("compile", help="compile the train step and samplers at full shapes, without weights, "
-                                        "for a TPU slice or the local devices: memory per device against HBM")
-    co.add_argument("config")
-    co.add_argument("overrides", nargs="*")
+    ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="cast the saved weights (default: as trained)")
+    co = command_parser(
+        sub, "compile", "compile the train step and samplers at full shapes, without weights: memory per device "
+                        "against HBM",
+        "For a TPU slice from any host (needs libtpu: the `tpu` extra, `make venv LANE=tpu`) or for this\n"
+        "machine's devices. Exit status 1 when a program does not fit.",
+        "  jaxreplay compile configs/demo.yaml                  # this machine's devices\n"
+        "  jaxreplay compile configs/pod_v5e-8_qwen2.5_0.5b.yaml --json fit.json\n"
+        "  jaxreplay compile configs/demo.yaml --topology v4-8 train.remat=full")
+    co.add_argument("config", help="the YAML config, e.g. configs/pod_v5e-8_qwen2.5_0.5b.yaml")
+    co.add_argument("overrides", nargs="*", help=OVERRIDES)
     co.add_argument("--topology", help="a TPU slice, e.g. v5e-8 or v4-8 (needs the tpu extra), or 'local' for this "
                                        "machine's devices (default: the config's mesh.topology, else local)")
-    co.add_argument("--json", help="also write the figures here as JSON")
-    research.add_parsers(sub)
+    co.add_argument("--json", metavar="FILE", help="also write the figures here as JSON")
+    research.add_parsers(sub, command_parser, OVERRIDES)
     return parser
 
 
 class _VersionAction(argparse.Action):
-    """`jaxreplay --version`: the dependency tier, resolved lazily (it imports nothing heavy first)."""
+    """`jaxreplay --version`: read from the installed packages' metadata, importing none of them."""
 
     def __init__(self, option_strings, dest, **kwargs):
-        super().__init__(option_strings, dest, nargs=0, **kwargs)
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
         from jaxreplay.compat import describe_tier
@@ -154,14 +235,56 @@ def _quiet_exit() -> None:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    """Overrides may also follow options (`compile CONFIG --topology v5e-8 train.remat=full`)."""
+    """Overrides may also follow options (`compile CONFIG --topology v5e-8 train.remat=full`);
+    `eval` and `export` take a run directory for their config (`_from_run_dir`)."""
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
         if not hasattr(args, "overrides") or any(e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
+    if args.command in ("eval", "export"):
+        _from_run_dir(args, parser)
     return args
+
+
+def _from_run_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """`eval RUN_DIR` / `export RUN_DIR`: a directory holding config.yaml gives the run's config,
+    and is the checkpoint unless --checkpoint (or --hf) names another source. A config file
+    (the older form) needs --checkpoint or --hf."""
+    from jaxreplay import storage
+
+    def refuse(why: str):
+        parser.exit(2, error_line("usage error", f"{why} (see {parser.prog} {args.command} --help)") + "\n")
+
+    given = args.config
+    config_file = storage.join(given, "config.yaml")
+    try:
+        storage.check(given, args.command)
+        is_dir = storage.isdir(given)
+        is_run_dir = is_dir and storage.exists(config_file)
+        if is_run_dir:
+            args.config = str(storage.staged(config_file))  # a bucket's config.yaml is read from a local copy
+    except Exception as e:  # a bucket that cannot be reached: one line, from _command
+        raise _RunDirUnreadable(f"{args.command}: cannot read {given}: {e}" if _own(e) else
+                                f"{args.command}: cannot read {given}: {type(e).__name__}: {e}") from None
+    if is_run_dir:
+        if args.checkpoint is None and getattr(args, "hf", None) is None:
+            args.checkpoint = given
+    elif is_dir:
+        refuse(f"{args.command}: {given} is a directory without config.yaml, so not a run directory; give "
+                     f"the run's directory, or a config file and --checkpoint RUN_DIR")
+    elif args.checkpoint is None and getattr(args, "hf", None) is None:
+        source = "one of the arguments --checkpoint --hf is" if args.command == "eval" else \
+            "the argument --checkpoint is"
+        refuse(f"{source} required with a config file (or give a run directory holding config.yaml "
+                     f"instead of {given})")
+
+
+class _RunDirUnreadable(Exception):
+    """The run directory given to eval or export could not be looked at (a bucket out of reach)."""
+
+    kind = "error"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,8 +297,17 @@ def main(argv: list[str] | None = None) -> int:
             guards.PreemptionNotice.release_process()
 
 
+def fail(kind: str, why: str) -> None:
+    """The command's last line, on stderr: `jaxreplay: <kind>: <why>`."""
+    print(error_line(kind, why), file=sys.stderr, flush=True)
+
+
 def _command(argv: list[str] | None) -> int:
-    args = _parse(argv)
+    try:
+        args = _parse(argv)
+    except _RunDirUnreadable as e:
+        fail(e.kind, str(e))
+        return 2
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow (under Reverb) is chatty on import
     if not args.debug:  # Orbax logs through absl what we report ourselves, as one line (CheckpointError)
         logging.getLogger("absl").setLevel(logging.CRITICAL)
@@ -227,41 +359,53 @@ def _command(argv: list[str] | None) -> int:
         hold = rundir.attach(config.run.dir) if config.distributed.enabled else \
             rundir.claim(config.run.dir, config.run.lease_s)
         with hold as run_dir, _native_logs_to(run_dir / "native.log"):
-            from jaxreplay.compat import describe_tier  # imports JAX: after the checks above
+            from jaxreplay.compat import describe_tier
 
             print(f"jaxreplay {_own_version()} on {describe_tier()}", flush=True)
             from jaxreplay.train.driver import train
 
             summary = train(config)
         if signum := guards.pending():  # after the run's last look at the flag: its final checkpoint is saved
-            print(f"jaxreplay: {guards.KIND[signum]}: {guards.describe(signum)} as the run ended: its final "
-                  f"checkpoint is step {summary['steps']} in {Path(config.run.dir) / 'checkpoints'}", file=sys.stderr)
+            fail(guards.KIND[signum], f"{guards.describe(signum)} as the run ended: its final checkpoint is step "
+                                      f"{summary['steps']} in {Path(config.run.dir) / 'checkpoints'}")
             return guards.EXIT_CODE[signum]
         return 0
-    except ConfigError as e:
-        if args.debug:
-            traceback.print_exc()
-        print(f"jaxreplay: config error: {one_line(str(e))}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:  # commands that leave Ctrl-C its default meaning
-        print(f"jaxreplay: interrupted: {guards.describe(signal.SIGINT)}", file=sys.stderr)
+        fail("interrupted", guards.describe(signal.SIGINT))
         return guards.EXIT_CODE[signal.SIGINT]
     except guards.Preempted as e:  # a stop signal, after the final checkpoint where one was due
-        print(f"jaxreplay: {e.kind}: {one_line(str(e))}", file=sys.stderr)
+        fail(e.kind, str(e))
         return e.exit_code
     except Exception as e:  # one line for users; --debug for developers
         if args.debug:
             traceback.print_exc()
+        if isinstance(e, ConfigError):
+            fail(*described(e))
+            return 2
         if failure := _write_failure(e):  # disk full, read-only, quota: the path and the OS's word
             where = failure.filename or (config.run.dir if config is not None else None)
-            print(f"jaxreplay: error: cannot write {where or '?'}: {failure.strerror or failure}; the latest complete "
-                  "checkpoint is unchanged: free space (or make it writable) and run the same command again",
-                  file=sys.stderr, flush=True)
+            fail("error", f"cannot write {where or '?'}: {failure.strerror or failure}; the latest complete "
+                          "checkpoint is unchanged: free space (or make it writable) and run the same command again")
             if argv is None and not args.debug:
                 _quiet_exit()
             return 2
-        print(f"jaxreplay: error: {type(e).__name__}: {one_line(str(e))}", file=sys.stderr)
+        fail(*described(e))
         return 2 if _bad_input(e) else 1
+
+
+def described(error: BaseException) -> tuple[str, str]:
+    """(kind, why) of the line that reports `error`. An exception may name its kind (`kind`: a
+    `ConfigError` is a config error, another run holding run.dir's lock an error). Errors this
+    package raises carry messages written to be read alone; any other's type is named too."""
+    own = _own(error)
+    kind = getattr(error, "kind", None) if own else None
+    return kind if kind in ERROR_KINDS else "error", str(error) if own and str(error) else \
+        f"{type(error).__name__}: {error}"
+
+
+def _own(error: BaseException) -> bool:
+    """Whether this package raised `error` (its message and `kind` are written for users)."""
+    return type(error).__module__.split(".")[0] == "jaxreplay"
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -281,7 +425,7 @@ def _compile(args: argparse.Namespace) -> int:
     try:
         check_fits(report)
     except DoesNotFit as e:
-        print(f"jaxreplay: does not fit: {e}", file=sys.stderr)
+        fail("error", f"does not fit: {e}")
         return 1
     return 0
 
@@ -307,13 +451,15 @@ def _write_failure(error: Exception):
 
 def _bad_input(error: Exception) -> bool:
     """Errors that name something wrong in what the user gave (a checkpoint, a dataset, a
-    Hugging Face model directory): exit code 2, like a config error."""
+    Hugging Face model directory) or could change (a run dir another run holds, libtpu not
+    installed: errors of this package with `kind = "error"`): exit code 2, like a config error."""
     from jaxreplay.models.errors import HFModelError
     from jaxreplay.tasks.datasets import DatasetError
     from jaxreplay.replay.inprocess import DamagedCheckpoint
     from jaxreplay.train.checkpoint import CheckpointError
 
-    return isinstance(error, (CheckpointError, DamagedCheckpoint, DatasetError, HFModelError))
+    return isinstance(error, (CheckpointError, DamagedCheckpoint, DatasetError, HFModelError)) or \
+        (_own(error) and getattr(error, "kind", None) == "error")
 
 
 if __name__ == "__main__":

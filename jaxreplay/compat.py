@@ -21,41 +21,69 @@ The differences absorbed here:
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-import jax
-from flax import nnx
+if TYPE_CHECKING:
+    import jax
+    from flax import nnx
 
-# Flax >= 0.12: eager variable sharding (FLIP 4844) and `out_sharding` metadata.
-_FLAX_OUT_SHARDING = hasattr(nnx, "use_eager_sharding")
-_AXES_KEY = "out_sharding" if _FLAX_OUT_SHARDING else "sharding"
+# JAX and Flax are imported by the functions that use them, not here: `jaxreplay --version`
+# (`describe_tier`, from package metadata) and the CLI's help import this module without paying
+# for them (seconds on a cold start).
 
-# The type of a variable's leaf in an `nnx.State` (params, optimizer state).
-VariableLeaf = nnx.Variable if _FLAX_OUT_SHARDING else nnx.VariableState
+
+@functools.cache
+def _flax_out_sharding() -> bool:
+    """Flax >= 0.12: eager variable sharding (FLIP 4844) and `out_sharding` metadata."""
+    from flax import nnx
+
+    return hasattr(nnx, "use_eager_sharding")
+
+
+def _axes_key() -> str:
+    return "out_sharding" if _flax_out_sharding() else "sharding"
+
+
+@functools.cache
+def _variable_leaf() -> type:
+    from flax import nnx
+
+    return nnx.Variable if _flax_out_sharding() else nnx.VariableState
+
+
+def __getattr__(name: str) -> Any:
+    """`VariableLeaf`, the type of a variable's leaf in an `nnx.State` (params, optimizer state),
+    resolved on first use (it needs Flax)."""
+    if name == "VariableLeaf":
+        return _variable_leaf()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def param(value: Any, axes: Sequence[Optional[str]]) -> nnx.Param:
     """An `nnx.Param` annotated with its logical axes and placed nowhere yet."""
-    if _FLAX_OUT_SHARDING:
+    from flax import nnx
+
+    if _flax_out_sharding():
         return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
     return nnx.Param(value, sharding=tuple(axes))
 
 
 def is_variable(x: Any) -> bool:
     """Whether `x` is a variable leaf of an `nnx.State` (it carries metadata)."""
-    return isinstance(x, VariableLeaf)
+    return isinstance(x, _variable_leaf())
 
 
 def logical_axes(variable: Any) -> Optional[tuple[Optional[str], ...]]:
     """The logical axis names a variable was annotated with, or None."""
-    axes = variable.get_metadata().get(_AXES_KEY)
+    axes = variable.get_metadata().get(_axes_key())
     return None if axes is None else tuple(axes)
 
 
 def value_of(variable: Any) -> Any:
     """The array (or abstract array) a variable holds."""
-    return variable.get_value() if _FLAX_OUT_SHARDING else variable.value
+    return variable.get_value() if _flax_out_sharding() else variable.value
 
 
 def with_value(variable: Any, value: Any) -> Any:
@@ -65,11 +93,15 @@ def with_value(variable: Any, value: Any) -> Any:
 
 def module_list(modules: list) -> Any:
     """A list of submodules as a model attribute (Flax 0.12 wants it marked as data)."""
-    return nnx.List(modules) if _FLAX_OUT_SHARDING else modules
+    from flax import nnx
+
+    return nnx.List(modules) if _flax_out_sharding() else modules
 
 
 def abstract_mesh(sizes: dict[str, int]) -> jax.sharding.AbstractMesh:
     """A device-less mesh of these axis sizes, for shapes and specs without devices."""
+    import jax
+
     try:
         return jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes))
     except TypeError:  # jax 0.4: one tuple of (name, size) pairs
@@ -107,6 +139,8 @@ def multiprocess_checkpoint_gap() -> Optional[str]:
     orbax-checkpoint 0.11 (the Reverb tier) asks the coordination client for
     `key_value_try_get`, which jax 0.4.34's client does not have (measured: AttributeError
     in every multi-process save)."""
+    import jax
+
     try:
         from jax._src.lib import _jax as xla_client
     except ImportError:  # jax < 0.6
@@ -123,6 +157,8 @@ def distributed_options(options: dict[str, Any]) -> tuple[dict[str, Any], list[s
     jax 0.12's, absent from jax 0.4.34 (the Reverb tier). Unset (None) options are left out."""
     import inspect
 
+    import jax
+
     accepted = inspect.signature(jax.distributed.initialize).parameters
     given = {name: value for name, value in options.items() if value is not None}
     return {k: v for k, v in given.items() if k in accepted}, [k for k in given if k not in accepted]
@@ -132,6 +168,8 @@ def heartbeat_timeout(seconds: float) -> dict[str, int]:
     """`jax.distributed.initialize`'s heartbeat timeout as keyword arguments; jax 0.4.34 (the
     Reverb tier) has no such argument, and keeps its own (about 100 s)."""
     import inspect
+
+    import jax
 
     if "heartbeat_timeout_seconds" not in inspect.signature(jax.distributed.initialize).parameters:
         return {}

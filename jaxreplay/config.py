@@ -10,6 +10,7 @@ Number fields are checked by type (floats finite, ints within 32 bits) and again
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import importlib.util
 import math
@@ -29,6 +30,8 @@ from jaxreplay import storage
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the offending key."""
+
+    kind = "config error"  # the word the command's one error line names it by (`jaxreplay.error_line`)
 
 
 Selector = Literal["uniform", "fifo", "lifo", "prioritized"]
@@ -653,11 +656,47 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted((k for k in raw if k not in fields), key=str)
     if unknown:
-        raise ConfigError(f"unknown key {prefix}{_name(unknown[0])} (known: {', '.join(sorted(fields))})")
+        raise ConfigError(_unknown_key(cls, prefix, unknown[0]))
     kwargs = {}
     for name, value in raw.items():
         kwargs[name] = _coerce(hints[name], value, f"{prefix}{name}")
     return cls(**kwargs)
+
+
+def config_keys(cls: type = None, prefix: str = "") -> list[str]:
+    """Every dotted key a config has (`train.steps`), each section's name (`train`) too."""
+    keys = []
+    for f in dataclasses.fields(cls or Config):
+        tp = typing.get_type_hints(cls or Config)[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys += [f"{prefix}{f.name}", *config_keys(tp, f"{prefix}{f.name}.")]
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def did_you_mean(name: str, known: typing.Iterable[str]) -> Optional[str]:
+    """The known name closest to the unknown `name` (a typo's correction), or None."""
+    match = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def _unknown_key(cls: type, prefix: str, key: Any) -> str:
+    """"unknown key train.stepz (did you mean train.steps?)": a key of that name in another section
+    (`train.max_size`: replay.max_size), else the closest key of the same section, else the keys
+    of the closest name in other sections; with no close one, the section's keys."""
+    name, fields = str(key), [f.name for f in dataclasses.fields(cls)]
+    settings = [k for k in config_keys() if "." in k]  # not the section names: a key is not a section
+
+    def named(leaf: Optional[str]) -> list[str]:
+        return [k for k in settings if k.rsplit(".", 1)[-1] == leaf]
+
+    guess = did_you_mean(name, fields)
+    guesses = named(name) or ([f"{prefix}{guess}"] if guess else named(
+        did_you_mean(name, {k.rsplit(".", 1)[-1] for k in settings})))
+    where = f"{prefix.rstrip('.')}'s keys" if prefix else "sections"
+    hint = f"did you mean {' or '.join(guesses)}?" if guesses else f"{where}: {', '.join(sorted(fields))}"
+    return f"unknown key {prefix}{_name(key)} ({hint})"
 
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")

@@ -7,11 +7,13 @@ get as far as a mesh, a dataset or a checkpoint. `--debug` brings the traceback 
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
+from jaxreplay import ERROR_KINDS
 from jaxreplay.train import rundir
 from test_train import DEMO, ROOT, TINY
 
@@ -241,7 +243,7 @@ def case_bad_flag_value(tmp_path):
 
 
 def case_theory_with_a_negative_cost(tmp_path):
-    return ["theory", "--mu", "-1", "--rho", "0.1", "--alpha", "0.3"], "--mu must be a positive"
+    return ["theory", "--mu", "-1", "--rho", "0.1", "--alpha", "0.3"], "argument --mu: must be a positive"
 
 
 FAST = [case_malformed_yaml, case_missing_config_file, case_config_is_a_directory, case_config_is_a_fifo,
@@ -322,7 +324,7 @@ def assert_one_line_exit_2(result, named):
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr[-2000:]
-    assert lines[0].startswith("jaxreplay: ") and named in lines[0], lines[0]
+    assert re.match(rf"^jaxreplay: ({'|'.join(ERROR_KINDS)}): \S", lines[0]) and named in lines[0], lines[0]
     assert len(lines[0]) <= 1000, lines[0][:300]
     assert "Traceback" not in result.stderr
 

@@ -91,9 +91,12 @@ def test_an_unknown_slice_is_a_config_error(capsys):
 
 
 @pytest.mark.skipif(libtpu_version() is not None, reason="libtpu is installed: the missing-libtpu error cannot occur")
-def test_without_libtpu_the_error_names_the_extra(capsys):
-    assert main(["compile", DEMO, "--topology", "v5e-8"]) == 1
-    assert "pip install 'jaxreplay[tpu]'" in capsys.readouterr().err
+def test_without_libtpu_the_error_names_the_extra_and_exits_2(capsys):
+    """The install is what to change, as with other input at fault: exit 2, one line."""
+    assert main(["compile", DEMO, "--topology", "v5e-8"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("jaxreplay: error: compiling for v5e-8 needs libtpu, which the tpu extra installs: "
+                                "make venv LANE=tpu") and "pip install 'jaxreplay[tpu]'" in lines[-1]
 
 
 @pytest.mark.parametrize("name, params", [("qwen2.5-0.5b", 494_032_768), ("qwen2.5-1.5b", 1_543_714_304),
@@ -137,4 +140,4 @@ def test_a_config_over_hbm_exits_1_naming_the_program(capsys):
     big = ["model.vocab_size=2000000", "model.d_model=1024", "model.n_heads=8", "model.head_dim=128"]
     assert main(["compile", DEMO, "--topology", "v5e-1", *big]) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("jaxreplay: does not fit: train step ") and "TPU v5 lite (v5e-1" in last
+    assert last.startswith("jaxreplay: error: does not fit: train step ") and "TPU v5 lite (v5e-1" in last

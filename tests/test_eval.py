@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gcs_emulator import bucket, gcs_emulator  # noqa: F401 - fixtures
 from jaxreplay.cli import main
 from jaxreplay.config import load_config
 from jaxreplay.learn.learner import make_optimizer
@@ -48,13 +49,20 @@ def test_pass_at_k_by_hand():
         pass_at_k(4, 1, 8)
 
 
-@pytest.mark.slow
-def test_eval_of_a_checkpoint_equals_eval_of_its_hf_export(tmp_path, capsys):
-    from jaxreplay.models.hf import save_hf_model
-
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, object]:
+    """(run dir, config) of a tiny warm-started run of 2 steps; tests only read it."""
+    run_dir = tmp_path_factory.mktemp("eval") / "run"
     config = load_config(ROOT / "configs" / "demo.yaml", [*RUN, f"run.dir={run_dir}"])
     train(config, log=lambda _: None)
+    return run_dir, config
+
+
+@pytest.mark.slow
+def test_eval_of_a_checkpoint_equals_eval_of_its_hf_export(trained, tmp_path, capsys):
+    from jaxreplay.models.hf import save_hf_model
+
+    run_dir, config = trained
     config_file = run_dir / "config.yaml"
 
     out = tmp_path / "from_checkpoint.json"
@@ -84,6 +92,44 @@ def test_eval_of_a_checkpoint_equals_eval_of_its_hf_export(tmp_path, capsys):
         assert from_hf[key] == results[key]
 
 
+def _results(path: Path) -> dict:
+    return {k: v for k, v in json.loads(path.read_text()).items() if k not in ("seconds", "checkpoint")}
+
+
+@pytest.mark.slow
+def test_eval_and_export_of_a_run_dir_read_its_config_yaml(trained, tmp_path, capsys):
+    """`eval RUN_DIR` and `export RUN_DIR` are the older `CONFIG --checkpoint RUN_DIR` forms with
+    the run's config.yaml: the same results, the same files. The run's model is not the demo's,
+    so a wrong config could not restore it."""
+    run_dir, _ = trained
+    config_file = str(run_dir / "config.yaml")
+    assert main(["eval", str(run_dir), "--out", str(tmp_path / "new.json")]) == 0
+    assert main(["eval", config_file, "--checkpoint", str(run_dir), "--out", str(tmp_path / "old.json")]) == 0
+    new = _results(tmp_path / "new.json")
+    assert new == _results(tmp_path / "old.json") and new["step"] == 2 and new["problems"] == 40
+    assert json.loads((tmp_path / "new.json").read_text())["checkpoint"] == str(run_dir / "checkpoints")
+
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "hf_new")]) == 0
+    assert main(["export", config_file, "--checkpoint", str(run_dir), "--out", str(tmp_path / "hf_old")]) == 0
+    files = sorted(p.name for p in (tmp_path / "hf_new").iterdir())
+    assert "config.json" in files and files == sorted(p.name for p in (tmp_path / "hf_old").iterdir())
+    for name in files:
+        assert (tmp_path / "hf_new" / name).read_bytes() == (tmp_path / "hf_old" / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_eval_of_a_bucket_run_dir_reads_its_config_yaml(trained, bucket, tmp_path):
+    """The same run dir in a bucket (gs://, the GCS emulator): the same results as on disk."""
+    from jaxreplay import storage
+
+    run_dir, _ = trained
+    storage.upload(run_dir, bucket)
+    assert main(["eval", bucket, "--out", str(tmp_path / "bucket.json")]) == 0
+    assert main(["eval", str(run_dir), "--out", str(tmp_path / "disk.json")]) == 0
+    assert _results(tmp_path / "bucket.json") == _results(tmp_path / "disk.json")
+    assert json.loads((tmp_path / "bucket.json").read_text())["checkpoint"] == f"{bucket}/checkpoints"
+
+
 def test_eval_needs_exactly_one_source(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["eval", str(ROOT / "configs" / "demo.yaml")])
@@ -93,6 +139,13 @@ def test_eval_needs_exactly_one_source(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["eval", str(ROOT / "configs" / "demo.yaml"), "--hf", str(tmp_path), "--k", "1,0"])
     assert "every k must be >= 1" in capsys.readouterr().err
+    for command in (["eval", str(tmp_path)], ["export", str(tmp_path), "--out", str(tmp_path / "out")]):
+        with pytest.raises(SystemExit) as e:  # a directory, but no run's: it holds no config.yaml
+            main(command)
+        assert e.value.code == 2 and capsys.readouterr().err == (
+            f"jaxreplay: usage error: {command[0]}: {tmp_path} is a directory without config.yaml, so not a run "
+            f"directory; give the run's directory, or a config file and --checkpoint RUN_DIR (see jaxreplay "
+            f"{command[0]} --help)\n")
 
 
 def test_more_samples_per_problem_than_a_sampling_batch_is_a_clear_error():

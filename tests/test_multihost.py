@@ -126,7 +126,7 @@ def test_a_process_that_fails_ends_the_job_in_seconds_not_timeouts(tmp_path):
     elapsed = time.monotonic() - start
     assert [r.returncode != 0 for r in results] == [True, True]
     assert elapsed < 300, f"the job took {elapsed:.0f}s to fail"
-    assert "jaxreplay: process 1: error: AssertionError" in results[1].stdout
+    assert "jaxreplay: error: process 1: AssertionError" in results[1].stdout
     assert "Traceback" in (tmp_path / "process-1.error").read_text()
     assert not (tmp_path / "summary.json").exists()
 

@@ -274,7 +274,7 @@ def test_ctrl_c_to_one_process_of_a_job_stops_every_process_with_130_and_a_check
         results = _finish(procs, TIMEOUT_S)
     assert [rc for rc, _ in results] == [130, 130], [out[-2000:] for _, out in results]
     for i, (_, out) in enumerate(results):
-        assert f"jaxreplay: process {i}: interrupted: SIGINT (Ctrl-C): checkpoint at step " in out, out[-2000:]
+        assert f"jaxreplay: interrupted: process {i}: SIGINT (Ctrl-C): checkpoint at step " in out, out[-2000:]
     step = checkpoint_steps(run)[-1]
     assert step >= 3 and step == logged_step(run)
 

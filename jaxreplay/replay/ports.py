@@ -18,7 +18,10 @@ from jaxreplay.config import ConfigError
 
 
 class PortInUseError(ConfigError):
-    """`replay.port` is held by another jaxreplay run, or something else listens on it."""
+    """`replay.port` is held by another jaxreplay run, or something else listens on it: a port
+    taken, as a run dir's lock can be, is an error, not a config error (the config is sound)."""
+
+    kind = "error"
 
 
 class PortClaim:

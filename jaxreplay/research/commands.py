@@ -3,38 +3,78 @@
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 DEMO_GROUP_SIZE = 8  # configs/demo.yaml's train.group_size: theory's default batch unit
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
-    sweep = sub.add_parser("sweep", help="run (or resume) a grid of settings x seeds, one after another")
-    sweep.add_argument("sweep", help="sweep file, e.g. configs/sweep_demo.yaml")
-    sweep.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. train.steps=50")
+def add_parsers(sub: argparse._SubParsersAction, command_parser: Callable[..., argparse.ArgumentParser],
+                overrides_help: str) -> None:
+    """The research commands' parsers, made by the CLI's `command_parser` (a summary, a
+    description and examples each)."""
+    sweep = command_parser(
+        sub, "sweep", "run (or resume) a grid of settings x seeds, one after another",
+        "A sweep file names a base config, settings (lists of overrides) and seeds; each run gets its own\n"
+        "run dir under the sweep's out folder. Finished runs are skipped, so the same command resumes.",
+        "  jaxreplay sweep configs/sweep_demo.yaml\n"
+        "  jaxreplay sweep configs/sweep_demo.yaml train.steps=50 --print    # the commands, not run")
+    sweep.add_argument("sweep", help="the sweep file, e.g. configs/sweep_demo.yaml")
+    sweep.add_argument("overrides", nargs="*", help=f"{overrides_help}; for every run")
     sweep.add_argument("--print", action="store_true", help="print one command per run instead of running")
-    report = sub.add_parser("report", help="plots and a Markdown table comparing runs")
-    report.add_argument("run_dirs", nargs="+", help="run directories (seeds of one setting share a parent folder)")
-    report.add_argument("--out", required=True, help="directory for report.md and the PNGs")
-    report.add_argument("--baseline", help="setting to compare against (default: the on-policy one)")
-    report.add_argument("--mu", help="generation / training cost per rollout to model compute at, besides the "
-                        "measured one, e.g. 5.28,6.84 (the paper's Qwen2.5-7B and Qwen3-0.6B)")
-    report.add_argument("--sweep", help="the sweep file whose claims to decide (default: the claims.yaml its "
-                        "sweep wrote beside the setting folders, if any)")
-    theory = sub.add_parser("theory", help="optimal staleness horizon and replay ratio of the cost model")
-    theory.add_argument("--mu", help="generation / training cost per rollout; several as in report: 5.28,6.84")
-    theory.add_argument("--rho", type=float, help="batch-variance weight of the cost model")
-    theory.add_argument("--alpha", type=float, help="staleness exponent: sigma(x) = (x/tau)^alpha")
+    report = command_parser(
+        sub, "report", "plots and a Markdown table comparing runs",
+        "Reads each run dir's metrics and summary; seeds of one setting share a parent folder. Writes\n"
+        "report.md and PNGs into --out, and prints the table.",
+        "  jaxreplay report runs/sweep_demo/*/seed* --out runs/sweep_demo/report\n"
+        "  jaxreplay report runs/sweep_demo/*/seed* --out runs/sweep_demo/report --mu 5.28,6.84 --baseline spi2")
+    report.add_argument("run_dirs", nargs="+", metavar="run_dir",
+                        help="run directories (seeds of one setting share a parent folder)")
+    report.add_argument("--out", required=True, metavar="DIR", help="directory for report.md and the PNGs (required)")
+    report.add_argument("--baseline", metavar="SETTING", help="setting to compare against (default: the on-policy one)")
+    add_mu_argument(report, "generation / training cost per rollout to model compute at, besides the measured one")
+    report.add_argument("--sweep", metavar="FILE", help="the sweep file whose claims to decide (default: the "
+                        "claims.yaml its sweep wrote beside the setting folders, if any)")
+    theory = command_parser(
+        sub, "theory", "optimal staleness horizon and replay ratio of the cost model",
+        "The paper's Theorem 4.5: x* = N/R and y* = B/R from the cost ratio mu, the batch-variance weight\n"
+        "rho and the staleness exponent alpha, as train.batch_size and replay.max_size settings.",
+        "  jaxreplay theory --mu 5.28 --rho 0.1 --alpha 0.1 --rollouts-per-step 64\n"
+        "  jaxreplay theory --mu 5.28,6.84 --rho 0.1 --alpha 0.1 --config configs/demo.yaml\n"
+        "  jaxreplay theory --fit-table                      # the mu behind the paper's Table 1")
+    add_mu_argument(theory, "generation / training cost per rollout")
+    theory.add_argument("--rho", type=float, help="batch-variance weight of the cost model (needed with --mu)")
+    theory.add_argument("--alpha", type=float, help="staleness exponent: sigma(x) = (x/tau)^alpha (needed with --mu)")
     theory.add_argument("--fit-table", action="store_true", help="solve mu from the paper's Table 1 gammas "
                         "(needs no --mu, --rho or --alpha)")
     theory.add_argument("--config", help="a run config: its R (prompts_per_step x group_size), train.batch_size "
                         "and train.group_size stand in for the flags below")
-    theory.add_argument("--rollouts-per-step", type=int, help="R: rollouts generated per actor step (default 64)")
-    theory.add_argument("--batch-size", type=int, help="a config's train.batch_size B: also print the window that "
-                        "realises x* at that B")
-    theory.add_argument("--group-size", type=int, help="train.group_size: printed batch sizes keep groups whole "
-                        f"(multiples of it; default {DEMO_GROUP_SIZE}, the demo's)")
-    theory.add_argument("--data-parallelism", type=int, default=1, help="the mesh's data parallelism: printed batch "
-                        "sizes are multiples of it")
+    theory.add_argument("--rollouts-per-step", type=int, metavar="R",
+                        help="R: rollouts generated per actor step (default: 64, or the config's)")
+    theory.add_argument("--batch-size", type=int, metavar="B", help="a config's train.batch_size B: also print the "
+                        "window that realises x* at that B")
+    theory.add_argument("--group-size", type=int, metavar="G", help="train.group_size: printed batch sizes keep "
+                        f"groups whole (multiples of it; default: {DEMO_GROUP_SIZE}, the demo's, or the config's)")
+    theory.add_argument("--data-parallelism", type=int, default=1, metavar="D",
+                        help="the mesh's data parallelism: printed batch sizes are multiples of it")
+
+
+def add_mu_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--mu`, the same in every command: one number or several, comma-separated or repeated."""
+    parser.add_argument("--mu", type=mu_list, action="extend", metavar="MU[,MU...]",
+                        help=f"{what}: one number or several, e.g. 5.28 or 5.28,6.84 (the paper's Qwen2.5-7B and "
+                             "Qwen3-0.6B); repeatable")
+
+
+def mu_list(text: str) -> list[float]:
+    """`--mu`'s value: `parse_mus`, with a bad value as a usage error."""
+    from jaxreplay.config import ConfigError
+    from jaxreplay.research.report_stats import parse_mus
+
+    try:
+        return list(parse_mus(text))
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--mu: ").removeprefix("--mu ")) from None
+
 
 def run(args: argparse.Namespace) -> int:
     if args.command == "sweep":
@@ -48,9 +88,8 @@ def run(args: argparse.Namespace) -> int:
         return 0 if all(r in ("done", "skipped") for r in results.values()) else 1
     if args.command == "report":
         from jaxreplay.research.report import report
-        from jaxreplay.research.report_stats import parse_mus
 
-        print(report(args.run_dirs, args.out, baseline=args.baseline, mus=parse_mus(args.mu), sweep=args.sweep),
+        print(report(args.run_dirs, args.out, baseline=args.baseline, mus=tuple(args.mu or ()), sweep=args.sweep),
               end="")
         print(f"report: {args.out}/report.md")
         return 0
@@ -67,8 +106,6 @@ def _theory(args: argparse.Namespace) -> int:
 
     from jaxreplay.config import ConfigError, load_config
     from jaxreplay.replay.theory import describe, describe_fit, fit_table, numeric_optimum, optimum, split_table
-    from jaxreplay.research.report_stats import parse_mus
-
     for flag in ("rollouts_per_step", "batch_size", "group_size", "data_parallelism"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
@@ -79,7 +116,7 @@ def _theory(args: argparse.Namespace) -> int:
         args.batch_size = args.batch_size or train.batch_size
         args.group_size = args.group_size or train.group_size
     rollouts, group = args.rollouts_per_step or 64, args.group_size or DEMO_GROUP_SIZE
-    mus = parse_mus(args.mu)
+    mus = tuple(args.mu or ())
     if args.fit_table:
         fit = fit_table()
         print(describe_fit(fit))

@@ -27,7 +27,7 @@ import math
 import re
 from typing import Any, Optional
 
-from jaxreplay.config import ConfigError, show
+from jaxreplay.config import ConfigError, did_you_mean, show
 
 CLAIMS_FILE = "claims.yaml"  # beside a sweep's setting folders: the claims its sweep file declared
 TARGET_FRACTIONS = (0.5, 0.75, 0.9)  # targets: these shares of the same seed's baseline gain (peak - start)
@@ -79,7 +79,9 @@ def parse_claims(raw: Any, where: str = "sweep.claims") -> tuple[Claim, ...]:
             raise ConfigError(f"{key}: expected a mapping with keys {', '.join(sorted(_KEYS))}")
         unknown = sorted(set(rule) - _KEYS, key=str)
         if unknown:
-            raise ConfigError(f"{key}: unknown key {unknown[0]} (known: {', '.join(sorted(_KEYS))})")
+            guess = did_you_mean(str(unknown[0]), _KEYS)
+            raise ConfigError(f"{key}: unknown key {unknown[0]} (" + (f"did you mean {guess}?" if guess else
+                                                                       f"known: {', '.join(sorted(_KEYS))}") + ")")
         settings = rule.get("settings")
         if not (isinstance(settings, list) and settings and all(isinstance(s, str) for s in settings)):
             raise ConfigError(f"{key}.settings: expected a non-empty list of setting names, got {show(settings)}")

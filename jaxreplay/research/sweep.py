@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from jaxreplay.config import Config, ConfigError, load_config, read_yaml, show
+from jaxreplay.config import Config, ConfigError, did_you_mean, load_config, read_yaml, show
 from jaxreplay.research.report_claims import CLAIMS_FILE, parse_claims
 
 _KEYS = {"base", "out", "seeds", "overrides", "settings", "timeout_s", "claims"}
@@ -90,7 +90,9 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
         raise ConfigError(f"{path}: a sweep file is a mapping with keys {', '.join(sorted(_KEYS))}")
     unknown = sorted(set(raw) - _KEYS, key=str)
     if unknown:
-        raise ConfigError(f"sweep: unknown key {unknown[0]} (known: {', '.join(sorted(_KEYS))})")
+        guess = did_you_mean(str(unknown[0]), _KEYS)
+        raise ConfigError(f"sweep: unknown key {unknown[0]} (" + (f"did you mean {guess}?" if guess else
+                                                                   f"known: {', '.join(sorted(_KEYS))}") + ")")
     for key in ("base", "out", "seeds", "settings"):
         if key not in raw:
             raise ConfigError(f"sweep.{key}: required")

@@ -71,7 +71,10 @@ def validate_topology(c: Config) -> None:
 
 
 class MissingLibtpu(RuntimeError):
-    """Compiling for a TPU slice needs libtpu, which the `tpu` extra installs."""
+    """Compiling for a TPU slice needs libtpu, which the `tpu` extra installs: the install, not
+    the config, is what to change (exit status 2, as for other input at fault)."""
+
+    kind = "error"
 
 
 def libtpu_version() -> Optional[str]:
@@ -88,8 +91,9 @@ def slice_devices(name: str) -> list[Any]:
         raise ConfigError(f"--topology: {name!r} is not a known TPU slice (e.g. {', '.join(list(TOPOLOGIES)[:8])}, "
                           f"...; see jaxreplay/tools/topology.py)")
     if libtpu_version() is None:
-        raise MissingLibtpu(f"compiling for {name} needs libtpu: pip install 'jaxreplay[tpu]' "
-                            f"(with the lane's constraints file, so it matches jax)")
+        raise MissingLibtpu(f"compiling for {name} needs libtpu, which the tpu extra installs: make venv LANE=tpu "
+                            f"(then .venv-tpu/bin/jaxreplay), or pip install 'jaxreplay[tpu]' -c "
+                            f"constraints/default.txt (the lane's constraints, so that libtpu matches jax)")
     from jax.experimental import topologies
 
     spec = TOPOLOGIES[name]

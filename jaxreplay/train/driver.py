@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any, Callable, Iterator, Optional
 
-from jaxreplay import storage
+from jaxreplay import error_line, storage
 from jaxreplay.compat import multiprocess_checkpoint_gap
 from jaxreplay.config import Config, ConfigError
 from jaxreplay.replay import inprocess
@@ -40,7 +40,7 @@ from jaxreplay.train.guards import Preempted, PreemptionNotice
 from jaxreplay.train.placement import Placement, params_digest, placement_for
 from jaxreplay.train.recorder import CONFIG_FILE, RunRecorder, last_summary, resume_config, run_settings
 from jaxreplay.train.roles import run_concurrent
-from jaxreplay.train.run import Run, table_counters
+from jaxreplay.train.run import Run, above_bars, table_counters
 from jaxreplay.train.stack import build_stack, resolved_model
 from jaxreplay.train.turns import GlobalTables, LocalTables, run_turns
 
@@ -76,16 +76,18 @@ def _as_job_process(config: Config, log: Callable[[str], None]) -> dict[str, Any
             with contextlib.suppress(Exception):  # run.dir itself may be what is wrong
                 storage.makedirs(config.run.dir)
                 storage.write_text(storage.join(config.run.dir, f"process-{pid}.error"), traceback.format_exc())
-        kind = ("config error" if isinstance(e, ConfigError) else e.kind if isinstance(e, Preempted)
-                else f"error: {type(e).__name__}")
+        own = type(e).__module__.split(".")[0] == "jaxreplay"  # its message is written to be read alone
+        kind = getattr(e, "kind", "error") if own and isinstance(e, (ConfigError, Preempted)) else "error"
+        first = str(e).splitlines()[0] if str(e) else ""
         sys.stdout.flush()
-        print(f"jaxreplay: process {pid}: {kind}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr,
-              flush=True)
+        print(error_line(kind, f"process {pid}: {first if own and first else f'{type(e).__name__}: {first}'}"),
+              file=sys.stderr, flush=True)
         os._exit(2 if isinstance(e, ConfigError) else e.exit_code if isinstance(e, Preempted) else 1)
 
 
 def _train(config: Config, run_dir: rundir.RunDir, log: Callable[[str], None]) -> dict[str, Any]:
     start = time.perf_counter()
+    log = above_bars(log)
     placement = placement_for(config)
     coord = distributed.Coordinator(config.distributed.timeout_s) if placement.kind == "multihost" else None
     if coord is not None:  # before any wait on run.dir: a pod whose workers each have their own disk ends here
@@ -349,6 +351,7 @@ def _summary(run: Run, recorder: RunRecorder, run_dir: rundir.RunDir, log: Calla
     if recorder:
         recorder.summary(summary)
     run_dir.sync()
+    run.close_bar()  # its last redraw, then the summary on a line of its own
     log(f"done: {summary['steps']} steps in {summary['seconds']}s | eval/accuracy "
         f"{summary['eval/accuracy_start']:.3f} -> {summary['eval/accuracy_end']:.3f} | replay/ratio "
         f"{summary['replay/ratio']:.2f} (target {summary['replay/samples_per_insert_target']:g}) | "

@@ -23,6 +23,8 @@ import sys
 import threading
 from typing import Callable, Optional
 
+from jaxreplay import error_line
+
 # The exit status and the word of the one line each stop signal ends a command with.
 EXIT_CODE = {signal.SIGTERM: 128 + signal.SIGTERM, signal.SIGINT: 128 + signal.SIGINT}
 KIND = {signal.SIGTERM: "stopped", signal.SIGINT: "interrupted"}
@@ -204,7 +206,8 @@ def abort(why: str) -> None:
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     with contextlib.suppress(Exception):
-        sys.stderr.write(f"jaxreplay: interrupted: {why}\n")
+        clear = "\r\x1b[K" if sys.stderr.isatty() else ""  # a progress bar's half-drawn line, on a terminal
+        sys.stderr.write(clear + error_line("interrupted", why) + "\n")
         sys.stderr.flush()
     os._exit(EXIT_CODE[signal.SIGINT])
 

@@ -312,11 +312,26 @@ class Run:
         return Preempted(f"{describe(signum)} while {what}; stopped without a new checkpoint (the table may hold "
                          f"part of a batch), the same command {then}", signum)
 
-    def close(self) -> None:
+    def close_bar(self) -> None:
+        """Leaves the bar's last state on a line of its own: what is printed next starts at column 0."""
         if self._bar is not None:
             self._bar.close()
+
+    def close(self) -> None:
+        self.close_bar()
         self.notice.close()
         self.checkpointer.close()
+
+
+def above_bars(log: Callable[[str], None]) -> Callable[[str], None]:
+    """`log` for lines printed while a progress bar may be drawn on the same terminal: the bar is
+    cleared first and drawn again below the line, so that no line starts after a bar's fragment."""
+
+    def write(line: str) -> None:
+        with tqdm.external_write_mode():
+            log(line)
+
+    return write
 
 
 def checkpoint_tree(params: Any, opt_state: Any, pending: Optional[rollouts.Rows], spec: rollouts.RowSpec,

@@ -56,6 +56,13 @@ class RunDirError(ConfigError):
     """`run.dir` cannot be used: not a writable directory or bucket, or another run holds it."""
 
 
+class RunDirInUse(RunDirError):
+    """Another run holds `run.dir`'s lock or lease: the config is sound, and the same command runs
+    once that run ends, so the command's line calls it an error, not a config error."""
+
+    kind = "error"
+
+
 @dataclasses.dataclass
 class RunDir:
     """Where a run's files go: `local`, the run dir itself on a disk, or the local mirror of the
@@ -278,8 +285,8 @@ def _flock(directory: Path) -> _Flock:
     return _Flock(fd)
 
 
-def _in_use(where: Any, who: str, more: str = "") -> RunDirError:
-    return RunDirError(f"run.dir: {show(str(where))} is in use by another run ({who}){more}; wait for it to "
+def _in_use(where: Any, who: str, more: str = "") -> RunDirInUse:
+    return RunDirInUse(f"run.dir: {show(str(where))} is in use by another run ({who}){more}; wait for it to "
                        "end or stop it, or choose another run.dir")
 
 
