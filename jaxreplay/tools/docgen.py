@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxreplay import config as config_module
+from jaxreplay import error_line
 from jaxreplay.train.metric_keys import METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(f"wrote {rel}")
     if stale:
-        print(f"jaxreplay: error: {', '.join(stale)} differ from the code: run python -m jaxreplay.tools.docgen",
+        print(error_line("error", f"{', '.join(stale)} differ from the code: run python -m jaxreplay.tools.docgen"),
               file=sys.stderr)
         return 1
     return 0
