@@ -92,6 +92,46 @@ def test_rows_the_learner_overtakes_keep_the_log_prob_of_each_tokens_own_distrib
         np.testing.assert_allclose(rows["logprobs"][r, p:p + n], np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+
+def streamed(actor, chunks: int) -> dict[int, dict]:
+    """Rows by rollout id over `chunks` chunks under the version-0 weights."""
+    out = {}
+    for _ in range(chunks):
+        rows, _ = actor.advance(weights(0), 0)
+        for i, rid in enumerate([] if rows is None else rows["rollout_id"]):
+            out[int(rid)] = {k: v[i] for k, v in rows.items()}
+    return out
+
+
+def test_a_resumed_actor_submits_the_groups_in_flight_again_and_draws_them_alike():
+    """What a checkpoint holds of the actor is its position: a fresh actor resumed there first
+    regenerates the groups that were in flight (same keys: under unchanged weights, the same
+    tokens), then continues the prompt stream where it stood."""
+    tok = TASK.tokenizer
+    make = lambda: make_streaming_actor(GRAPHDEF, CONFIG, TASK, PARAMS, stop_ids=tok.eos_ids, pad_id=tok.pad_id,
+                                        live_vocab=tok.vocab_size)
+    straight = make()
+    before = streamed(straight, 1)
+    position = straight.position
+    assert position.in_flight, "the fixture should stop with groups mid-sequence"
+    after = streamed(straight, 8)
+    resumed = make()
+    resumed.resume(position)
+    again = streamed(resumed, 8)
+    g = CONFIG.train.group_size
+    in_flight_ids = {rid for rid in after if (rid // g) in {actor_group(straight, k) for k in position.in_flight}}
+    assert in_flight_ids and in_flight_ids <= set(again), "every group in flight is regenerated"
+    assert not set(before) & set(again), "groups completed before the checkpoint are not generated again"
+    for rid in set(after) & set(again):
+        np.testing.assert_array_equal(after[rid]["tokens"], again[rid]["tokens"])
+        np.testing.assert_allclose(after[rid]["logprobs"], again[rid]["logprobs"], atol=1e-5)
+
+
+def actor_group(actor, k: int) -> int:
+    """Group k of the actor's stream as a global group number (rollout id // G)."""
+    step, prompt = actor._where(k)
+    return step * CONFIG.train.prompts_per_step + prompt
+
 def untimed(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(("time/", "cost/"))}
 
