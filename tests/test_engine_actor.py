@@ -22,6 +22,7 @@ from jaxreplay.rollout.sampling import filter_logits
 from jaxreplay.tasks.registry import make_task
 from jaxreplay.train.metrics import read_metrics
 
+from conftest import cpu_devices_env
 from test_crash import assert_every_checkpoint_restores, checkpoint_steps, cli, logged_step, wait_for_step
 from test_signals import Command, assert_one_line
 from test_train import DEMO, LEARNING, ROOT, TINY, run
@@ -192,3 +193,20 @@ def test_sigterm_during_a_long_generation_checkpoints_between_chunks_and_the_row
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert f"resumed from step {step} " in rerun.stdout
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(step + 3))
+
+
+@pytest.mark.slow
+def test_a_disaggregated_streaming_run_bounds_its_waiting_rollouts_and_takes_weights_between_chunks(tmp_path):
+    """The actor thread decodes a chunk only once the limiter admitted what it holds, and takes
+    the learner's latest published weights before every chunk."""
+    run_dir = tmp_path / "run"
+    overrides = [*STREAM, "mesh.actor_devices=1", "train.steps=8", "train.weight_sync_every=1", "warmstart.steps=0"]
+    result = subprocess.run(cli(run_dir, *overrides), cwd=ROOT, env=cpu_devices_env(2), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "disaggregated: actor mesh" in result.stdout
+    records = read_metrics(run_dir)[1:]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    config = load_config(run_dir / "config.yaml")
+    assert 0 < max(r["rollouts/waiting_max"] for r in records) <= waiting_bound(config)
+    assert max(r["weights/version_at_actor"] for r in records) >= 2
