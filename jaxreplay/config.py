@@ -196,6 +196,14 @@ class SamplingConfig:
     kv_cache_dtype: Optional[DType] = None
     # prompt tokens prefilled per model call (0: the whole prompt at once); long prompts need less memory
     prefill_chunk_size: int = 0
+    # How the actor generates: "static" decodes each prompt batch in one call; "continuous" streams prompt
+    # groups through the rollout engine's slot pool, each group entering the table as it completes.
+    engine: Literal["static", "continuous"] = "static"
+    # continuous: decode slots in the engine's pool (0: train.prompts_per_step * train.group_size per process).
+    engine_slots: int = 0
+    # continuous: decode steps per jitted chunk; between chunks the host refills slots, hands completed
+    # groups to the table and sees stop signals.
+    engine_chunk_steps: int = 8
 
 
 @dataclass(frozen=True)
@@ -800,6 +808,7 @@ RANGES: dict[str, Interval] = {
     # Below ~1e-3, logits / temperature overflow float32 and sampling turns to NaN.
     "sampling.temperature": Interval(1e-3), "sampling.top_p": Interval(0, 1, lo_open=True),
     "sampling.top_k": NON_NEGATIVE, "sampling.max_new_tokens": POSITIVE, "sampling.prefill_chunk_size": NON_NEGATIVE,
+    "sampling.engine_slots": NON_NEGATIVE, "sampling.engine_chunk_steps": POSITIVE,
     # Past ~100, priority ** exponent underflows float64 for the 1e-3 priority floor (replay.writer).
     "replay.priority_exponent": Interval(0, 100), "replay.max_size": POSITIVE,
     "replay.max_times_sampled": NON_NEGATIVE, "replay.samples_per_insert": POSITIVE,
@@ -834,6 +843,7 @@ OWNERS = (
     "jaxreplay.replay.server",
     "jaxreplay.replay.writer",
     "jaxreplay.replay.multiprocess",
+    "jaxreplay.rollout.actor",
 )
 _OWNER_CHECKS: dict[str, Callable[[Config], None]] = {}
 

@@ -23,6 +23,7 @@ from jaxreplay.learn.learner import make_optimizer
 from jaxreplay.models.transformer import init_params
 from jaxreplay.replay.server import serve
 from jaxreplay.replay.tables import build_tables
+from jaxreplay.rollout.actor import waiting_capacity
 from jaxreplay.rollout.rollouts import row_spec
 from jaxreplay.tasks.registry import make_task
 from jaxreplay.train.checkpoint import Checkpointer
@@ -62,7 +63,7 @@ def restored_state(run_dir: Path, step: int):
     config = load_config(run_dir / "config.yaml")
     _, params = init_params(config.model, 0)
     like = checkpoint_tree(params, make_optimizer(config.train).init(params), None,
-                  row_spec(config, make_task(config.task).prompt_len), config.rollouts_per_step)
+                  row_spec(config, make_task(config.task).prompt_len), waiting_capacity(config))
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=config.checkpoint.keep)
     try:
         return checkpointer.restore(like, step=step)[0]
@@ -77,7 +78,7 @@ def assert_every_checkpoint_restores(run_dir: Path) -> list[int]:
     task = make_task(config.task)
     spec = row_spec(config, task.prompt_len)
     _, params = init_params(config.model, 0)
-    like = checkpoint_tree(params, make_optimizer(config.train).init(params), None, spec, config.rollouts_per_step)
+    like = checkpoint_tree(params, make_optimizer(config.train).init(params), None, spec, waiting_capacity(config))
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=config.checkpoint.keep)
     try:
         steps = checkpoint_steps(run_dir)

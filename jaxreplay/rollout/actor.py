@@ -3,18 +3,25 @@
 Everything the learner needs later is fixed here, at generation time: the
 behaviour log-probs, the group-normalised advantage and the policy version that
 made the rollout. A rollout replayed many steps later keeps all three.
+
+Two actors, chosen by `sampling.engine`: `Actor` generates a whole prompt batch in one
+static sampler call; `StreamingActor` streams prompt groups through a rollout engine's
+slot pool (engine.py), one decode chunk per call, scoring each group as it completes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
 
-from jaxreplay.config import Config
+from jaxreplay.config import Config, ConfigError, owner_check
 from jaxreplay.rollout.advantages import ADVANTAGES
+from jaxreplay.rollout.engine import JaxEngine, PromptGroup, RolloutEngine
 from jaxreplay.rollout.rollouts import make_rows, row_spec
 from jaxreplay.rollout.sampling import Rollout, completion_ids
 from jaxreplay.tasks.base import Task, score
@@ -71,3 +78,157 @@ def rollout_stats(rows: Mapping[str, np.ndarray]) -> dict[str, float]:
     return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
             "accuracy": float((rewards == 1.0).mean()), "completion_length": float(lengths.mean()),
             "tokens": int(lengths.sum())}
+
+
+# -- streaming through a rollout engine --------------------------------------------------------------
+
+
+@owner_check
+def check_engine(c: Config) -> None:
+    """`sampling.engine` and its pool: the slots hold at least one group; multi-host is not wired."""
+    s = c.sampling
+    if s.engine != "continuous":
+        return
+    if s.engine_slots and s.engine_slots < c.train.group_size:
+        raise ConfigError(f"sampling.engine_slots: {s.engine_slots} slots cannot hold one group of "
+                          f"train.group_size={c.train.group_size} rows")
+    if c.distributed.enabled:
+        raise ConfigError("sampling.engine: continuous is not wired for multi-host runs yet "
+                          "(docs/rollout-engine.md); use static")
+
+
+def engine_slots(c: Config, processes: int = 1) -> int:
+    """The pool's slots: `sampling.engine_slots`, or one prompt batch's rows of this process."""
+    return c.sampling.engine_slots or c.train.prompts_per_step // processes * c.train.group_size
+
+
+def groups_in_flight(c: Config, processes: int = 1) -> int:
+    """Groups the actor keeps submitted and not yet complete: enough to fill every slot, and one
+    more prefilled and ready as slots free up."""
+    return math.ceil(engine_slots(c, processes) / c.train.group_size) + 1
+
+
+def waiting_bound(c: Config, processes: int = 1) -> int:
+    """The most rollouts that wait for the table: the schedules decode a chunk only when none
+    wait, and one chunk completes at most every group in flight."""
+    return groups_in_flight(c, processes) * c.train.group_size
+
+
+def waiting_capacity(c: Config, processes: int = 1) -> int:
+    """The rollouts a checkpoint holds waiting for the table, on each process: one prompt batch's,
+    or streaming, also `waiting_bound`'s."""
+    per_step = c.rollouts_per_step // processes
+    return max(per_step, waiting_bound(c, processes)) if c.sampling.engine == "continuous" else per_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where a streaming actor stands in its process's prompt stream: `started` groups submitted
+    (group k is prompt k % n of actor step k // n, n prompts per process per step), of which
+    `in_flight` (in submission order) are not complete. A checkpoint holds it; a resume submits
+    the groups in flight again, from their first token, and continues at `started`."""
+
+    started: int = 0
+    in_flight: tuple[int, ...] = ()
+
+
+class StreamingActor:
+    """The actor over a `RolloutEngine`: each `advance` keeps `groups_in_flight` groups submitted,
+    decodes one chunk under the weights it is given, and returns the rows of the groups that
+    completed, scored, with their advantages frozen. Every decision is a function of the
+    submissions and the tokens drawn, never of the clock.
+
+    Row j of group k draws with the typed key fold_in(fold_in(key(seed), actor step), prompt),
+    folded by the engine with j and the token's place, so a regenerated group draws the same keys.
+    A row's `policy_version` is the version of its first token (staleness counts from it), its
+    `last_version` that of its last."""
+
+    def __init__(self, config: Config, task: Task, engine: RolloutEngine, *, shard: tuple[int, int] = (0, 1)):
+        self.config, self.task, self.engine, self.shard = config, task, engine, shard
+        self.per_shard = config.train.prompts_per_step // shard[1]
+        self.capacity = groups_in_flight(config, shard[1])
+        self.spec = row_spec(config, task.prompt_len)
+        self._base_key = jax.random.key(config.run.seed)
+        self._started, self._in_flight = 0, []
+        self._problems: dict[int, list] = {}  # actor step -> its prompt batch (the latest few)
+
+    @property
+    def position(self) -> Position:
+        return Position(self._started, tuple(self._in_flight))
+
+    def resume(self, position: Position) -> None:
+        """Continues from a checkpoint's position: its groups in flight are submitted again first."""
+        if self._started or self._in_flight:
+            raise RuntimeError("resume() is for a fresh actor")
+        self._started = position.started
+        self._submit(list(position.in_flight))
+
+    def advance(self, params, version: int) -> tuple[Optional[dict[str, np.ndarray]], dict]:
+        """One chunk: refill, decode under `params` (policy `version`), score what completed.
+        Returns (rows, or None when no group completed; stats with "seconds" and "position")."""
+        start = time.perf_counter()
+        self.engine.update_weights(params, version)
+        if len(self._in_flight) < self.capacity:
+            self._submit(list(range(self._started, self._started + self.capacity - len(self._in_flight))))
+        self.engine.step()
+        completed = self.engine.collect()
+        rows, stats = self._score(completed) if completed else (None, {})
+        for g in completed:
+            self._in_flight.remove(g.tag)
+        stats.update(seconds=time.perf_counter() - start, position=self.position, groups=len(completed))
+        return rows, stats
+
+    def _submit(self, numbers: Sequence[int]) -> None:
+        groups = []
+        for k in numbers:
+            step, prompt = self._where(k)
+            tokens, mask = self.task.encode_prompts([self._batch(step)[prompt]])
+            key = jax.random.fold_in(jax.random.fold_in(self._base_key, step), prompt)
+            groups.append(PromptGroup(tag=k, tokens=tokens[0], mask=mask[0], key=key))
+            self._in_flight.append(k)
+            self._started = max(self._started, k + 1)
+        self.engine.submit(groups)
+
+    def _where(self, k: int) -> tuple[int, int]:
+        """(actor step, prompt index in that step's batch) of this process's k-th group."""
+        return k // self.per_shard, self.shard[0] * self.per_shard + k % self.per_shard
+
+    def _batch(self, step: int) -> list:
+        if step not in self._problems:
+            c = self.config
+            self._problems[step] = self.task.train_problems(c.run.seed, step, c.train.prompts_per_step)
+            for old in sorted(self._problems)[:-4]:
+                del self._problems[old]
+        return self._problems[step]
+
+    def _score(self, completed) -> tuple[dict[str, np.ndarray], dict]:
+        c, g = self.config, self.config.train.group_size
+        problems, ids = [], []
+        for group in completed:
+            step, prompt = self._where(group.tag)
+            problems.append(self._batch(step)[prompt])
+            ids.append(rollout_ids(step, prompt * g, g, c.rollouts_per_step))
+        cat = lambda name: np.concatenate([getattr(group.rollout, name) for group in completed])
+        rollout = Rollout(tokens=cat("tokens"), attention_mask=cat("attention_mask"),
+                          completion_mask=cat("completion_mask"), logprobs=cat("logprobs"))
+        rewards, reward_errors = score(self.task, problems, completion_ids(rollout), g)
+        advantages = ADVANTAGES[c.train.advantage](rewards.reshape(-1, g)).reshape(-1)
+        items = make_rows(
+            self.spec, tokens=rollout.tokens, attention_mask=rollout.attention_mask,
+            completion_mask=rollout.completion_mask, logprobs=rollout.logprobs, advantage=advantages,
+            reward=rewards, policy_version=np.concatenate([group.first_version for group in completed]),
+            last_version=np.concatenate([group.last_version for group in completed]),
+            rollout_id=np.concatenate(ids))
+        return items, {**rollout_stats(items), "reward/errors": reward_errors}
+
+
+def make_streaming_actor(graphdef, config: Config, task: Task, params, *, stop_ids: Sequence[int], pad_id: int,
+                         shard: tuple[int, int] = (0, 1), live_vocab: int = 0) -> StreamingActor:
+    """A `StreamingActor` over the in-JAX engine, sampling as `sampling.make_run_samplers`' rollout sampler."""
+    s = config.sampling
+    engine = JaxEngine(graphdef, config.model, params, slots=engine_slots(config, shard[1]),
+                       group_size=config.train.group_size, prompt_len=task.prompt_len,
+                       max_new_tokens=s.max_new_tokens, chunk_steps=s.engine_chunk_steps, temperature=s.temperature,
+                       top_p=s.top_p, top_k=s.top_k, stop_ids=stop_ids, pad_id=pad_id,
+                       kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size, live_vocab=live_vocab)
+    return StreamingActor(config, task, engine, shard=shard)

@@ -36,7 +36,10 @@ FIELDS = (
     Field("logprobs", True, np.float32, True, "behaviour log-probs of each completion token at generation"),
     Field("advantage", False, np.float32, True, "frozen at generation from the group's rewards"),
     Field("reward", False, np.float32, False, "the task's reward"),
-    Field("policy_version", False, np.int32, False, "learner steps behind the weights that generated it"),
+    Field("policy_version", False, np.int32, False, "the version of the weights that drew its first token "
+          "(staleness counts from it)"),
+    Field("last_version", False, np.int32, False, "the version of the weights that drew its last token "
+          "(sampling.engine continuous only: weights change between decode chunks)"),
     Field("rollout_id", False, np.int32, False, "actor_step * R + the row's index in that step's prompt batch "
           "(every process's rows counted): one rollout's items in several tables share it"),
 )
@@ -46,7 +49,9 @@ TRAINED = tuple(f.name for f in FIELDS if f.trained)
 def row_spec(config: Config, prompt_len: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Shape and dtype of one row: sequences of the prompt plus `sampling.max_new_tokens`."""
     t = prompt_len + config.sampling.max_new_tokens
-    return {f.name: ((t,) if f.per_token else (), np.dtype(f.dtype)) for f in FIELDS}
+    streaming = config.sampling.engine == "continuous"  # a static batch's rows have one version
+    return {f.name: ((t,) if f.per_token else (), np.dtype(f.dtype)) for f in FIELDS
+            if streaming or f.name != "last_version"}
 
 
 def make_rows(spec: RowSpec, **fields: np.ndarray) -> Rows:

@@ -31,7 +31,7 @@ from jaxreplay.replay.limiter import LimiterState
 from jaxreplay.replay.multiprocess import shard_dir
 from jaxreplay.replay.tables import ReplayTimeoutError
 from jaxreplay.rollout import rollouts
-from jaxreplay.rollout.actor import rollout_stats
+from jaxreplay.rollout.actor import Position, rollout_stats, waiting_capacity
 from jaxreplay.train.accounting import Accounting
 from jaxreplay.train.checkpoint import Checkpointer, Progress
 from jaxreplay.train.guards import NonFiniteStreak, Preempted, PreemptionNotice, describe
@@ -67,6 +67,9 @@ class Run:
     final_table: dict = dataclasses.field(default_factory=dict)  # `replay_record` once the schedule ends
     digest_start: str = ""  # multi-host: params_digest at this invocation's start
     checkpoints: bool = True  # False only where the tier cannot save this placement (compat.py)
+    waiting_max: int = 0  # streaming: the most rollouts waiting for the table since the latest record
+    _stream_resumed: bool = False
+    _chunk_s: float = 0.0  # streaming: seconds of chunks that completed no group, not yet counted
     _bar: Any = None
     _all_dropped_since: Optional[float] = None  # perf_counter of the first of the latest actor steps all dropped
 
@@ -104,19 +107,38 @@ class Run:
         """Generates the next batch of rollouts into `pending` (the schedule saw none waiting)."""
         self.commit(*self.generate(params, version))
 
-    def generate(self, params: Any, version: int) -> tuple[rollouts.Rows, dict[str, Any]]:
+    def generate(self, params: Any, version: int) -> tuple[Optional[rollouts.Rows], dict[str, Any]]:
         """Rollouts for the `actor_step`-th prompt batch with `params` at policy `version`;
-        changes nothing, so a checkpoint taken meanwhile regenerates them identically."""
-        return self.stack.actor.act(params, version, self.progress.actor_step)
+        changes nothing, so a checkpoint taken meanwhile regenerates them identically.
+        Streaming (`sampling.engine` continuous): one decode chunk, and the groups it completed
+        (None when none did); it changes only the engine, whose position `commit` records, so a
+        checkpoint taken meanwhile regenerates the groups in flight at the last commit."""
+        stream = self.stack.stream
+        if stream is None:
+            return self.stack.actor.act(params, version, self.progress.actor_step)
+        if not self._stream_resumed:  # the checkpoint's groups in flight, submitted again first
+            stream.resume(Position(self.progress.engine_started, tuple(self.progress.engine_in_flight)))
+            self._stream_resumed = True
+        return stream.advance(params, version)
 
-    def commit(self, items: rollouts.Rows, stats: dict[str, Any]) -> None:
+    def commit(self, items: Optional[rollouts.Rows], stats: dict[str, Any]) -> None:
         """The generated batch becomes `pending` (less its zero-advantage groups with
         `replay.drop_zero_advantage_groups`), and the actor moves to the next prompts. Counters
         and statistics are of every process's rollouts (multi-host: each holds its share)."""
-        p, every = self.progress, self.placement.every_process(
-            {**items, "reward/errors": np.array([stats["reward/errors"]])})
+        p = self.progress
+        if "position" in stats:  # streaming: the engine's position is part of the checkpoint
+            position = stats["position"]
+            p.engine_started, p.engine_in_flight = position.started, list(position.in_flight)
+            p.actor_step = position.started // self.stack.stream.per_shard
+            if items is None:
+                self._chunk_s += stats["seconds"]
+                return
+            stats = {**stats, "seconds": stats["seconds"] + self._chunk_s}
+            self._chunk_s = 0.0
+        else:
+            p.actor_step += 1
+        every = self.placement.every_process({**items, "reward/errors": np.array([stats["reward/errors"]])})
         stats = {**stats, **rollout_stats(every), "reward/errors": int(every.pop("reward/errors").sum())}
-        p.actor_step += 1
         p.tokens_generated += stats["tokens"]
         p.time_generate_s += stats["seconds"]
         self.accounting.on_generate(every, stats["seconds"])
@@ -126,6 +148,7 @@ class Run:
             self.accounting.on_drop(dropped)
             self._check_dropping(items is None)
         self.pending = items  # None when every group was dropped: the next move is to act again
+        self.waiting_max = max(self.waiting_max, rollouts.count(items))
 
     def _check_dropping(self, all_dropped: bool) -> None:
         """Actor steps whose every group is dropped are followed by more acting; a policy that
@@ -202,6 +225,10 @@ class Run:
             "time/train_s": p.time_train_s,
             "time/replay_s": p.time_replay_s,
         }
+        if self.stack.stream is not None:
+            record["rollouts/waiting_max"] = self.waiting_max
+            record["engine/groups_in_flight"] = len(p.engine_in_flight)
+            self.waiting_max = rollouts.count(self.pending)
         step = p.learner_step
         if self._eval_due() and (accuracy := self.evaluate()) is not None:  # None: cut short by a stop signal
             p.eval_accuracy = record["eval/accuracy"] = accuracy
@@ -248,7 +275,8 @@ class Run:
 
     @property
     def rows_per_act(self) -> int:
-        return self.config.rollouts_per_step // self.placement.processes
+        """The most rollouts that wait for the table at once, on this process."""
+        return waiting_capacity(self.config, self.placement.processes)
 
     def save(self, table: Callable[[], LimiterState], replay_checkpoint: Callable[[], str],
              prune: Callable[[set[str]], Any]) -> None:

@@ -21,7 +21,7 @@ from jaxreplay.models import sharding
 from jaxreplay.models.hf import load_hf_model, read_model_config
 from jaxreplay.models.tokenizer import load_tokenizer
 from jaxreplay.models.transformer import abstract_params, init_params
-from jaxreplay.rollout.actor import Actor
+from jaxreplay.rollout.actor import Actor, StreamingActor, make_streaming_actor
 from jaxreplay.rollout.rollouts import row_spec
 from jaxreplay.rollout.sampling import make_run_samplers
 from jaxreplay.tasks.base import Task
@@ -44,9 +44,10 @@ class Stack:
     optimizer: optax.GradientTransformation
     opt_state: Any
     train_step: TrainStep
-    actor: Actor
+    actor: Actor  # the static sampler's (calibration uses it; also the rollouts with sampling.engine static)
     evaluate: Callable[[Any], float]  # params on the actor mesh -> eval accuracy
     to_actor: Callable[[Any], Any]  # learner params -> the actor's copy (identity when they share a mesh)
+    stream: Optional[StreamingActor] = None  # sampling.engine continuous: the rollouts stream through it
 
 
 def resolved_model(config: Config) -> Config:
@@ -82,6 +83,8 @@ def build_stack(config: Config, placement: Placement, log: Callable[[str], None]
         actor=Actor(c, task, placement.rollout_sampler(sample_fn), shard=shard),
         evaluate=lambda p: evaluate(p, task, greedy, stopping),
         to_actor=_to_mesh(c, placement) if placement.actor_mesh is not learner_mesh else (lambda p: p),
+        stream=make_streaming_actor(graphdef, c, task, params, stop_ids=tok.eos_ids, pad_id=tok.pad_id, shard=shard,
+                                    live_vocab=live) if c.sampling.engine == "continuous" else None,
     )
 
 
