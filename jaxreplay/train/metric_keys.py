@@ -70,6 +70,10 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     ("rollouts/generated", "cumulative rollouts generated", "every step"),
     ("rollouts/trained", "cumulative rollouts trained on; the report's modelled compute is trained + mu × generated",
      "every step"),
+    ("rollouts/waiting_max", "the most scored rollouts waiting for the table since the previous record (the "
+                             "engine's backpressure bound caps it)", "`sampling.engine: continuous`"),
+    ("engine/groups_in_flight", "prompt groups in the engine's slot pool at the record's checkpoint position "
+                                "(regenerated on resume)", "`sampling.engine: continuous`"),
     ("time/generate_s", "cumulative seconds in generation", "every step"),
     ("time/train_s", "cumulative seconds in the jitted update", "every step"),
     ("time/replay_s", "cumulative seconds in replay calls (limiter queries, inserts, samples, checkpoints)",
