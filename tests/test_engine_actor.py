@@ -20,6 +20,7 @@ from jaxreplay.models.transformer import apply, init_cache, init_params
 from jaxreplay.rollout.actor import make_streaming_actor, waiting_bound
 from jaxreplay.rollout.sampling import filter_logits
 from jaxreplay.tasks.registry import make_task
+from jaxreplay.train.metric_keys import KEYS as DOCUMENTED_KEYS
 from jaxreplay.train.metrics import read_metrics
 
 from conftest import cpu_devices_env
@@ -149,6 +150,7 @@ def test_two_streaming_runs_with_the_same_seed_are_identical_and_waiting_rollout
     assert sum(r["grad_norm"] > 0 for r in a[1:]) >= 3, "the runs must actually learn for this to test anything"
     for ra, rb in zip(a, b, strict=True):
         assert untimed(ra) == untimed(rb)
+        assert ra.keys() <= DOCUMENTED_KEYS, f"add to jaxreplay/train/metric_keys.py: {ra.keys() - DOCUMENTED_KEYS}"
     waiting = [r["rollouts/waiting_max"] for r in a[1:]]
     assert 0 < max(waiting) <= waiting_bound(first), waiting
     assert any(r["engine/groups_in_flight"] for r in a[1:]), "the learner should step while rows are mid-sequence"
