@@ -204,3 +204,23 @@ def test_the_same_seed_gives_the_same_run():
         for field in ("tokens", "attention_mask", "logprobs"):
             np.testing.assert_array_equal(getattr(a[tag].rollout, field), getattr(b[tag].rollout, field))
         np.testing.assert_array_equal(a[tag].token_versions, b[tag].token_versions)
+
+
+def test_padded_vocabulary_ids_are_never_drawn_greedy_or_sampled():
+    """ids from `live_vocab` on (an embedding padded past the tokenizer) have probability 0, as in
+    the static sampler; with nearly flat logits about 3/8 of the draws would be such ids."""
+    live = 5
+    graphdef, flat = params_for(0)
+    flat["lm_head"]["kernel"][...] = flat["lm_head"]["kernel"][...] * 0.01
+    tokens, mask = np.tile(PROMPT, (4, 1)), np.tile(PROMPT_MASK, (4, 1))
+    drawn = {}
+    for greedy in (False, True):
+        for lv in (0, live):
+            engine = JaxEngine(graphdef, CFG, flat, slots=8, group_size=4, prompt_len=P, max_new_tokens=N,
+                               chunk_steps=3, greedy=greedy, temperature=1.0, stop_ids=(), pad_id=PAD, live_vocab=lv)
+            engine.submit(groups(tokens, mask))
+            done, _ = drain(engine)
+            drawn[greedy, lv] = stacked(done, "tokens")[:, P:]
+    for greedy in (False, True):
+        assert (drawn[greedy, 0] >= live).any(), "the fixture should draw padded ids without live_vocab"
+        assert (drawn[greedy, live] < live).all(), f"greedy={greedy}: a padded id was drawn"

@@ -138,7 +138,8 @@ class EngineStats:
 class JaxEngine:
     """The in-JAX engine: S slots, chunks of K decode steps, one prefill per prompt group.
 
-    Settings as `sampling.make_sampler` (same draw, same model code). Between chunks, in this
+    Settings as `sampling.make_sampler` (same draw, same model code; ids from `live_vocab` on,
+    the embedding's padding past the tokenizer, are never drawn). Between chunks, in this
     order: queued groups are prefilled (in submission order, while their rows would find free
     slots) into prefix entries; waiting rows are placed in the lowest free slots, each drawing
     its first token from its prompt's logits; one chunk decodes; rows that stopped leave their
@@ -149,7 +150,8 @@ class JaxEngine:
     def __init__(self, graphdef, model_cfg: ModelConfig, params, *, slots: int, group_size: int, prompt_len: int,
                  max_new_tokens: int, chunk_steps: int = 8, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, greedy: bool = False, stop_ids: Sequence[int] = (), pad_id: int = 0,
-                 kv_cache_dtype: Optional[str] = None, prefill_chunk_size: int = 0, version: int = 0):
+                 kv_cache_dtype: Optional[str] = None, prefill_chunk_size: int = 0, version: int = 0,
+                 live_vocab: int = 0):
         if group_size <= 0 or slots <= 0:
             raise ValueError(f"slots ({slots}) and group_size ({group_size}) must be positive")
         if chunk_steps <= 0 or max_new_tokens <= 0:
@@ -165,7 +167,7 @@ class JaxEngine:
         self.stats = EngineStats()
         self._prefill, self._place, self._decode = _programs(
             graphdef, model_cfg, group_size, prompt_len, max_new_tokens, chunk_steps,
-            (bool(greedy), float(temperature), int(top_k), float(top_p)), tuple(int(s) for s in stop_ids), pad_id,
+            (bool(greedy), float(temperature), int(top_k), float(top_p), int(live_vocab)), tuple(int(s) for s in stop_ids), pad_id,
             kv_cache_dtype, prefill_chunk_size)
         self.pool = _empty_pool(model_cfg, slots, prompt_len, max_new_tokens, pad_id, kv_cache_dtype)
         entries = -(-slots // group_size) + 1  # enough prompts to fill every slot, and one more
@@ -304,8 +306,9 @@ def _programs(graphdef, cfg: ModelConfig, g: int, p: int, n_new: int, k_steps: i
               pad_id: int, kv_cache_dtype, prefill_chunk_size: int):
     """The jitted (prefill, place, decode chunk) of one engine shape, shared by engines of that
     shape (jit caches compiled programs per function object)."""
-    greedy, temperature, top_k, top_p = draw
-    choose = functools.partial(choose_token, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
+    greedy, temperature, top_k, top_p, live_vocab = draw
+    choose = functools.partial(choose_token, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
+                               live_vocab=live_vocab)
     stops = np.asarray(stop_ids, np.int32).reshape(-1)
     prefill = jax.jit(functools.partial(_prefill_prompts, graphdef, cfg, kv_cache_dtype, prefill_chunk_size),
                       donate_argnums=1)
