@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jaxreplay.config import ModelConfig
-from jaxreplay.models.transformer import KVCache, dtype_of, init_cache, positions_from_mask, rotation
+from jaxreplay.models.transformer import KVCache, Rotation, dtype_of, init_cache, positions_from_mask, rotation
 from jaxreplay.rollout.sampling import Rollout, _prefill, choose_token
 
 
@@ -194,7 +194,7 @@ class JaxEngine:
         self._prefill_queued()
         self._place_waiting()
         if (~self._done).any():
-            self.pool, steps = self._decode(self._width(), self.params, self.pool, jnp.int32(self.version))
+            self.pool, steps = self._decode(self._width(), self._lockstep(), self.params, self.pool, jnp.int32(self.version))
             self.stats.chunks += 1
             self.stats.decode_steps += int(steps)
             self._done, self._emitted = jax.device_get((self.pool.done, self.pool.emitted))
@@ -219,12 +219,19 @@ class JaxEngine:
         return len(self._queue)
 
     def _width(self) -> int:
-        """The cache columns this chunk attends over: the longest live row after K more tokens,
-        rounded up to a quarter of N (at most 4 chunk programs), at most P + N."""
+        """The cache columns this chunk attends over: the longest live row's after K more steps
+        (a row that has drawn e tokens writes columns up to P + e + K - 2), rounded up to a
+        quarter of N (at most 4 chunk programs), at most P + N. With K dividing N/4 a full batch
+        steps through the static sampler's phase widths exactly."""
         live = ~self._done
-        need = int(self._emitted[live].max()) + self.chunk_steps if live.any() else 1
+        need = int(self._emitted[live].max()) + self.chunk_steps - 1 if live.any() else 1
         quarter = -(-self.max_new_tokens // 4)
         return self.prompt_len + min(self.max_new_tokens, -(-need // quarter) * quarter)
+
+    def _lockstep(self) -> bool:
+        """Whether every live row has drawn as many tokens as the others (then the chunk writes
+        one cache column for all rows)."""
+        return LOCKSTEP and len(set(self._emitted[~self._done].tolist())) == 1
 
     def _prefill_queued(self) -> None:
         """Prefills queued groups into free prefix entries while the rows already waiting leave
@@ -301,6 +308,9 @@ class JaxEngine:
         self._open = [g for g in self._open if len(g.rows) < g_size]
 
 
+LOCKSTEP = True
+
+
 @functools.lru_cache(maxsize=32)
 def _programs(graphdef, cfg: ModelConfig, g: int, p: int, n_new: int, k_steps: int, draw: tuple, stop_ids: tuple,
               pad_id: int, kv_cache_dtype, prefill_chunk_size: int):
@@ -314,7 +324,7 @@ def _programs(graphdef, cfg: ModelConfig, g: int, p: int, n_new: int, k_steps: i
                       donate_argnums=1)
     place = jax.jit(functools.partial(_place_rows, choose, stops, p, n_new, pad_id), donate_argnums=0)
     decode = jax.jit(functools.partial(_decode_chunk, graphdef, cfg, choose, stops, p, n_new, k_steps),
-                     static_argnums=0, donate_argnums=2)
+                     static_argnums=(0, 1), donate_argnums=3)
     return prefill, place, decode
 
 
@@ -396,31 +406,56 @@ def _place_rows(choose, stops, p: int, n_new: int, pad_id: int, pool: Pool, pref
     )
 
 
-def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int, k_steps: int, width: int, params,
-                  pool: Pool, version) -> tuple[Pool, jax.Array]:
+def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int, k_steps: int, width: int,
+                  lockstep: bool, params, pool: Pool, version) -> tuple[Pool, jax.Array]:
     """Up to `k_steps` decode steps of every live row (fewer once all have stopped): each runs
     the model on the row's last token, writes its K/V in the row's own column and draws the
     next token. Rows that stopped, and free slots, keep their contents. Returns the steps run.
 
     Attention reads only the cache's first `width` columns (every live row must fit in them for
-    the whole chunk): on CPU a step at 544 columns cost ~5x one at 160, measured."""
+    the whole chunk): on CPU a step at 544 columns cost ~5x one at 160, measured.
+
+    `lockstep`: every live row has drawn as many tokens as every other (the host checked), so
+    they stay in step for the whole chunk and each step writes one column for all rows, as the
+    static sampler does (one dynamic-update-slice, not a per-row scatter). A stopped row or a
+    free slot gets that column written too, past its end: nothing reads it before a placement."""
     model = nnx.merge(graphdef, params)
     rows = jnp.arange(pool.tokens.shape[0])
     window = jax.tree.map(lambda x: x[:, :, :width], pool.cache)
+    full_cache = pool.cache
+    # Every live row draws one token a step, so step k's RoPE positions are known at the start:
+    # computed once here, a slice in the loop (as the static sampler does).
+    rotations = rotation((pool.n_prompt + pool.emitted - 1)[:, None] + jnp.arange(k_steps)[None, :], cfg)
 
     def step(carry):
         k, pool, window = carry
         live = ~pool.done
-        last = p + pool.emitted - 1  # the column of the last token drawn
-        token = pool.tokens[rows, last][:, None]
-        rot = rotation((pool.n_prompt + pool.emitted - 1)[:, None], cfg)
-        # A stopped or free row's write lands in a column past its end (clamped into the window):
-        # nothing reads its cache again before a placement rewrites it.
-        h, window = model.hidden(token, rot, pool.mask[:, :width], window, jnp.minimum(last, width - 1))
+        if lockstep:
+            # every live row's column; all rows done cannot happen inside the loop
+            col = jnp.max(jnp.where(live, pool.emitted, 0))
+            last = p + col - 1
+            token = jax.lax.dynamic_slice_in_dim(pool.tokens, last, 1, axis=1)
+            index = jnp.minimum(last, width - 1)
+        else:
+            last = p + pool.emitted - 1  # the column of the last token drawn
+            token = pool.tokens[rows, last][:, None]
+            # A stopped or free row's write lands in a column past its end (clamped into the window):
+            # nothing reads its cache again before a placement rewrites it.
+            index = jnp.minimum(last, width - 1)
+        rot = Rotation(*(jax.lax.dynamic_slice_in_dim(x, k, 1, axis=1) for x in rotations))
+        h, window = model.hidden(token, rot, pool.mask[:, :width], window, index)
         new, logp = choose(model.unembed(h)[:, 0], jax.vmap(jax.random.fold_in)(pool.keys, pool.emitted))
-        col = jnp.minimum(pool.emitted, n_new - 1)  # a live row has drawn fewer than N tokens
-        keep = lambda buf, value, offset=p: buf.at[rows, offset + col].set(
-            jnp.where(live, value, buf[rows, offset + col]))
+        if lockstep:
+            col = jnp.minimum(col, n_new - 1)
+
+            def keep(buf, value, offset=p):
+                old = jax.lax.dynamic_slice_in_dim(buf, offset + col, 1, axis=1)[:, 0]
+                return jax.lax.dynamic_update_slice_in_dim(
+                    buf, jnp.where(live, value, old).astype(buf.dtype)[:, None], offset + col, axis=1)
+        else:
+            col = jnp.minimum(pool.emitted, n_new - 1)  # a live row has drawn fewer than N tokens
+            keep = lambda buf, value, offset=p: buf.at[rows, offset + col].set(
+                jnp.where(live, value, buf[rows, offset + col]))
         emitted = pool.emitted + live
         pool = pool._replace(
             tokens=keep(pool.tokens, new), mask=keep(pool.mask, live),
@@ -429,6 +464,6 @@ def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int,
         return k + 1, pool, window
 
     k, pool, window = jax.lax.while_loop(lambda c: (c[0] < k_steps) & ~jnp.all(c[1].done), step,
-                                         (jnp.int32(0), pool, window))
-    cache = jax.tree.map(lambda full, w: full.at[:, :, :width].set(w), pool.cache, window)
+                                         (jnp.int32(0), pool._replace(cache=None), window))
+    cache = jax.tree.map(lambda full, w: full.at[:, :, :width].set(w), full_cache, window)
     return pool._replace(cache=cache), k
