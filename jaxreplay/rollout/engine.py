@@ -127,12 +127,14 @@ class _Group:
 @dataclasses.dataclass
 class EngineStats:
     """Counters a test or benchmark reads. `prefill_rows` counts prompt rows the prefill program
-    ran through the model (one per group: its rows share it); `decode_steps` counts pool steps."""
+    ran through the model (one per group: its rows share it); `decode_steps` counts pool steps;
+    `narrow_chunks` the chunks run on fewer than S slots (the pool draining)."""
 
     prefill_rows: int = 0
     prefill_calls: int = 0
     chunks: int = 0
     decode_steps: int = 0
+    narrow_chunks: int = 0
 
 
 class JaxEngine:
@@ -194,7 +196,10 @@ class JaxEngine:
         self._prefill_queued()
         self._place_waiting()
         if (~self._done).any():
-            self.pool, steps = self._decode(self._width(), self._lockstep(), self.params, self.pool, jnp.int32(self.version))
+            slots = self._live_slots()
+            self.pool, steps = self._decode(self._width(), self._lockstep(), self.params, self.pool, slots,
+                                            jnp.int32(self.version))
+            self.stats.narrow_chunks += len(slots) < self.slots
             self.stats.chunks += 1
             self.stats.decode_steps += int(steps)
             self._done, self._emitted = jax.device_get((self.pool.done, self.pool.emitted))
@@ -227,6 +232,19 @@ class JaxEngine:
         need = int(self._emitted[live].max()) + self.chunk_steps - 1 if live.any() else 1
         quarter = -(-self.max_new_tokens // 4)
         return self.prompt_len + min(self.max_new_tokens, -(-need // quarter) * quarter)
+
+    def _live_slots(self) -> np.ndarray:
+        """The slots a chunk runs on: all S while more than S/2 are live, else the live ones
+        padded with stopped or free ones to the next power of two (at least S/8): at most four
+        batch sizes, each its own program."""
+        live = np.flatnonzero(~self._done)
+        b = self.slots
+        while COMPACT and b // 2 >= max(len(live), 1) and b // 2 >= self.slots // 8 and b % 2 == 0:
+            b //= 2
+        if b == self.slots:
+            return np.arange(b, dtype=np.int32)
+        rest = np.flatnonzero(self._done)[:b - len(live)]
+        return np.concatenate([live, rest]).astype(np.int32)
 
     def _lockstep(self) -> bool:
         """Whether every live row has drawn as many tokens as the others (then the chunk writes
@@ -309,6 +327,7 @@ class JaxEngine:
 
 
 LOCKSTEP = True
+COMPACT = True
 
 
 @functools.lru_cache(maxsize=32)
@@ -407,7 +426,7 @@ def _place_rows(choose, stops, p: int, n_new: int, pad_id: int, pool: Pool, pref
 
 
 def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int, k_steps: int, width: int,
-                  lockstep: bool, params, pool: Pool, version) -> tuple[Pool, jax.Array]:
+                  lockstep: bool, params, full_pool: Pool, slots, version) -> tuple[Pool, jax.Array]:
     """Up to `k_steps` decode steps of every live row (fewer once all have stopped): each runs
     the model on the row's last token, writes its K/V in the row's own column and draws the
     next token. Rows that stopped, and free slots, keep their contents. Returns the steps run.
@@ -418,11 +437,16 @@ def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int,
     `lockstep`: every live row has drawn as many tokens as every other (the host checked), so
     they stay in step for the whole chunk and each step writes one column for all rows, as the
     static sampler does (one dynamic-update-slice, not a per-row scatter). A stopped row or a
-    free slot gets that column written too, past its end: nothing reads it before a placement."""
+    free slot gets that column written too, past its end: nothing reads it before a placement.
+
+    `slots` [b] (distinct; every live row among them): the chunk runs on those b slots only, as
+    a batch of b, and writes them back. Once the queue is empty and the pool drains, a few live
+    rows no longer pay for a full pool's steps. b = S: every slot in order, nothing moved."""
     model = nnx.merge(graphdef, params)
+    compact = slots.shape[0] < full_pool.tokens.shape[0]
+    pool = jax.tree.map(lambda x: x[slots], full_pool._replace(cache=None)) if compact else full_pool
     rows = jnp.arange(pool.tokens.shape[0])
-    window = jax.tree.map(lambda x: x[:, :, :width], pool.cache)
-    full_cache = pool.cache
+    window = jax.tree.map(lambda x: (x[slots] if compact else x)[:, :, :width], full_pool.cache)
     # Every live row draws one token a step, so step k's RoPE positions are known at the start:
     # computed once here, a slice in the loop (as the static sampler does).
     rotations = rotation((pool.n_prompt + pool.emitted - 1)[:, None] + jnp.arange(k_steps)[None, :], cfg)
@@ -465,5 +489,9 @@ def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int,
 
     k, pool, window = jax.lax.while_loop(lambda c: (c[0] < k_steps) & ~jnp.all(c[1].done), step,
                                          (jnp.int32(0), pool._replace(cache=None), window))
-    cache = jax.tree.map(lambda full, w: full.at[:, :, :width].set(w), full_cache, window)
+    if compact:
+        cache = jax.tree.map(lambda full, w: full.at[slots, :, :width].set(w), full_pool.cache, window)
+        pool = jax.tree.map(lambda full, part: full.at[slots].set(part), full_pool._replace(cache=None), pool)
+    else:
+        cache = jax.tree.map(lambda full, w: full.at[:, :, :width].set(w), full_pool.cache, window)
     return pool._replace(cache=cache), k
