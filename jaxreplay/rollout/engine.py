@@ -347,6 +347,29 @@ def _programs(graphdef, cfg: ModelConfig, g: int, p: int, n_new: int, k_steps: i
     return prefill, place, decode
 
 
+def programs(graphdef, cfg: ModelConfig, *, group_size: int, prompt_len: int, max_new_tokens: int,
+             chunk_steps: int = 8, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+             stop_ids: Sequence[int] = (), pad_id: int = 0, kv_cache_dtype: Optional[str] = None,
+             prefill_chunk_size: int = 0, live_vocab: int = 0):
+    """The engine's jitted (prefill, place, decode chunk), as `JaxEngine` runs them:
+    `prefill(params, prefixes, tokens [n, P], mask [n, P], entries [n], version)`,
+    `decode(width, lockstep, params, pool, slots [b], version)` (width and lockstep static).
+    What `jaxreplay compile` lowers, with `abstract_state`'s arrays."""
+    return _programs(graphdef, cfg, group_size, prompt_len, max_new_tokens, chunk_steps,
+                     (bool(greedy), float(temperature), int(top_k), float(top_p), int(live_vocab)),
+                     tuple(int(s) for s in stop_ids), pad_id, kv_cache_dtype, prefill_chunk_size)
+
+
+def abstract_state(cfg: ModelConfig, slots: int, group_size: int, prompt_len: int, max_new_tokens: int,
+                   kv_cache_dtype: Optional[str] = None) -> tuple[Pool, Prefixes, int]:
+    """The pool's and the prefix entries' shapes and dtypes (nothing allocated), and the most
+    prompts one prefill call takes (the largest power of two up to the entries)."""
+    entries = -(-slots // group_size) + 1  # as JaxEngine: every slot's prompt, and one more
+    pool, prefixes = jax.eval_shape(lambda: (_empty_pool(cfg, slots, prompt_len, max_new_tokens, 0, kv_cache_dtype),
+                                             _empty_prefixes(cfg, entries, prompt_len, 0, kv_cache_dtype)))
+    return pool, prefixes, 1 << (entries.bit_length() - 1)
+
+
 @jax.jit
 def _gather(pool: Pool, rows: jax.Array):
     return pool.tokens[rows], pool.mask[rows], pool.logprobs[rows], pool.versions[rows]
