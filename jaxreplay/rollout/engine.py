@@ -128,13 +128,15 @@ class _Group:
 class EngineStats:
     """Counters a test or benchmark reads. `prefill_rows` counts prompt rows the prefill program
     ran through the model (one per group: its rows share it); `decode_steps` counts pool steps;
-    `narrow_chunks` the chunks run on fewer than S slots (the pool draining)."""
+    `narrow_chunks` the chunks run on fewer than S slots (the pool draining); `cache_columns`
+    sums, over steps, rows x window columns attended (what a step reads of the cache)."""
 
     prefill_rows: int = 0
     prefill_calls: int = 0
     chunks: int = 0
     decode_steps: int = 0
     narrow_chunks: int = 0
+    cache_columns: int = 0
 
 
 class JaxEngine:
@@ -169,8 +171,12 @@ class JaxEngine:
         self.stats = EngineStats()
         self._prefill, self._place, self._decode = _programs(
             graphdef, model_cfg, group_size, prompt_len, max_new_tokens, chunk_steps,
-            (bool(greedy), float(temperature), int(top_k), float(top_p), int(live_vocab)), tuple(int(s) for s in stop_ids), pad_id,
-            kv_cache_dtype, prefill_chunk_size)
+            (bool(greedy), float(temperature), int(top_k), float(top_p), int(live_vocab)),
+            tuple(int(s) for s in stop_ids), pad_id, kv_cache_dtype, prefill_chunk_size)
+        # Two choices of the decode chunk's program, on by default; off only to measure them side
+        # by side (benchmarks): run a draining pool's chunks on its live slots only, and write one
+        # cache column for all rows when they are in step.
+        self.narrow_drain = self.lockstep_writes = True
         self.pool = _empty_pool(model_cfg, slots, prompt_len, max_new_tokens, pad_id, kv_cache_dtype)
         entries = -(-slots // group_size) + 1  # enough prompts to fill every slot, and one more
         self.prefixes = _empty_prefixes(model_cfg, entries, prompt_len, pad_id, kv_cache_dtype)
@@ -196,10 +202,11 @@ class JaxEngine:
         self._prefill_queued()
         self._place_waiting()
         if (~self._done).any():
-            slots = self._live_slots()
-            self.pool, steps = self._decode(self._width(), self._lockstep(), self.params, self.pool, slots,
+            slots, width = self._live_slots(), self._width()
+            self.pool, steps = self._decode(width, self._lockstep(), self.params, self.pool, slots,
                                             jnp.int32(self.version))
             self.stats.narrow_chunks += len(slots) < self.slots
+            self.stats.cache_columns += int(steps) * len(slots) * width
             self.stats.chunks += 1
             self.stats.decode_steps += int(steps)
             self._done, self._emitted = jax.device_get((self.pool.done, self.pool.emitted))
@@ -239,7 +246,7 @@ class JaxEngine:
         batch sizes, each its own program."""
         live = np.flatnonzero(~self._done)
         b = self.slots
-        while COMPACT and b // 2 >= max(len(live), 1) and b // 2 >= self.slots // 8 and b % 2 == 0:
+        while self.narrow_drain and b // 2 >= max(len(live), 1) and b // 2 >= self.slots // 8 and b % 2 == 0:
             b //= 2
         if b == self.slots:
             return np.arange(b, dtype=np.int32)
@@ -249,7 +256,7 @@ class JaxEngine:
     def _lockstep(self) -> bool:
         """Whether every live row has drawn as many tokens as the others (then the chunk writes
         one cache column for all rows)."""
-        return LOCKSTEP and len(set(self._emitted[~self._done].tolist())) == 1
+        return self.lockstep_writes and len(set(self._emitted[~self._done].tolist())) == 1
 
     def _prefill_queued(self) -> None:
         """Prefills queued groups into free prefix entries while the rows already waiting leave
@@ -324,10 +331,6 @@ class JaxEngine:
                 g.prompt.tag, Rollout(tokens=tokens, attention_mask=mask, completion_mask=completion,
                                       logprobs=logprobs), token_versions=versions))
         self._open = [g for g in self._open if len(g.rows) < g_size]
-
-
-LOCKSTEP = True
-COMPACT = True
 
 
 @functools.lru_cache(maxsize=32)
