@@ -173,10 +173,10 @@ class JaxEngine:
             graphdef, model_cfg, group_size, prompt_len, max_new_tokens, chunk_steps,
             (bool(greedy), float(temperature), int(top_k), float(top_p), int(live_vocab)),
             tuple(int(s) for s in stop_ids), pad_id, kv_cache_dtype, prefill_chunk_size)
-        # Two choices of the decode chunk's program, on by default; off only to measure them side
-        # by side (benchmarks): run a draining pool's chunks on its live slots only, and write one
-        # cache column for all rows when they are in step.
-        self.narrow_drain = self.lockstep_writes = True
+        # Choices of the decode chunk, on by default; off only to measure them side by side
+        # (benchmarks): run a draining pool's chunks on its live slots only, write one cache column
+        # for all rows when they are in step, and chunks of 2K steps when no group waits.
+        self.narrow_drain = self.lockstep_writes = self.long_drain_chunks = True
         self.pool = _empty_pool(model_cfg, slots, prompt_len, max_new_tokens, pad_id, kv_cache_dtype)
         entries = -(-slots // group_size) + 1  # enough prompts to fill every slot, and one more
         self.prefixes = _empty_prefixes(model_cfg, entries, prompt_len, pad_id, kv_cache_dtype)
@@ -202,8 +202,9 @@ class JaxEngine:
         self._prefill_queued()
         self._place_waiting()
         if (~self._done).any():
-            slots, width = self._live_slots(), self._width()
-            self.pool, steps = self._decode(width, self._lockstep(), self.params, self.pool, slots,
+            slots, k = self._live_slots(), self._chunk_steps()
+            width = self._width(k)
+            self.pool, steps = self._decode(width, self._lockstep(), self.params, self.pool, slots, jnp.int32(k),
                                             jnp.int32(self.version))
             self.stats.narrow_chunks += len(slots) < self.slots
             self.stats.cache_columns += int(steps) * len(slots) * width
@@ -230,13 +231,18 @@ class JaxEngine:
     def queued(self) -> int:
         return len(self._queue)
 
-    def _width(self) -> int:
-        """The cache columns this chunk attends over: the longest live row's after K more steps
-        (a row that has drawn e tokens writes columns up to P + e + K - 2), rounded up to a
-        quarter of N (at most 4 chunk programs), at most P + N. With K dividing N/4 a full batch
+    def _chunk_steps(self) -> int:
+        """K, or 2K when no group waits for a slot (nothing to refill at the next boundary): half
+        the host round trips while the pool only drains. A function of the queue, not the clock."""
+        return self.chunk_steps * (1 if self._queue or self._waiting or not self.long_drain_chunks else 2)
+
+    def _width(self, k: int) -> int:
+        """The cache columns a chunk of `k` steps attends over: the longest live row's after it
+        (a row that has drawn e tokens writes columns up to P + e + k - 2), rounded up to a
+        quarter of N (at most 4 chunk programs), at most P + N. With k dividing N/4 a full batch
         steps through the static sampler's phase widths exactly."""
         live = ~self._done
-        need = int(self._emitted[live].max()) + self.chunk_steps - 1 if live.any() else 1
+        need = int(self._emitted[live].max()) + k - 1 if live.any() else 1
         quarter = -(-self.max_new_tokens // 4)
         return self.prompt_len + min(self.max_new_tokens, -(-need // quarter) * quarter)
 
@@ -345,7 +351,7 @@ def _programs(graphdef, cfg: ModelConfig, g: int, p: int, n_new: int, k_steps: i
     prefill = jax.jit(functools.partial(_prefill_prompts, graphdef, cfg, kv_cache_dtype, prefill_chunk_size),
                       donate_argnums=1)
     place = jax.jit(functools.partial(_place_rows, choose, stops, p, n_new, pad_id), donate_argnums=0)
-    decode = jax.jit(functools.partial(_decode_chunk, graphdef, cfg, choose, stops, p, n_new, k_steps),
+    decode = jax.jit(functools.partial(_decode_chunk, graphdef, cfg, choose, stops, p, n_new, 2 * k_steps),
                      static_argnums=(0, 1), donate_argnums=3)
     return prefill, place, decode
 
@@ -356,7 +362,8 @@ def programs(graphdef, cfg: ModelConfig, *, group_size: int, prompt_len: int, ma
              prefill_chunk_size: int = 0, live_vocab: int = 0):
     """The engine's jitted (prefill, place, decode chunk), as `JaxEngine` runs them:
     `prefill(params, prefixes, tokens [n, P], mask [n, P], entries [n], version)`,
-    `decode(width, lockstep, params, pool, slots [b], version)` (width and lockstep static).
+    `decode(width, lockstep, params, pool, slots [b], steps, version)` (width and lockstep static,
+    steps at most 2 x chunk_steps).
     What `jaxreplay compile` lowers, with `abstract_state`'s arrays."""
     return _programs(graphdef, cfg, group_size, prompt_len, max_new_tokens, chunk_steps,
                      (bool(greedy), float(temperature), int(top_k), float(top_p), int(live_vocab)),
@@ -451,11 +458,12 @@ def _place_rows(choose, stops, p: int, n_new: int, pad_id: int, pool: Pool, pref
     )
 
 
-def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int, k_steps: int, width: int,
-                  lockstep: bool, params, full_pool: Pool, slots, version) -> tuple[Pool, jax.Array]:
-    """Up to `k_steps` decode steps of every live row (fewer once all have stopped): each runs
-    the model on the row's last token, writes its K/V in the row's own column and draws the
-    next token. Rows that stopped, and free slots, keep their contents. Returns the steps run.
+def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int, k_max: int, width: int,
+                  lockstep: bool, params, full_pool: Pool, slots, k_steps, version) -> tuple[Pool, jax.Array]:
+    """Up to `k_steps` (traced, at most `k_max`) decode steps of every live row (fewer once all
+    have stopped): each runs the model on the row's last token, writes its K/V in the row's own
+    column and draws the next token. Rows that stopped, and free slots, keep their contents.
+    Returns the steps run.
 
     Attention reads only the cache's first `width` columns (every live row must fit in them for
     the whole chunk): on CPU a step at 544 columns cost ~5x one at 160, measured.
@@ -475,7 +483,7 @@ def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int,
     window = jax.tree.map(lambda x: (x[slots] if compact else x)[:, :, :width], full_pool.cache)
     # Every live row draws one token a step, so step k's RoPE positions are known at the start:
     # computed once here, a slice in the loop (as the static sampler does).
-    rotations = rotation((pool.n_prompt + pool.emitted - 1)[:, None] + jnp.arange(k_steps)[None, :], cfg)
+    rotations = rotation((pool.n_prompt + pool.emitted - 1)[:, None] + jnp.arange(k_max)[None, :], cfg)
 
     def step(carry):
         k, pool, window = carry

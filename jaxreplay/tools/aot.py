@@ -268,7 +268,8 @@ def _engine_programs(graphdef, c: Config, mesh, params, p_len: int, slots: int, 
             params, prefixes, per_prompt(jnp.int32, p_len), per_prompt(jnp.bool_, p_len), per_prompt(jnp.int32),
             scalar), held, log), flops=None),
         dataclasses.replace(_compiled(f"engine decode chunk ({slots} slots)", decode, (
-            width, False, params, pool, jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=rep), scalar), held, log),
+            width, False, params, pool, jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=rep), scalar, scalar),
+            held, log),
             flops=None),
     ]
 
