@@ -16,7 +16,8 @@ Three workloads (issue 30), one line each, in this order:
 Then `full-batch`: the sampler benchmark's batch 64 (32 + 128 tokens, no stop, G = 1), every
 slot busy: the engine's per-token speed must not fall below the static sampler's there.
 Each round times one side then the other (which goes first alternates); each side's figure is
-the median over rounds, after a warm-up round that compiles. `ratio` = engine / static.
+the median over rounds, after a warm-up round that compiles. `ratio` = engine / static; `load`
+is the 1-minute load average as the line is printed (the machine's noise).
 """
 
 from __future__ import annotations
@@ -155,11 +156,14 @@ def shared_prompt(s: dict) -> dict:
 
 def _engine_step(engine: JaxEngine, seconds, cfg, params, slots: int, prompt: int, new: int) -> dict:
     """Seconds per engine decode step (a round's wall time, prefill and host work included, over
-    its steps) and the bytes a step reads: every weight and the whole pool cache."""
-    steps = engine.stats.decode_steps / (len(seconds) + 1)  # the warm-up round counted too
+    its steps) and the bytes a step reads: every weight and the cache columns its rows attend
+    over (the window, on the slots the chunk ran on), averaged over the steps."""
+    stats = engine.stats
+    steps = stats.decode_steps / (len(seconds) + 1)  # the warm-up round counted too
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
+    column = pool_cache_bytes(cfg, 1, 1, 0)  # one row's K and V of one position, every layer
     return {"engine_step_s": statistics.median(seconds) / max(steps, 1),
-            "engine_step_bytes": weights + pool_cache_bytes(cfg, slots, prompt, new)}
+            "engine_step_bytes": weights + column * stats.cache_columns / max(stats.decode_steps, 1)}
 
 
 def full_batch(s: dict) -> dict:
@@ -214,14 +218,14 @@ def demo_long(s: dict, quick: bool) -> dict:
 
 def _line(name: str, unit: str, static: float, engine: float, static_s, engine_s, **extra) -> dict:
     return {"workload": name, "unit": unit, "static": static, "engine": engine, "ratio": engine / static,
-            "static_seconds": static_s, "engine_seconds": engine_s, **extra}
+            "static_seconds": static_s, "engine_seconds": engine_s, "load": os.getloadavg()[0], **extra}
 
 
 def line(r: dict) -> str:
     """`rollout NAME static=... engine=... UNIT ratio=...`: the printed form."""
     more = "".join(f" {k}={r[k]:.1f}" for k in ("mean_len_static", "mean_len_engine") if k in r)
     return (f"rollout {r['workload']} static={r['static']:.1f} engine={r['engine']:.1f} {r['unit']} "
-            f"ratio={r['ratio']:.2f} (medians of {len(r['static_seconds'])} rounds{more})")
+            f"ratio={r['ratio']:.2f} (medians of {len(r['static_seconds'])} rounds{more}, load {r['load']:.1f})")
 
 
 def run(quick: bool = False) -> list[dict]:

@@ -29,7 +29,11 @@ def test_compile_on_the_local_devices_reports_the_demo_programs(tmp_path, capsys
     assert "train step" in printed and "rollout sampler (64 rows)" in printed and "eval sampler (128 rows)" in printed
     report = json.loads(out.read_text())
     assert report["target"] == "local" and report["fits"] is None  # a CPU has no HBM limit
-    train, rollout, evaluation = report["programs"]
+    train, rollout, evaluation, prefill, decode = report["programs"]
+    # The rollout engine's programs: a pool of 64 slots (the rollout rows) and its prefill of
+    # the most prompts one call takes (64 / G = 8 groups + 1 entries: 8).
+    assert (prefill["name"], decode["name"]) == ("engine prefill (8 prompts)", "engine decode chunk (64 slots)")
+    assert decode["argument"] > report["kv_cache"] and decode["alias"] > 0  # the pool, cache included, is donated
     assert train["name"] == "train step" and train["argument"] > 0 and train["temp"] > 0 and train["flops"] > 0
     assert train["total"] == train["argument"] + train["output"] - train["alias"] + train["temp"]
     assert train["alias"] > 0  # params and optimizer state are donated
@@ -123,6 +127,8 @@ def test_a_tiny_config_compiles_for_a_tpu_slice(tmp_path):
     assert (report["device_kind"], report["n_devices"], report["hbm"]) == ("TPU v5 lite", 8, 16 << 30)
     assert report["libtpu"] == libtpu_version() and report["fits"] is True
     assert report["mesh"].startswith("data=1 fsdp=8 tensor=1")
+    names = [p["name"] for p in report["programs"]]
+    assert names[-2:] == ["engine prefill (8 prompts)", "engine decode chunk (64 slots)"], names
 
 
 @needs_libtpu

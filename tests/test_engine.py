@@ -87,6 +87,7 @@ def test_greedy_engine_output_equals_the_static_samplers_with_rows_stopping_at_d
                        greedy=True, stop_ids=stops, pad_id=PAD)
     engine.submit(groups(PROMPT, PROMPT_MASK))
     done, _ = drain(engine)
+    assert engine.stats.narrow_chunks > 0, "the drain should run chunks on the live slots only"
     for field in ("tokens", "attention_mask", "completion_mask"):
         np.testing.assert_array_equal(stacked(done, field), getattr(want, field), err_msg=field)
     np.testing.assert_allclose(stacked(done, "logprobs"), want.logprobs, atol=1e-5)

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jaxreplay.config import ModelConfig
-from jaxreplay.models.transformer import KVCache, dtype_of, init_cache, positions_from_mask, rotation
+from jaxreplay.models.transformer import KVCache, Rotation, dtype_of, init_cache, positions_from_mask, rotation
 from jaxreplay.rollout.sampling import Rollout, _prefill, choose_token
 
 
@@ -127,12 +127,16 @@ class _Group:
 @dataclasses.dataclass
 class EngineStats:
     """Counters a test or benchmark reads. `prefill_rows` counts prompt rows the prefill program
-    ran through the model (one per group: its rows share it); `decode_steps` counts pool steps."""
+    ran through the model (one per group: its rows share it); `decode_steps` counts pool steps;
+    `narrow_chunks` the chunks run on fewer than S slots (the pool draining); `cache_columns`
+    sums, over steps, rows x window columns attended (what a step reads of the cache)."""
 
     prefill_rows: int = 0
     prefill_calls: int = 0
     chunks: int = 0
     decode_steps: int = 0
+    narrow_chunks: int = 0
+    cache_columns: int = 0
 
 
 class JaxEngine:
@@ -167,8 +171,12 @@ class JaxEngine:
         self.stats = EngineStats()
         self._prefill, self._place, self._decode = _programs(
             graphdef, model_cfg, group_size, prompt_len, max_new_tokens, chunk_steps,
-            (bool(greedy), float(temperature), int(top_k), float(top_p), int(live_vocab)), tuple(int(s) for s in stop_ids), pad_id,
-            kv_cache_dtype, prefill_chunk_size)
+            (bool(greedy), float(temperature), int(top_k), float(top_p), int(live_vocab)),
+            tuple(int(s) for s in stop_ids), pad_id, kv_cache_dtype, prefill_chunk_size)
+        # Choices of the decode chunk, on by default; off only to measure them side by side
+        # (benchmarks): run a draining pool's chunks on its live slots only, write one cache column
+        # for all rows when they are in step, and chunks of 2K steps when no group waits.
+        self.narrow_drain = self.lockstep_writes = self.long_drain_chunks = True
         self.pool = _empty_pool(model_cfg, slots, prompt_len, max_new_tokens, pad_id, kv_cache_dtype)
         entries = -(-slots // group_size) + 1  # enough prompts to fill every slot, and one more
         self.prefixes = _empty_prefixes(model_cfg, entries, prompt_len, pad_id, kv_cache_dtype)
@@ -194,7 +202,12 @@ class JaxEngine:
         self._prefill_queued()
         self._place_waiting()
         if (~self._done).any():
-            self.pool, steps = self._decode(self._width(), self.params, self.pool, jnp.int32(self.version))
+            slots, k = self._live_slots(), self._chunk_steps()
+            width = self._width(k)
+            self.pool, steps = self._decode(width, self._lockstep(), self.params, self.pool, slots, jnp.int32(k),
+                                            jnp.int32(self.version))
+            self.stats.narrow_chunks += len(slots) < self.slots
+            self.stats.cache_columns += int(steps) * len(slots) * width
             self.stats.chunks += 1
             self.stats.decode_steps += int(steps)
             self._done, self._emitted = jax.device_get((self.pool.done, self.pool.emitted))
@@ -218,13 +231,38 @@ class JaxEngine:
     def queued(self) -> int:
         return len(self._queue)
 
-    def _width(self) -> int:
-        """The cache columns this chunk attends over: the longest live row after K more tokens,
-        rounded up to a quarter of N (at most 4 chunk programs), at most P + N."""
+    def _chunk_steps(self) -> int:
+        """K, or 2K when no group waits for a slot (nothing to refill at the next boundary): half
+        the host round trips while the pool only drains. A function of the queue, not the clock."""
+        return self.chunk_steps * (1 if self._queue or self._waiting or not self.long_drain_chunks else 2)
+
+    def _width(self, k: int) -> int:
+        """The cache columns a chunk of `k` steps attends over: the longest live row's after it
+        (a row that has drawn e tokens writes columns up to P + e + k - 2), rounded up to a
+        quarter of N (at most 4 chunk programs), at most P + N. With k dividing N/4 a full batch
+        steps through the static sampler's phase widths exactly."""
         live = ~self._done
-        need = int(self._emitted[live].max()) + self.chunk_steps if live.any() else 1
+        need = int(self._emitted[live].max()) + k - 1 if live.any() else 1
         quarter = -(-self.max_new_tokens // 4)
         return self.prompt_len + min(self.max_new_tokens, -(-need // quarter) * quarter)
+
+    def _live_slots(self) -> np.ndarray:
+        """The slots a chunk runs on: all S while more than S/2 are live, else the live ones
+        padded with stopped or free ones to the next power of two (at least S/8): at most four
+        batch sizes, each its own program."""
+        live = np.flatnonzero(~self._done)
+        b = self.slots
+        while self.narrow_drain and b // 2 >= max(len(live), 1) and b // 2 >= self.slots // 8 and b % 2 == 0:
+            b //= 2
+        if b == self.slots:
+            return np.arange(b, dtype=np.int32)
+        rest = np.flatnonzero(self._done)[:b - len(live)]
+        return np.concatenate([live, rest]).astype(np.int32)
+
+    def _lockstep(self) -> bool:
+        """Whether every live row has drawn as many tokens as the others (then the chunk writes
+        one cache column for all rows)."""
+        return self.lockstep_writes and len(set(self._emitted[~self._done].tolist())) == 1
 
     def _prefill_queued(self) -> None:
         """Prefills queued groups into free prefix entries while the rows already waiting leave
@@ -313,9 +351,33 @@ def _programs(graphdef, cfg: ModelConfig, g: int, p: int, n_new: int, k_steps: i
     prefill = jax.jit(functools.partial(_prefill_prompts, graphdef, cfg, kv_cache_dtype, prefill_chunk_size),
                       donate_argnums=1)
     place = jax.jit(functools.partial(_place_rows, choose, stops, p, n_new, pad_id), donate_argnums=0)
-    decode = jax.jit(functools.partial(_decode_chunk, graphdef, cfg, choose, stops, p, n_new, k_steps),
-                     static_argnums=0, donate_argnums=2)
+    decode = jax.jit(functools.partial(_decode_chunk, graphdef, cfg, choose, stops, p, n_new, 2 * k_steps),
+                     static_argnums=(0, 1), donate_argnums=3)
     return prefill, place, decode
+
+
+def programs(graphdef, cfg: ModelConfig, *, group_size: int, prompt_len: int, max_new_tokens: int,
+             chunk_steps: int = 8, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+             stop_ids: Sequence[int] = (), pad_id: int = 0, kv_cache_dtype: Optional[str] = None,
+             prefill_chunk_size: int = 0, live_vocab: int = 0):
+    """The engine's jitted (prefill, place, decode chunk), as `JaxEngine` runs them:
+    `prefill(params, prefixes, tokens [n, P], mask [n, P], entries [n], version)`,
+    `decode(width, lockstep, params, pool, slots [b], steps, version)` (width and lockstep static,
+    steps at most 2 x chunk_steps).
+    What `jaxreplay compile` lowers, with `abstract_state`'s arrays."""
+    return _programs(graphdef, cfg, group_size, prompt_len, max_new_tokens, chunk_steps,
+                     (bool(greedy), float(temperature), int(top_k), float(top_p), int(live_vocab)),
+                     tuple(int(s) for s in stop_ids), pad_id, kv_cache_dtype, prefill_chunk_size)
+
+
+def abstract_state(cfg: ModelConfig, slots: int, group_size: int, prompt_len: int, max_new_tokens: int,
+                   kv_cache_dtype: Optional[str] = None) -> tuple[Pool, Prefixes, int]:
+    """The pool's and the prefix entries' shapes and dtypes (nothing allocated), and the most
+    prompts one prefill call takes (the largest power of two up to the entries)."""
+    entries = -(-slots // group_size) + 1  # as JaxEngine: every slot's prompt, and one more
+    pool, prefixes = jax.eval_shape(lambda: (_empty_pool(cfg, slots, prompt_len, max_new_tokens, 0, kv_cache_dtype),
+                                             _empty_prefixes(cfg, entries, prompt_len, 0, kv_cache_dtype)))
+    return pool, prefixes, 1 << (entries.bit_length() - 1)
 
 
 @jax.jit
@@ -396,31 +458,62 @@ def _place_rows(choose, stops, p: int, n_new: int, pad_id: int, pool: Pool, pref
     )
 
 
-def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int, k_steps: int, width: int, params,
-                  pool: Pool, version) -> tuple[Pool, jax.Array]:
-    """Up to `k_steps` decode steps of every live row (fewer once all have stopped): each runs
-    the model on the row's last token, writes its K/V in the row's own column and draws the
-    next token. Rows that stopped, and free slots, keep their contents. Returns the steps run.
+def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int, k_max: int, width: int,
+                  lockstep: bool, params, full_pool: Pool, slots, k_steps, version) -> tuple[Pool, jax.Array]:
+    """Up to `k_steps` (traced, at most `k_max`) decode steps of every live row (fewer once all
+    have stopped): each runs the model on the row's last token, writes its K/V in the row's own
+    column and draws the next token. Rows that stopped, and free slots, keep their contents.
+    Returns the steps run.
 
     Attention reads only the cache's first `width` columns (every live row must fit in them for
-    the whole chunk): on CPU a step at 544 columns cost ~5x one at 160, measured."""
+    the whole chunk): on CPU a step at 544 columns cost ~5x one at 160, measured.
+
+    `lockstep`: every live row has drawn as many tokens as every other (the host checked), so
+    they stay in step for the whole chunk and each step writes one column for all rows, as the
+    static sampler does (one dynamic-update-slice, not a per-row scatter). A stopped row or a
+    free slot gets that column written too, past its end: nothing reads it before a placement.
+
+    `slots` [b] (distinct; every live row among them): the chunk runs on those b slots only, as
+    a batch of b, and writes them back. Once the queue is empty and the pool drains, a few live
+    rows no longer pay for a full pool's steps. b = S: every slot in order, nothing moved."""
     model = nnx.merge(graphdef, params)
+    compact = slots.shape[0] < full_pool.tokens.shape[0]
+    pool = jax.tree.map(lambda x: x[slots], full_pool._replace(cache=None)) if compact else full_pool
     rows = jnp.arange(pool.tokens.shape[0])
-    window = jax.tree.map(lambda x: x[:, :, :width], pool.cache)
+    window = jax.tree.map(lambda x: (x[slots] if compact else x)[:, :, :width], full_pool.cache)
+    # Every live row draws one token a step, so step k's RoPE positions are known at the start:
+    # computed once here, a slice in the loop (as the static sampler does).
+    rotations = rotation((pool.n_prompt + pool.emitted - 1)[:, None] + jnp.arange(k_max)[None, :], cfg)
 
     def step(carry):
         k, pool, window = carry
         live = ~pool.done
-        last = p + pool.emitted - 1  # the column of the last token drawn
-        token = pool.tokens[rows, last][:, None]
-        rot = rotation((pool.n_prompt + pool.emitted - 1)[:, None], cfg)
-        # A stopped or free row's write lands in a column past its end (clamped into the window):
-        # nothing reads its cache again before a placement rewrites it.
-        h, window = model.hidden(token, rot, pool.mask[:, :width], window, jnp.minimum(last, width - 1))
+        if lockstep:
+            # every live row's column; all rows done cannot happen inside the loop
+            col = jnp.max(jnp.where(live, pool.emitted, 0))
+            last = p + col - 1
+            token = jax.lax.dynamic_slice_in_dim(pool.tokens, last, 1, axis=1)
+            index = jnp.minimum(last, width - 1)
+        else:
+            last = p + pool.emitted - 1  # the column of the last token drawn
+            token = pool.tokens[rows, last][:, None]
+            # A stopped or free row's write lands in a column past its end (clamped into the window):
+            # nothing reads its cache again before a placement rewrites it.
+            index = jnp.minimum(last, width - 1)
+        rot = Rotation(*(jax.lax.dynamic_slice_in_dim(x, k, 1, axis=1) for x in rotations))
+        h, window = model.hidden(token, rot, pool.mask[:, :width], window, index)
         new, logp = choose(model.unembed(h)[:, 0], jax.vmap(jax.random.fold_in)(pool.keys, pool.emitted))
-        col = jnp.minimum(pool.emitted, n_new - 1)  # a live row has drawn fewer than N tokens
-        keep = lambda buf, value, offset=p: buf.at[rows, offset + col].set(
-            jnp.where(live, value, buf[rows, offset + col]))
+        if lockstep:
+            col = jnp.minimum(col, n_new - 1)
+
+            def keep(buf, value, offset=p):
+                old = jax.lax.dynamic_slice_in_dim(buf, offset + col, 1, axis=1)[:, 0]
+                return jax.lax.dynamic_update_slice_in_dim(
+                    buf, jnp.where(live, value, old).astype(buf.dtype)[:, None], offset + col, axis=1)
+        else:
+            col = jnp.minimum(pool.emitted, n_new - 1)  # a live row has drawn fewer than N tokens
+            keep = lambda buf, value, offset=p: buf.at[rows, offset + col].set(
+                jnp.where(live, value, buf[rows, offset + col]))
         emitted = pool.emitted + live
         pool = pool._replace(
             tokens=keep(pool.tokens, new), mask=keep(pool.mask, live),
@@ -429,6 +522,10 @@ def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int,
         return k + 1, pool, window
 
     k, pool, window = jax.lax.while_loop(lambda c: (c[0] < k_steps) & ~jnp.all(c[1].done), step,
-                                         (jnp.int32(0), pool, window))
-    cache = jax.tree.map(lambda full, w: full.at[:, :, :width].set(w), pool.cache, window)
+                                         (jnp.int32(0), pool._replace(cache=None), window))
+    if compact:
+        cache = jax.tree.map(lambda full, w: full.at[slots, :, :width].set(w), full_pool.cache, window)
+        pool = jax.tree.map(lambda full, part: full.at[slots].set(part), full_pool._replace(cache=None), pool)
+    else:
+        cache = jax.tree.map(lambda full, w: full.at[:, :, :width].set(w), full_pool.cache, window)
     return pool._replace(cache=cache), k

@@ -1,7 +1,8 @@
 """`jaxreplay compile`: does a config fit the chips it is meant for? Compiled, not guessed.
 
 The real train step and the real samplers (rollouts at `prompts_per_step x group_size`
-rows, greedy evaluation at `eval.EVAL_BATCH` rows) are lowered with abstract inputs
+rows, greedy evaluation at `eval.EVAL_BATCH` rows), and the rollout engine's prefill and
+decode chunk (a pool of as many slots as rollout rows) are lowered with abstract inputs
 (`jax.ShapeDtypeStruct` carrying their `NamedSharding`) at the config's full shapes and
 compiled for a TPU slice (`topology.slice_devices`) or for the local devices. No weight
 is allocated. XLA's memory analysis gives each program's per-device argument, output,
@@ -30,6 +31,8 @@ from jaxreplay.models.transformer import KV_CACHE_AXES
 from jaxreplay.models.transformer import abstract_model, count_params
 
 GiB = 1 << 30
+# Decode steps per engine chunk compiled (the engine's default; the chunk's bytes barely depend on it).
+ENGINE_CHUNK_STEPS = 8
 
 
 class DoesNotFit(RuntimeError):
@@ -73,19 +76,20 @@ class Report:
 
     def lines(self) -> list[str]:
         hbm = "no HBM limit" if self.hbm is None else f"{self.hbm / GiB:.1f} GiB HBM each"
+        w = max([26] + [len(p.name) + 1 for p in self.programs])
         out = [f"target: {self.target}: {self.n_devices} x {self.device_kind} ({hbm})"
                + (f", libtpu {self.libtpu}" if self.libtpu else ""),
                f"mesh: {self.mesh}", f"model: {self.model}", f"shapes: {self.shapes}",
                f"KV cache: {self.kv_cache / GiB:.3f} GiB per device (rollout sampler, all slots)",
-               f"{'per device, GiB':<26}{'argument':>9}{'output':>9}{'temp':>9}{'held':>9}{'total':>9}"
+               f"{'per device, GiB':<{w}}{'argument':>9}{'output':>9}{'temp':>9}{'held':>9}{'total':>9}"
                f"{'of HBM':>8}{'compile s':>11}{'TFLOP':>9}"]
         for p in self.programs:
             if p.oom:
-                out.append(f"{p.name:<26}does not compile: {p.oom} ({p.compile_s:.1f} s)")
+                out.append(f"{p.name:<{w}}does not compile: {p.oom} ({p.compile_s:.1f} s)")
                 continue
             share = "" if self.hbm is None else f"{100 * p.total / self.hbm:.0f}%"
             flops = "" if p.flops is None else f"{p.flops / 1e12:.3f}"
-            out.append(f"{p.name:<26}{p.argument / GiB:>9.2f}{(p.output - p.alias) / GiB:>9.2f}{p.temp / GiB:>9.2f}"
+            out.append(f"{p.name:<{w}}{p.argument / GiB:>9.2f}{(p.output - p.alias) / GiB:>9.2f}{p.temp / GiB:>9.2f}"
                        f"{p.held / GiB:>9.2f}{p.total / GiB:>9.2f}{share:>8}{p.compile_s:>11.1f}{flops:>9}")
         fits = "NO" if self.over() else ("unknown (no HBM limit on this platform)" if self.hbm is None else "yes")
         out.append(f"fits: {fits}")
@@ -148,6 +152,7 @@ def compile_config(config: Config, topology: Optional[str] = None, log=print) ->
 
     programs = [_train_program(graphdef, c, optimizer, mesh, params, opt_state, ref, length, log)]
     programs += _sampler_programs(graphdef, c, mesh, params, p_len, {"rollout": rows, "eval": EVAL_BATCH}, held, log)
+    programs += _engine_programs(graphdef, c, mesh, params, p_len, rows, held, log)
     cache = jax.ShapeDtypeStruct((rows, m.n_kv_heads, length, m.head_dim), jnp.dtype(
         c.sampling.kv_cache_dtype or m.compute_dtype))
     cache_shard = sharding.cache_sharding(mesh, KV_CACHE_AXES, cache.shape).shard_shape(cache.shape)
@@ -234,6 +239,39 @@ def _sampler_programs(graphdef, c: Config, mesh, params, p_len: int, batches: di
         program = _compiled(f"{name} sampler ({n} rows)", fn, (params, prompts, mask, key), held, log)
         programs.append(dataclasses.replace(program, flops=None))
     return programs
+
+
+def _engine_programs(graphdef, c: Config, mesh, params, p_len: int, slots: int, held: int, log) -> list[Program]:
+    """The rollout engine's prefill (its largest call) and decode chunk (at the full window:
+    every slot P + N columns) with a pool of `slots` = the rollout sampler's rows: pool rows
+    split like a batch, its cache like the sampler's, prefix entries replicated."""
+    from jaxreplay.rollout import engine
+
+    s = c.sampling
+    prefill, _, decode = engine.programs(
+        graphdef, c.model, group_size=c.train.group_size, prompt_len=p_len, max_new_tokens=s.max_new_tokens,
+        chunk_steps=ENGINE_CHUNK_STEPS, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size)
+    pool, prefixes, n = engine.abstract_state(c.model, slots, c.train.group_size, p_len, s.max_new_tokens,
+                                              s.kv_cache_dtype)
+    rows, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
+    place = lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
+    cache = sharding.cache_sharding(mesh, KV_CACHE_AXES, pool.cache.k[0].shape)
+    pool = pool._replace(**{f: jax.tree.map(lambda x: place(x, cache if f == "cache" else rows), getattr(pool, f))
+                            for f in pool._fields})
+    prefixes = jax.tree.map(lambda x: place(x, rep), prefixes)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+    per_prompt = lambda dtype, *shape: jax.ShapeDtypeStruct((n, *shape), dtype, sharding=rep)
+    width = p_len + s.max_new_tokens
+    return [
+        dataclasses.replace(_compiled(f"engine prefill ({n} prompts)", prefill, (
+            params, prefixes, per_prompt(jnp.int32, p_len), per_prompt(jnp.bool_, p_len), per_prompt(jnp.int32),
+            scalar), held, log), flops=None),
+        dataclasses.replace(_compiled(f"engine decode chunk ({slots} slots)", decode, (
+            width, False, params, pool, jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=rep), scalar, scalar),
+            held, log),
+            flops=None),
+    ]
 
 
 # The TPU compiler refuses a program over HBM ("CompileTimeHbmOom") rather than compiling it.
