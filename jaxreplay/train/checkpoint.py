@@ -2,9 +2,12 @@
 
 A checkpoint is one Orbax step holding two items: `state` (params, optimizer
 state, RNG key) and `meta` (counters, the path of the Reverb checkpoint taken
-just before, so a resume restores exactly that buffer, never a newer orphan, and
-the run-changing settings the step was trained with, which a resume is checked
-against even where config.yaml is gone or edited).
+just before, so a resume restores exactly that buffer, never a newer orphan, the
+run-changing settings the step was trained with, which a resume is checked
+against even where config.yaml is gone or edited, and a checksum of every array
+of `state`, computed on the device as it is saved (checksums.py) and checked on
+the arrays a restore reads back: a step whose files were cut short or changed
+since is `DamagedStep`, never restored silently).
 Orbax finalises a step by an atomic rename, so a half-written one is never listed;
 steps past `keep` are likewise renamed away before they are deleted, so a kill
 mid-delete leaves no half-deleted step listed either.
@@ -24,6 +27,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxreplay import storage
+from jaxreplay.train import checksums
 
 
 @dataclasses.dataclass
@@ -55,15 +59,50 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, or that exists but cannot be read back."""
 
 
+class DamagedStep(CheckpointError):
+    """A step whose files were cut short or changed since they were written: a read error of the
+    storage layer (a short file, a failed CRC), or an array whose checksum is not the one saved."""
+
+    def __init__(self, step: int, why: str):
+        super().__init__(why)
+        self.step = step
+
+
+# What the storage layer says when a file it reads is damaged (not when a restore is asked for a
+# different structure, which is no reason to pass a step over)
+_READ_DAMAGE = ("DATA_LOSS", "CRC", "checksum", "Error reading", "error while reading", "Error decoding",
+                "Unexpected end", "OUT_OF_RANGE", "NOT_FOUND", "truncated", "corrupt")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def _damage_in(error: BaseException) -> Optional[BaseException]:
+    """The read error behind `error` that says a file is damaged, if one does: the innermost,
+    which names the array and the file (the outer ones print tensorstore's whole spec)."""
+    seen, e, found = set(), error, None
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if any(marker in str(e) for marker in _READ_DAMAGE):
+            found = e
+        e = e.__cause__ or e.__context__
+    return found
+
+
 @contextlib.contextmanager
-def _unreadable(directory: str | Path, step: int):
+def _unreadable(directory: str | Path, step: int, item: str = ""):
     """Orbax's many (often multi-line) errors for a damaged or mismatched step, as one line."""
     try:
         yield
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - re-raised with the step named
-        first = (str(e).strip().splitlines() or [""])[0]
+        if damage := _damage_in(e):
+            raise DamagedStep(step, f"{storage.join(str(directory), str(step), *([item] if item else []))} cannot be read "
+                                    f"({type(damage).__name__}: {_first_line(damage)[:400]})") from e
         raise CheckpointError(f"checkpoint step {step} in {directory} cannot be restored "
-                              f"({type(e).__name__}: {first})") from e
+                              f"({type(e).__name__}: {_first_line(e)})") from e
 
 
 # What an OS-level write failure says, where a library hands it on as text (tensorstore's errors)
@@ -90,6 +129,7 @@ def write_failure(error: BaseException) -> Optional[OSError]:
 
 _DELETED = ".deleted"  # steps past `keep` are renamed in here, then deleted
 SETTINGS = "trained_with"  # meta's key for the run-changing settings; absent in steps written before it
+CHECKSUMS = "checksums"  # meta's key for {"algorithm", "leaves": {name: digest}}; absent in steps written before it
 
 
 class Checkpointer:
@@ -124,6 +164,10 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
+    def reload(self) -> None:
+        """Lists the steps again (one was moved away by another hand: a damaged step set aside)."""
+        self._manager.reload()
+
     def save(self, step: int, state: Any, progress: Progress) -> None:
         """A full disk (or a read-only one, or a quota) raises an OSError naming the step's
         directory; the step is then never listed, so the latest complete one stays the latest."""
@@ -137,11 +181,12 @@ class Checkpointer:
                           failure.filename or storage.join(str(self.directory), str(step))) from e
 
     def _save(self, step: int, state: Any, progress: Progress) -> None:
+        sums = {"algorithm": checksums.ALGORITHM, "leaves": checksums.digests(state)}  # of the arrays saved, on device
         self._manager.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
-                meta=ocp.args.JsonSave({**dataclasses.asdict(progress),
+                meta=ocp.args.JsonSave({**dataclasses.asdict(progress), CHECKSUMS: sums,
                                         **({} if self.settings is None else {SETTINGS: self.settings})}),
             ),
             force=True,
@@ -169,22 +214,49 @@ class Checkpointer:
             return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
 
     def restore(self, state_like: Any, step: Optional[int] = None) -> tuple[Any, Progress]:
-        """Restores onto the structure, shapes, dtypes and shardings of `state_like`."""
+        """Restores onto the structure, shapes, dtypes and shardings of `state_like`, checked
+        against the checksums saved with it; a damaged step raises `DamagedStep`."""
+        state, meta, step = self.read(state_like, step)
+        self.check(state, meta, step)
+        return state, progress_of(meta)
+
+    def read(self, state_like: Any, step: Optional[int] = None) -> tuple[Any, dict, int]:
+        """(state, meta, step) as read, unchecked (`check`): multi-host, every process reads its
+        own shards, and all learn whether any failed before the collective check."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
-        with _unreadable(self.directory, step):
+        with _unreadable(self.directory, step, "state"):
             restored = self._manager.restore(
                 step,
                 args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
             )
-            meta = dict(restored.meta)
-            meta.pop(SETTINGS, None)
-            return restored.state, Progress(**meta)
+            return restored.state, dict(restored.meta), step
+
+    def check(self, state: Any, meta: dict, step: int) -> None:
+        """`DamagedStep` naming the first array of `state` whose checksum is not the one saved
+        (collective multi-host: every process gets the same answer). Steps saved before the
+        checksums are not checked."""
+        check_sums(state, meta, step, storage.join(str(self.directory), str(step), "state"))
 
     def close(self) -> None:
         self._manager.close()
+
+
+def progress_of(meta: dict) -> Progress:
+    return Progress(**{k: v for k, v in meta.items() if k not in (SETTINGS, CHECKSUMS)})
+
+
+def check_sums(state: Any, meta: dict, step: int, where: str) -> None:
+    sums = meta.get(CHECKSUMS)
+    if not sums or sums.get("algorithm") != checksums.ALGORITHM:
+        return
+    bad = checksums.mismatches(state, sums["leaves"])
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise DamagedStep(step, f"{where}: array {bad[0]}{more} does not match the checksum saved with it "
+                                "(changed since it was written)")
 
 
 def save_params(path: str | Path, params: Any) -> None:
@@ -214,8 +286,12 @@ def restore_policy_params(directory: str | Path, params_like: Any, step: Optiona
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or device),
             params_like)}
         with _unreadable(directory, step):
-            restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree), transforms={})))
-            return restored.state["params"], step
+            restored = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
+                                             transforms={}),
+                meta=ocp.args.JsonRestore()))
+        check_sums({"params": restored.state["params"]}, dict(restored.meta), step,
+                   storage.join(str(directory), str(step), "state"))
+        return restored.state["params"], step
     finally:
         manager.close()
