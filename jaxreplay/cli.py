@@ -253,9 +253,9 @@ def _command(argv: list[str] | None) -> int:
         if args.debug:
             traceback.print_exc()
         if failure := _write_failure(e):  # disk full, read-only, quota: the path and the OS's word
-            where = failure.filename or (config.run.dir if config is not None else None)
-            print(f"jaxreplay: error: cannot write {where or '?'}: {failure.strerror or failure}; the latest complete "
-                  "checkpoint is unchanged: free space (or make it writable) and run the same command again",
+            from jaxreplay.train.checkpoint import write_failure_message
+
+            print(f"jaxreplay: error: {write_failure_message(failure, config.run.dir if config is not None else None)}",
                   file=sys.stderr, flush=True)
             if argv is None and not args.debug:
                 _quiet_exit()

@@ -179,6 +179,8 @@ def move(source: str | os.PathLike, target: str | os.PathLike) -> None:
     for name in names:
         fs.copy(name, _bucket_path(target) + name[len(prefix):])
     rmtree(source)
+    for other in list(getattr(type(fs), "_cache", {}).values()):  # Orbax's own gcsfs (through etils) lists too
+        other.invalidate_cache(prefix)
 
 
 def upload(local: str | os.PathLike, url: str, *, last: Iterable[str] = ()) -> None:

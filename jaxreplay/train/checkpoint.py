@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -75,7 +74,11 @@ _READ_DAMAGE = ("DATA_LOSS", "CRC", "checksum", "Error reading", "error while re
 
 
 def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0]
+    """The first line of `e`'s message, without the spec and source lines tensorstore appends."""
+    line = (str(e).strip().splitlines() or [""])[0]
+    for tail in (" [tensorstore_spec=", " [source locations="):
+        line = line.split(tail)[0]
+    return line[:1000]
 
 
 def _damage_in(error: BaseException) -> Optional[BaseException]:
@@ -100,7 +103,7 @@ def _unreadable(directory: str | Path, step: int, item: str = ""):
     except Exception as e:  # noqa: BLE001 - re-raised with the step named
         if damage := _damage_in(e):
             raise DamagedStep(step, f"{storage.join(str(directory), str(step), *([item] if item else []))} cannot be read "
-                                    f"({type(damage).__name__}: {_first_line(damage)[:400]})") from e
+                                    f"({type(damage).__name__}: {_first_line(damage)})") from e
         raise CheckpointError(f"checkpoint step {step} in {directory} cannot be restored "
                               f"({type(e).__name__}: {_first_line(e)})") from e
 
@@ -127,6 +130,12 @@ def write_failure(error: BaseException) -> Optional[OSError]:
     return next((e for e in found if e.filename), found[0] if found else None)
 
 
+def write_failure_message(failure: OSError, where: Optional[str] = None) -> str:
+    """The one line for an OS-level write failure (after `jaxreplay: error: `)."""
+    return (f"cannot write {failure.filename or where or '?'}: {failure.strerror or failure}; the latest complete "
+            "checkpoint is unchanged: free space (or make it writable) and run the same command again")
+
+
 _DELETED = ".deleted"  # steps past `keep` are renamed in here, then deleted
 SETTINGS = "trained_with"  # meta's key for the run-changing settings; absent in steps written before it
 CHECKSUMS = "checksums"  # meta's key for {"algorithm", "leaves": {name: digest}}; absent in steps written before it
@@ -140,7 +149,9 @@ class Checkpointer:
         instead of its own 20 minutes. `settings`: the run-changing settings each step records
         (recorder.run_settings); update it when they change (a calibrated ratio)."""
         self.settings = settings
-        self.directory = storage.orbax_path(directory) if isinstance(directory, (str, os.PathLike)) else directory
+        # A bucket's path (etils' epath, which run_dir.checkpoints() gives) is kept as it is: made a
+        # pathlib path, it would print as /gs/... and be taken for a disk.
+        self.directory = storage.orbax_path(directory) if isinstance(directory, (str, Path)) else directory
         # A step killed mid-write stays a tmp directory, never listed, deleted on the next start. On a
         # bucket (no rename) steps past `keep` are deleted where they are.
         local = isinstance(self.directory, Path)

@@ -78,7 +78,14 @@ def digests(tree: Any) -> dict[str, str]:
     """{leaf name: 16 hex digits} for every array in `tree`. Multi-host, each process reads only its
     own shards and the sum is a collective: every process gets the same digests."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    values = _digests([leaf for _, leaf in leaves])
+    groups: dict[tuple, list[int]] = {}  # one program per set of devices (disaggregated: the actor's and the learner's)
+    for i, (_, leaf) in enumerate(leaves):
+        devices = tuple(sorted(d.id for d in leaf.sharding.device_set)) if isinstance(leaf, jax.Array) else ()
+        groups.setdefault(devices, []).append(i)
+    values: list[Any] = [None] * len(leaves)
+    for members in groups.values():
+        for i, value in zip(members, _digests([leaves[i][1] for i in members])):
+            values[i] = value
     return {leaf_name(path): "".join(f"{int(w):08x}" for w in np.asarray(_local(value)))
             for (path, _), value in zip(leaves, values)}
 

@@ -35,7 +35,8 @@ from jaxreplay.rollout import rollouts
 from jaxreplay.train import distributed, rundir
 from jaxreplay.train.accounting import Accounting, param_count
 from jaxreplay.train.calibrate import calibrated, measure_mu
-from jaxreplay.train.checkpoint import CheckpointError, Checkpointer, DamagedStep, Progress, progress_of
+from jaxreplay.train.checkpoint import (
+    CheckpointError, Checkpointer, DamagedStep, Progress, progress_of, write_failure, write_failure_message)
 from jaxreplay.train.guards import Preempted, PreemptionNotice
 from jaxreplay.train.placement import Placement, params_digest, placement_for
 from jaxreplay.train.recorder import CONFIG_FILE, RunRecorder, last_summary, resume_config, run_settings
@@ -76,12 +77,33 @@ def _as_job_process(config: Config, log: Callable[[str], None]) -> dict[str, Any
             with contextlib.suppress(Exception):  # run.dir itself may be what is wrong
                 storage.makedirs(config.run.dir)
                 storage.write_text(storage.join(config.run.dir, f"process-{pid}.error"), traceback.format_exc())
-        kind = ("config error" if isinstance(e, ConfigError) else e.kind if isinstance(e, Preempted)
-                else f"error: {type(e).__name__}")
+        line, code = _job_error(e, config, pid)
         sys.stdout.flush()
-        print(f"jaxreplay: process {pid}: {kind}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr,
-              flush=True)
-        os._exit(2 if isinstance(e, ConfigError) else e.exit_code if isinstance(e, Preempted) else 1)
+        print(f"jaxreplay: process {pid}: {line}", file=sys.stderr, flush=True)
+        os._exit(code)
+
+
+def _job_error(e: BaseException, config: Config, pid: int) -> tuple[str, int]:
+    """(the line after `jaxreplay: process N: `, the exit status) for what ended a job process.
+    A write failure (disk full, read-only, quota) is published through the coordination service
+    before the process exits, so a peer that fails because this process left says what did."""
+    if isinstance(e, Preempted):
+        return f"{e.kind}: {one_line(str(e))}", e.exit_code
+    if isinstance(e, ConfigError):
+        return f"config error: {one_line(str(e))}", 2
+    if failure := write_failure(e):
+        line = f"error: {write_failure_message(failure, config.run.dir)}"
+        with contextlib.suppress(Exception):
+            distributed.publish_failure(pid, line)
+        return line, 2
+    if isinstance(e, Exception) and (peer := distributed.failure_of_a_peer(pid)):  # this process failed because one left
+        return peer, 2
+    bad_input = isinstance(e, (CheckpointError, inprocess.DamagedCheckpoint))  # exit 2, as the CLI's
+    return f"error: {type(e).__name__}: {one_line(str(e))}", 2 if bad_input else 1
+
+
+def one_line(text: str) -> str:
+    return text.splitlines()[0] if text else ""
 
 
 def _train(config: Config, run_dir: rundir.RunDir, log: Callable[[str], None]) -> dict[str, Any]:
@@ -192,6 +214,9 @@ def _undamaged_step(run_dir: rundir.RunDir, config: Config, coord: Optional[dist
             if damaged:
                 raise _none_left(run_dir, damaged)
             return None
+        if any(line.startswith(f"checkpoint step {steps[0]}: ") for line in damaged):  # never loop on a step
+            raise CheckpointError(f"checkpoint step {steps[0]} in {run_dir.checkpoints()} is still listed after it "
+                                  f"was moved to {_aside(run_dir)} as damaged ({damaged[-1]})")
         why = _agreed(coord, f"resume/damage/{steps[0]}", _damage(run_dir, config, steps[0], backend, coord))
         if why is None:
             return steps[0]
@@ -255,7 +280,7 @@ def _damage(run_dir: rundir.RunDir, config: Config, step: int, backend: str,
             run_dir.pull_replay(own)  # a bucket run dir's, into the mirror the restore reads it from
             inprocess.verify(run_dir / rundir.REPLAY_DIR / own)
     except (CheckpointError, inprocess.DamagedCheckpoint) as e:
-        return str(e)
+        return str(e).replace(os.fspath(run_dir.local), run_dir.url) if run_dir.remote else str(e)  # not the mirror
     finally:
         checkpointer.close()
     return None
