@@ -172,7 +172,8 @@ def _with_backend(config: Config, placement: Placement, log: Callable[[str], Non
     return dataclasses.replace(config, replay=dataclasses.replace(config.replay, backend=backend))
 
 
-def _listed_steps(run_dir: rundir.RunDir, config: Config, coord: Optional[distributed.Coordinator]) -> list[int]:
+def _listed_steps(run_dir: rundir.RunDir, config: Config, coord: Optional[distributed.Coordinator],
+                  attempt: int = 0) -> list[int]:
     """The complete checkpoint steps, latest first. Multi-host, every process lists the steps it can
     read (Orbax's manager is collective there, so all open it), process 0's list is taken, and all
     check that they can read its latest, so no process resumes from another step (their
@@ -187,11 +188,11 @@ def _listed_steps(run_dir: rundir.RunDir, config: Config, coord: Optional[distri
         checkpointer.close()
     if coord is None:
         return steps
-    below = f"below-{steps[0]}" if steps else "none"  # keys are used once: each listing sees fewer steps
-    listed = json.loads(coord.broadcast(f"resume/steps/{below}", json.dumps(steps) if coord.is_leader else None))
+    # `attempt` (how many steps were set aside before: alike on every process) makes each key used once
+    listed = json.loads(coord.broadcast(f"resume/steps/{attempt}", json.dumps(steps) if coord.is_leader else None))
     chosen = listed[0] if listed else None
     readable = chosen is None or chosen in steps
-    blind = [i for i, seen in enumerate(coord.gather(f"resume/readable/{below}", "1" if readable else "0"))
+    blind = [i for i, seen in enumerate(coord.gather(f"resume/readable/{attempt}", "1" if readable else "0"))
              if seen == "0"]
     if blind:
         raise CheckpointError(f"process 0 resumes from checkpoint step {chosen} in {run_dir.url}, which processes "
@@ -209,7 +210,7 @@ def _undamaged_step(run_dir: rundir.RunDir, config: Config, coord: Optional[dist
     Steps were damaged and none is left: `CheckpointError`."""
     backend = resolve_backend(config.replay.backend)
     while True:
-        steps = _listed_steps(run_dir, config, coord)
+        steps = _listed_steps(run_dir, config, coord, attempt=len(damaged))
         if not steps:
             if damaged:
                 raise _none_left(run_dir, damaged)
