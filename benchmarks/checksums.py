@@ -1,5 +1,5 @@
 """What the checkpoint checksums cost at save and at restore (issue 33): the same Orbax save of
-the same state, with the on-device digests (jaxreplay.train.checksums) and without, medians of 3,
+the same state, with the on-device digests (jaxreplay.train.checkpoint.digests) and without, medians of 3,
 interleaved, on the demo model's params + Adam state and on a 100M-parameter float32 tree.
 
     .venv/bin/python -m benchmarks.checksums [--big-params 100e6] [--repeats 3] [--dir /tmp]
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jaxreplay.config import load_config
 from jaxreplay.learn.learner import make_optimizer
 from jaxreplay.models.transformer import init_params
-from jaxreplay.train import checksums
+from jaxreplay.train import checkpoint
 from jaxreplay.train.checkpoint import Checkpointer, Progress
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def size(tree) -> int:
 
 
 def measure(name: str, state: dict, repeats: int, root: Path) -> dict:
-    real = checksums.digests
+    real = checkpoint.digests
     t0 = time.perf_counter()
     real(state)  # compiles
     first = time.perf_counter() - t0
@@ -64,13 +64,13 @@ def measure(name: str, state: dict, repeats: int, root: Path) -> dict:
         for mode in ("without", "with"):
             directory = root / f"{name}-{mode}-{r}"
             ckpt = Checkpointer(directory, keep=1)
-            checksums.digests = real if mode == "with" else (lambda tree: {})
+            checkpoint.digests = real if mode == "with" else (lambda tree: {})
             try:
                 t0 = time.perf_counter()
                 ckpt.save(1, state, Progress(learner_step=1))
                 times[mode].append(time.perf_counter() - t0)
             finally:
-                checksums.digests = real
+                checkpoint.digests = real
                 ckpt.close()
                 shutil.rmtree(directory, ignore_errors=True)
     with_s, without_s = statistics.median(times["with"]), statistics.median(times["without"])

@@ -1,4 +1,4 @@
-"""The checkpoint checksums (jaxreplay.train.checksums): the same digest however an array is
+"""The checkpoint checksums (jaxreplay.train.checkpoint.digests): the same digest however an array is
 sharded, and a different one for any changed word, in any dtype a checkpoint holds."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import cpu_devices_env
-from jaxreplay.train.checksums import digests, mismatches
+from jaxreplay.train.checkpoint import digests, mismatches
 
 def tree():
     x = jax.random.normal(jax.random.key(0), (16, 8))
@@ -65,7 +65,7 @@ def test_the_digest_is_the_same_however_the_array_is_sharded():
     script = """
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxreplay.train.checksums import digests
+from jaxreplay.train.checkpoint import digests
 x = jax.random.normal(jax.random.key(0), (16, 8))
 mesh = Mesh(np.array(jax.devices()[:2]), ("a",))
 ways = [x, jax.device_put(x, NamedSharding(mesh, P("a", None))), jax.device_put(x, NamedSharding(mesh, P(None, "a")))]

@@ -96,7 +96,8 @@ def _job_error(e: BaseException, config: Config, pid: int) -> tuple[str, int]:
         with contextlib.suppress(Exception):
             distributed.publish_failure(pid, line)
         return line, 2
-    if isinstance(e, Exception) and (peer := distributed.failure_of_a_peer(pid)):  # this process failed because one left
+    # this process failed because a peer left: say why the peer did
+    if isinstance(e, Exception) and (peer := distributed.failure_of_a_peer(pid)):
         return peer, 2
     bad_input = isinstance(e, (CheckpointError, inprocess.DamagedCheckpoint))  # exit 2, as the CLI's
     return f"error: {type(e).__name__}: {one_line(str(e))}", 2 if bad_input else 1
