@@ -43,7 +43,7 @@ from jaxreplay.train.recorder import CONFIG_FILE, RunRecorder, last_summary, res
 from jaxreplay.train.roles import run_concurrent
 from jaxreplay.train.run import Run, table_counters
 from jaxreplay.train.stack import build_stack, resolved_model
-from jaxreplay.train.turns import GlobalTables, LocalTables, run_turns
+from jaxreplay.train.turns import GlobalTables, JobWriteFailure, LocalTables, run_turns
 
 
 def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -80,7 +80,18 @@ def _as_job_process(config: Config, log: Callable[[str], None]) -> dict[str, Any
         line, code = _job_error(e, config, pid)
         sys.stdout.flush()
         print(f"jaxreplay: process {pid}: {line}", file=sys.stderr, flush=True)
+        if isinstance(e, JobWriteFailure):  # every process ends now: process 0, which hosts the coordination
+            _leave_last(pid)                # service, last, or a peer that outlives it is aborted (SIGABRT)
         os._exit(code)
+
+
+def _leave_last(pid: int) -> None:
+    """Process 0 waits until every process has said its line and is exiting."""
+    with contextlib.suppress(Exception):
+        coord = distributed.Coordinator(10.0)
+        coord.barrier("exit/write-failure")
+        if pid == 0:
+            time.sleep(1.0)  # the others exit at the barrier; give their os._exit its moment
 
 
 def _job_error(e: BaseException, config: Config, pid: int) -> tuple[str, int]:

@@ -170,6 +170,10 @@ class LocalTables:
 _FAILED = "!failed:"  # a shard's checkpoint name is never this: a process's write failure, in the gather
 
 
+class JobWriteFailure(OSError):
+    """A write failure on one process of a job, raised on every process at once (agreed)."""
+
+
 class GlobalTables:
     """Every process's view of one table in a multi-host job (replay/multiprocess.py)."""
 
@@ -234,7 +238,7 @@ class GlobalTables:
         for i, name in enumerate(names):
             if name.startswith(_FAILED):
                 code, strerror, filename = json.loads(name[len(_FAILED):])
-                raise OSError(code, strerror, f"{filename} (on process {i})")
+                raise JobWriteFailure(code, strerror, f"{filename} (on process {i})")
         return json.dumps(names)
 
     def prune(self, keep: set[str]) -> Any:
