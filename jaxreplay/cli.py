@@ -383,9 +383,9 @@ def _command(argv: list[str] | None) -> int:
             fail(*described(e))
             return 2
         if failure := _write_failure(e):  # disk full, read-only, quota: the path and the OS's word
-            where = failure.filename or (config.run.dir if config is not None else None)
-            fail("error", f"cannot write {where or '?'}: {failure.strerror or failure}; the latest complete "
-                          "checkpoint is unchanged: free space (or make it writable) and run the same command again")
+            from jaxreplay.train.checkpoint import write_failure_message
+
+            fail("error", write_failure_message(failure, config.run.dir if config is not None else None))
             if argv is None and not args.debug:
                 _quiet_exit()
             return 2

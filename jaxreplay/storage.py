@@ -167,6 +167,22 @@ def rmtree(path: str | os.PathLike) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def move(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Moves a directory (or a file) to `target`, which must not exist yet: a rename on a disk; in a
+    bucket (no rename), a copy of every object, then the deletion of the originals."""
+    if not is_url(source):
+        os.makedirs(os.path.dirname(os.fspath(target)) or ".", exist_ok=True)
+        os.replace(source, target)
+        return
+    fs, prefix = _fs(source), _bucket_path(source)
+    names = [prefix] if fs.isfile(prefix) else [n for n in fs.find(prefix) if not n.endswith("/")]
+    for name in names:
+        fs.copy(name, _bucket_path(target) + name[len(prefix):])
+    rmtree(source)
+    for other in list(getattr(type(fs), "_cache", {}).values()):  # Orbax's own gcsfs (through etils) lists too
+        other.invalidate_cache(prefix)
+
+
 def upload(local: str | os.PathLike, url: str, *, last: Iterable[str] = ()) -> None:
     """Copies a local file, or a directory's files, to `url`. Files named in `last` (a directory's
     completion marker) go after all others, so a reader that sees the marker sees every file."""

@@ -19,8 +19,10 @@ from jaxreplay.train.driver import train
 from test_train import DEMO, ROOT, TINY
 
 STEPS = 2
+# AsymRE's advantage (r - V + 0.1) is never all zero, so the optimizer's moments are arrays of their own
+# in the data files (all-zero ones are stored inline in Orbax's b-tree), where damage can reach them.
 RUN = [*TINY, "warmstart.steps=2", f"train.steps={STEPS}", "checkpoint.every=1", "checkpoint.keep=2",
-       "train.eval_every=1000", "task.eval_size=8"]
+       "train.eval_every=1000", "task.eval_size=8", "train.loss=asymre", "train.advantage=group_centered"]
 
 
 def cli(run_dir, *overrides: str, cwd=ROOT, timeout=300) -> subprocess.CompletedProcess:
@@ -224,3 +226,177 @@ def test_a_replay_checkpoint_from_before_the_hashes_resumes_unchecked(trained, t
     result = cli(run_dir, "train.steps=3")
     assert result.returncode == 0 and "is damaged" not in result.stdout, (result.stdout[-3000:], result.stderr)
     assert f"resumed from step {STEPS} " in result.stdout
+
+
+# ----------------------------------------------------------------------------------
+# Damaged params and optimizer state: checked against the checksums saved with them
+
+
+def array_chunks(run_dir: Path, step: int) -> dict[str, tuple[Path, int, int]]:
+    """{array chunk key: (data file, offset, length)} of a step's `state` item, read from Orbax's
+    OCDBT b-tree with tensorstore's own dump (keys as 'params.layers.0.mlp.up_proj.kernel.value/0.0')."""
+    ts = pytest.importorskip("tensorstore")
+    if not hasattr(getattr(ts, "ocdbt", None), "dump"):
+        pytest.skip("this tensorstore has no ocdbt.dump to find where an array's bytes are")
+    state = run_dir / "checkpoints" / str(step) / "state"
+    store = ts.KvStore.open(f"file://{state}/").result()
+    root = ts.ocdbt.dump(store).result()["versions"][-1]["root"]["location"]
+    chunks = {}
+    for entry in ts.ocdbt.dump(store, root).result()["entries"]:
+        if "indirect_value" in entry:  # value:<prefix>:<file>:<offset>:<length>
+            _, prefix, name, offset, length = entry["indirect_value"].split(":")
+            chunks[entry["key"].decode()] = (state / prefix / name, int(offset), int(length))
+    return chunks
+
+
+def spoil_array(run_dir: Path, key: str, how: str) -> None:
+    """Overwrites 16 bytes in the middle of the array's (compressed) chunk, which changes values
+    but leaves every header, or cuts its data file short in the middle of that chunk."""
+    path, offset, length = array_chunks(run_dir, STEPS)[key]
+    data = bytearray(path.read_bytes())
+    if how == "overwritten":
+        middle = offset + length // 2
+        data[middle: middle + 16] = bytes(b ^ 0x5A for b in data[middle: middle + 16])
+    else:
+        del data[offset + length // 2:]
+    path.write_bytes(bytes(data))
+
+
+def bad_node_crc(run_dir: Path) -> None:
+    """Flips a byte of the step's b-tree node, whose CRC-32C tensorstore checks."""
+    node = next((run_dir / "checkpoints" / str(STEPS) / "state" / "d").iterdir())
+    data = bytearray(node.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    node.write_bytes(bytes(data))
+
+
+PARAMS = "params.layers.0.mlp.up_proj.kernel.value/0.0"
+MOMENT = "opt_state.1.0.mu.layers.0.mlp.down_proj.kernel.value/0.0"
+STATE_DAMAGE = {  # damage -> (spoil, what the line names)
+    "params overwritten": (lambda d: spoil_array(d, PARAMS, "overwritten"),
+                           "array params/layers/0/mlp/up_proj/kernel/value does not match the checksum"),
+    "optimizer overwritten": (lambda d: spoil_array(d, MOMENT, "overwritten"),
+                              "array opt_state/1/0/mu/layers/0/mlp/down_proj/kernel/value does not match"),
+    "optimizer truncated": (lambda d: spoil_array(d, MOMENT, "truncated"), "/state cannot be read (ValueError: "),
+    "b-tree bad crc": (bad_node_crc, "CRC-32C checksum verification failed"),
+}
+
+
+def said_damaged(lines: list[str], named: str) -> None:
+    said = [line for line in lines if "is damaged" in line]
+    assert len(said) == 1 and f"checkpoint step {STEPS} is damaged" in said[0] and named in said[0], said
+    assert f"resuming from step {STEPS - 1}" in said[0]
+
+
+@pytest.mark.parametrize("damage", list(STATE_DAMAGE))
+def test_damaged_params_or_optimizer_state_is_named_and_the_step_before_it_resumed(trained, tmp_path, damage):
+    run_dir = copy_of(trained, tmp_path)
+    spoil, named = STATE_DAMAGE[damage]
+    spoil(run_dir)
+    lines = []
+    summary = train(load_config(DEMO, [*RUN, "train.steps=3", f"run.dir={run_dir}"]), log=lines.append)
+    said_damaged(lines, named)
+    assert f"resumed from step {STEPS - 1} (policy version {STEPS - 1})" in lines
+    assert summary["steps"] == 3 and summary["train/nonfinite_steps"] == 0
+    assert (run_dir / "damaged" / f"step-{STEPS}" / "state").is_dir()
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 3  # step 2 trained again, recorded once
+
+
+def test_a_truncated_params_file_falls_back_in_one_line_without_a_traceback_storm(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    spoil_array(run_dir, PARAMS, "truncated")
+    result = cli(run_dir, "train.steps=3")
+    assert result.returncode == 0 and not result.stderr.strip(), (result.stdout[-3000:], result.stderr)
+    assert "Exception ignored" not in result.stdout + result.stderr and "Traceback" not in result.stdout
+    said_damaged(result.stdout.splitlines(), f"{run_dir}/checkpoints/{STEPS}/state cannot be read")
+    assert f"resumed from step {STEPS - 1} " in result.stdout
+
+
+def test_damaged_state_in_every_step_ends_in_one_line_and_exit_2(trained, tmp_path):
+    run_dir = copy_of(trained, tmp_path)
+    for step in (STEPS - 1, STEPS):
+        path, offset, length = array_chunks(run_dir, step)[PARAMS]
+        data = bytearray(path.read_bytes())
+        data[offset + length // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    result = cli(run_dir, "train.steps=3")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, (result.returncode, result.stdout[-2000:], result.stderr)
+    assert lines[0].startswith("jaxreplay: error: no undamaged checkpoint left in"), lines
+    assert f"checkpoint step {STEPS}: " in lines[0] and f"checkpoint step {STEPS - 1}: " in lines[0]
+    assert "does not match the checksum" in lines[0]
+
+
+# ----------------------------------------------------------------------------------
+# The same in a bucket run dir: its replay checkpoints are fetched and checked before a step is chosen
+
+
+def upload(run_dir: Path, url: str) -> None:
+    from jaxreplay import storage
+
+    for path in run_dir.rglob("*"):
+        if path.is_file() and path.name != "run.lock" and not path.name.startswith("."):
+            storage.write_bytes(storage.join(url, path.relative_to(run_dir).as_posix()), path.read_bytes())
+
+
+BUCKET_DAMAGE = {
+    "replay npz truncated": (lambda d: truncate(next(replay_dir(d, STEPS).glob("*.npz"))), ".npz: its sha256"),
+    "params overwritten": (lambda d: spoil_array(d, PARAMS, "overwritten"), "does not match the checksum"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", list(BUCKET_DAMAGE))
+def test_a_damaged_step_in_a_bucket_run_dir_is_named_and_the_step_before_it_resumed(trained, bucket, tmp_path,
+                                                                                     damage):
+    from jaxreplay import storage
+
+    run_dir = copy_of(trained, tmp_path)
+    spoil, named = BUCKET_DAMAGE[damage]
+    spoil(run_dir)
+    run_url = storage.join(bucket, "run")
+    upload(run_dir, run_url)
+    result = cli(run_url, "train.steps=3", "run.lease_s=8", cwd=tmp_path)
+    assert result.returncode == 0 and not result.stderr.strip(), (result.stdout[-3000:], result.stderr)
+    said_damaged(result.stdout.splitlines(), named)
+    assert f"moved to {run_url}/damaged/step-{STEPS}: {run_url}/" in result.stdout  # the bucket's files named
+    assert f"resumed from step {STEPS - 1} " in result.stdout
+    assert storage.exists(storage.join(run_url, "damaged", f"step-{STEPS}", "meta", "metadata"))
+    assert json.loads(storage.read_text(storage.join(run_url, "summary.json")))["steps"] == 3
+
+
+# ----------------------------------------------------------------------------------
+# A multi-host write failure: one line, exit 2, on every process
+
+
+@pytest.mark.slow
+def test_a_write_failure_on_one_process_of_a_job_ends_every_process_in_one_line_and_exit_2(tmp_path):
+    """Process 1's replay shard directory is read-only in its own mount namespace (as one TPU VM's
+    disk may be); process 0 sees a writable one at the same path. Both end with the one line that
+    names process 1's path, exit 2; nothing is listed as a complete step."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("private mount namespaces need unshare -m (root, or user namespaces)")
+    from test_multihost_storage import finish, start
+
+    run_dir = tmp_path / "run"
+    shard = run_dir / "replay" / "shard-1"
+    shard.mkdir(parents=True)
+
+    def read_only_shard(i: int, argv: list[str]) -> list[str]:
+        # the first save fails: no need to go further, or to warm up and evaluate long before it
+        argv = [*argv, "train.steps=2", "warmstart.steps=2", "task.eval_size=8", "train.eval_every=1000"]
+        if i == 0:
+            return argv
+        quoted = " ".join(f"'{a}'" for a in argv)
+        return ["unshare", "-m", "sh", "-c",
+                f"mount --bind '{shard}' '{shard}' && mount -o remount,ro,bind '{shard}' && exec {quoted}"]
+
+    results = finish(start(str(run_dir), timeout_s=60, wrap=read_only_shard), timeout_s=300)
+    for i, (rc, out) in enumerate(results):
+        last = out.strip().splitlines()[-1]
+        assert rc == 2, (i, out[-3000:])
+        assert last.startswith(f"jaxreplay: error: process {i}: cannot write {shard}/"), (i, last)
+        assert "(on process 1): Read-only file system; the latest complete checkpoint is unchanged" in last, last
+        assert "Traceback" not in out and "Exception ignored" not in out, out[-3000:]
+    assert not [p for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()]

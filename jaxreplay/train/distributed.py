@@ -9,7 +9,9 @@ awaited, never a silent hang.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -65,6 +67,38 @@ def bind_address(config: DistributedConfig) -> Optional[str]:
     if os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
         return None
     return config.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
+
+
+_FAILED = "jaxreplay/failed/"  # a process's one line for a failure its peers cannot see (a write failure)
+
+
+def publish_failure(process_id: int, line: str) -> None:
+    """Leaves `line` on the coordination service before this process exits, for its peers."""
+    client = _jax_distributed.global_state.client
+    if client is not None:
+        client.key_value_set(f"{_FAILED}{process_id}", line)
+
+
+def failure_of_a_peer(process_id: int, wait_s: float = 5.0) -> Optional[str]:
+    """The line another process published before it exited (None if none did, or the service,
+    on process 0, has gone), as 'process N <what>'. Waits at most `wait_s`."""
+    client = _jax_distributed.global_state.client
+    if client is None:
+        return None
+    found: list = []
+
+    def read() -> None:
+        with contextlib.suppress(Exception):
+            found.extend(client.key_value_dir_get(_FAILED))
+
+    reader = threading.Thread(target=read, daemon=True)  # the service may be gone: never wait on it for long
+    reader.start()
+    reader.join(wait_s)
+    for key, line in sorted(found):
+        peer = key.rsplit("/", 1)[-1]
+        if peer != str(process_id):
+            return f"process {peer} {line}"
+    return None
 
 
 class Coordinator:

@@ -25,7 +25,7 @@ from jaxreplay import error_line, storage
 from jaxreplay.compat import multiprocess_checkpoint_gap
 from jaxreplay.config import Config, ConfigError
 from jaxreplay.replay import inprocess
-from jaxreplay.replay.multiprocess import open_replay
+from jaxreplay.replay.multiprocess import open_replay, shard_dir
 from jaxreplay.replay.ports import check_port
 from jaxreplay.replay.reader import reader_for
 from jaxreplay.replay.server import serve
@@ -35,14 +35,15 @@ from jaxreplay.rollout import rollouts
 from jaxreplay.train import distributed, rundir
 from jaxreplay.train.accounting import Accounting, param_count
 from jaxreplay.train.calibrate import calibrated, measure_mu
-from jaxreplay.train.checkpoint import CheckpointError, Checkpointer, Progress
+from jaxreplay.train.checkpoint import (
+    CheckpointError, Checkpointer, DamagedStep, Progress, progress_of, write_failure, write_failure_message)
 from jaxreplay.train.guards import Preempted, PreemptionNotice
 from jaxreplay.train.placement import Placement, params_digest, placement_for
 from jaxreplay.train.recorder import CONFIG_FILE, RunRecorder, last_summary, resume_config, run_settings
 from jaxreplay.train.roles import run_concurrent
 from jaxreplay.train.run import Run, above_bars, table_counters
 from jaxreplay.train.stack import build_stack, resolved_model
-from jaxreplay.train.turns import GlobalTables, LocalTables, run_turns
+from jaxreplay.train.turns import GlobalTables, JobWriteFailure, LocalTables, run_turns
 
 
 def train(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -76,13 +77,47 @@ def _as_job_process(config: Config, log: Callable[[str], None]) -> dict[str, Any
             with contextlib.suppress(Exception):  # run.dir itself may be what is wrong
                 storage.makedirs(config.run.dir)
                 storage.write_text(storage.join(config.run.dir, f"process-{pid}.error"), traceback.format_exc())
-        own = type(e).__module__.split(".")[0] == "jaxreplay"  # its message is written to be read alone
-        kind = getattr(e, "kind", "error") if own and isinstance(e, (ConfigError, Preempted)) else "error"
-        first = str(e).splitlines()[0] if str(e) else ""
+        kind, why, code = _job_error(e, config, pid)
         sys.stdout.flush()
-        print(error_line(kind, f"process {pid}: {first if own and first else f'{type(e).__name__}: {first}'}"),
-              file=sys.stderr, flush=True)
-        os._exit(2 if isinstance(e, ConfigError) else e.exit_code if isinstance(e, Preempted) else 1)
+        print(error_line(kind, f"process {pid}: {why}"), file=sys.stderr, flush=True)
+        if isinstance(e, JobWriteFailure):  # every process ends now: process 0, which hosts the coordination
+            _leave_last(pid)                # service, last, or a peer that outlives it is aborted (SIGABRT)
+        os._exit(code)
+
+
+def _leave_last(pid: int) -> None:
+    """Process 0 waits until every process has said its line and is exiting."""
+    with contextlib.suppress(Exception):
+        coord = distributed.Coordinator(10.0)
+        coord.barrier("exit/write-failure")
+        if pid == 0:
+            time.sleep(1.0)  # the others exit at the barrier; give their os._exit its moment
+
+
+def _job_error(e: BaseException, config: Config, pid: int) -> tuple[str, str, int]:
+    """(kind, why, exit status) of what ended a job process: `jaxreplay: <kind>: process N: <why>`.
+    A write failure (disk full, read-only, quota) is published through the coordination service
+    before the process exits, so a peer that fails because this process left says what did."""
+    if isinstance(e, Preempted):
+        return e.kind, one_line(str(e)), e.exit_code
+    if isinstance(e, ConfigError):
+        return getattr(e, "kind", "config error"), one_line(str(e)), 2
+    if failure := write_failure(e):
+        why = write_failure_message(failure, config.run.dir)
+        with contextlib.suppress(Exception):
+            distributed.publish_failure(pid, why)
+        return "error", why, 2
+    # this process failed because a peer left: say why the peer did
+    if isinstance(e, Exception) and (peer := distributed.failure_of_a_peer(pid)):
+        return "error", peer, 2
+    own = type(e).__module__.split(".")[0] == "jaxreplay"  # its message is written to be read alone
+    why = one_line(str(e)) if own and str(e) else f"{type(e).__name__}: {one_line(str(e))}"
+    bad_input = isinstance(e, (CheckpointError, inprocess.DamagedCheckpoint))  # exit 2, as the CLI's
+    return "error", why, 2 if bad_input else 1
+
+
+def one_line(text: str) -> str:
+    return text.splitlines()[0] if text else ""
 
 
 def _train(config: Config, run_dir: rundir.RunDir, log: Callable[[str], None]) -> dict[str, Any]:
@@ -93,7 +128,8 @@ def _train(config: Config, run_dir: rundir.RunDir, log: Callable[[str], None]) -
     if coord is not None:  # before any wait on run.dir: a pod whose workers each have their own disk ends here
         # process 0 may still be waiting out an earlier run's lease (at most run.lease_s)
         rundir.check_shared(run_dir, distributed.Coordinator(rundir.SHARED_CHECK_S + config.run.lease_s))
-    resume = _agreed_latest_step(run_dir, config, coord, log)
+    damaged: list[str] = []  # steps passed over as damaged, for the line that says none is left
+    resume = _undamaged_step(run_dir, config, coord, log, damaged)
     if resume is not None and resume >= config.train.steps:
         log(f"nothing to run: no step ran, because the checkpoint in {run_dir.checkpoints()} is already at "
             f"step {resume} >= train.steps={config.train.steps}; raise train.steps to train further")
@@ -102,20 +138,31 @@ def _train(config: Config, run_dir: rundir.RunDir, log: Callable[[str], None]) -
     if resume is None and (run_dir / "config.yaml").exists():
         log(f"no checkpoint to resume in {run_dir}: starting from step 0")
     trained_with = _trained_with(run_dir, config, resume, coord, log)
-    # Refused before anything is written when the config changes the run; only the leader records.
-    recorder = RunRecorder.open(run_dir, c, resume, log, trained_with) if placement.is_leader else None
-    c = recorder.config if recorder else resume_config(run_dir, c, log, trained_with) if resume is not None else c
-    run_dir.sync()
+    # Refused before anything is built or written when the config changes the run; the recorder says
+    # what changed as it opens, after the restore (a damaged step found there changes the step).
+    checked = resume_config(run_dir, c, lambda _: None, trained_with) if resume is not None else c
+    recorder = None
     try:
         log(placement.describe())
-        stack = build_stack(c, placement, log)
-        run = _run_state(stack, placement, recorder, run_dir, resume, start, log)
-        if placement.kind == "multihost":  # every process checks it trained the same params
-            run.digest_start = params_digest(run.params)
-            if why := multiprocess_checkpoint_gap():
-                log(f"checkpoints off: {why}")
-                run.checkpoints = False
+        stack = build_stack(checked, placement, log)
+        run = _run_state(stack, placement, run_dir, start, log)
         try:
+            if resume is not None:
+                step = _restore(run, run_dir, resume, coord, log, damaged)
+                if step != resume:
+                    resume, trained_with = step, _trained_with(run_dir, config, step, coord, log)
+            # Only the leader records; metrics past the restored step are dropped.
+            recorder = RunRecorder.open(run_dir, c, resume, log, trained_with) if placement.is_leader else None
+            c = recorder.config if recorder else checked
+            run.recorder = recorder
+            run_dir.sync()
+            if resume is None:
+                _evaluate_at_start(run, log)
+            if placement.kind == "multihost":  # every process checks it trained the same params
+                run.digest_start = params_digest(run.params)
+                if why := multiprocess_checkpoint_gap():
+                    log(f"checkpoints off: {why}")
+                    run.checkpoints = False
             run.config = c = stack.config = _calibrated(run, run_dir, coord, log)
             run.checkpointer.settings = run_settings(c)  # the calibrated ratio is what the steps train with
             if recorder:
@@ -140,27 +187,162 @@ def _with_backend(config: Config, placement: Placement, log: Callable[[str], Non
     return dataclasses.replace(config, replay=dataclasses.replace(config.replay, backend=backend))
 
 
-def _agreed_latest_step(run_dir: rundir.RunDir, config: Config, coord: Optional[distributed.Coordinator],
-                        log: Callable[[str], None]) -> Optional[int]:
-    """The step to resume from. Multi-host, every process lists the steps it can read (Orbax's
-    manager is collective there, so all open it), process 0 chooses, and all check that they can
-    read its choice, so no process resumes from another step (their collectives would not match)."""
-    if coord is None:
-        return latest_step(run_dir, config.checkpoint.keep, log, resolve_backend(config.replay.backend))
-    checkpointer = Checkpointer(run_dir.checkpoints(), keep=config.checkpoint.keep, timeout_s=coord.timeout_s)
+def _listed_steps(run_dir: rundir.RunDir, config: Config, coord: Optional[distributed.Coordinator],
+                  attempt: int = 0) -> list[int]:
+    """The complete checkpoint steps, latest first. Multi-host, every process lists the steps it can
+    read (Orbax's manager is collective there, so all open it), process 0's list is taken, and all
+    check that they can read its latest, so no process resumes from another step (their
+    collectives would not match)."""
+    if coord is None and not run_dir.has_checkpoints():
+        return []
+    checkpointer = Checkpointer(run_dir.checkpoints(), keep=config.checkpoint.keep,
+                                timeout_s=coord.timeout_s if coord is not None else None)
     try:
-        steps = checkpointer.all_steps()
+        steps = sorted(checkpointer.all_steps(), reverse=True)
     finally:
         checkpointer.close()
-    chosen = json.loads(coord.broadcast("resume/step", json.dumps(max(steps, default=None))
-                                        if coord.is_leader else None))
+    if coord is None:
+        return steps
+    # `attempt` (how many steps were set aside before: alike on every process) makes each key used once
+    listed = json.loads(coord.broadcast(f"resume/steps/{attempt}", json.dumps(steps) if coord.is_leader else None))
+    chosen = listed[0] if listed else None
     readable = chosen is None or chosen in steps
-    blind = [i for i, seen in enumerate(coord.gather("resume/readable", "1" if readable else "0")) if seen == "0"]
+    blind = [i for i, seen in enumerate(coord.gather(f"resume/readable/{attempt}", "1" if readable else "0"))
+             if seen == "0"]
     if blind:
         raise CheckpointError(f"process 0 resumes from checkpoint step {chosen} in {run_dir.url}, which processes "
                               f"{blind} cannot read: every process must see the same run.dir (a bucket or a shared "
                               "mount)")
-    return chosen
+    return listed
+
+
+def _undamaged_step(run_dir: rundir.RunDir, config: Config, coord: Optional[distributed.Coordinator],
+                    log: Callable[[str], None], damaged: list[str]) -> Optional[int]:
+    """The step to resume from: the latest complete one whose meta reads and whose in-process
+    replay checkpoint (each process its own shard's; a bucket run dir's fetched first) matches
+    the hashes written with it. A damaged step is named in one line, set aside in `damaged/`,
+    and the step before it taken; multi-host, a step damaged on any process is damaged on all.
+    Steps were damaged and none is left: `CheckpointError`."""
+    backend = resolve_backend(config.replay.backend)
+    while True:
+        steps = _listed_steps(run_dir, config, coord, attempt=len(damaged))
+        if not steps:
+            if damaged:
+                raise _none_left(run_dir, damaged)
+            return None
+        if any(line.startswith(f"checkpoint step {steps[0]}: ") for line in damaged):  # never loop on a step
+            raise CheckpointError(f"checkpoint step {steps[0]} in {run_dir.checkpoints()} is still listed after it "
+                                  f"was moved to {_aside(run_dir)} as damaged ({damaged[-1]})")
+        why = _agreed(coord, f"resume/damage/{steps[0]}", _damage(run_dir, config, steps[0], backend, coord))
+        if why is None:
+            return steps[0]
+        _set_aside(run_dir, steps[0], why, steps[1:], coord, log, damaged)
+
+
+def _none_left(run_dir: rundir.RunDir, damaged: list[str]) -> CheckpointError:
+    return CheckpointError(f"no undamaged checkpoint left in {run_dir.checkpoints()} ({'; '.join(damaged)}; "
+                           f"moved to {_aside(run_dir)}): start afresh in a new run.dir")
+
+
+def _agreed(coord: Optional[distributed.Coordinator], key: str, why: Optional[str]) -> Optional[str]:
+    """Multi-host: the first process's finding, on every process (a step damaged on any process is
+    damaged for all)."""
+    if coord is None:
+        return why
+    for i, found in enumerate(coord.gather(key, why or "")):
+        if found:
+            return f"on process {i}: {found}"
+    return None
+
+
+DAMAGED_DIR = "damaged"  # in the run dir: checkpoint steps passed over as damaged, kept for a look
+
+
+def _aside(run_dir: rundir.RunDir, step: Optional[int] = None) -> str:
+    """damaged/, or where in it step `step` goes (a name not taken yet: a step may be damaged twice)."""
+    where = storage.join(run_dir.url, DAMAGED_DIR)
+    if step is None:
+        return where
+    name, n = storage.join(where, f"step-{step}"), 0
+    while storage.exists(name if n == 0 else f"{name}.{n}"):
+        n += 1
+    return name if n == 0 else f"{name}.{n}"
+
+
+def _set_aside(run_dir: rundir.RunDir, step: int, why: str, before: list[int],
+               coord: Optional[distributed.Coordinator], log: Callable[[str], None], damaged: list[str]) -> None:
+    """Moves damaged step `step` out of checkpoints/ (process 0 does, multi-host) into damaged/,
+    kept for a look, and says so in one line; `before`: the steps listed before it, latest first."""
+    aside = _aside(run_dir, step)
+    if coord is None or coord.is_leader:
+        storage.move(storage.join(run_dir.url, rundir.CHECKPOINT_DIR, str(step)), aside)
+    if coord is not None:
+        coord.barrier(f"resume/aside/{step}")
+    damaged.append(f"checkpoint step {step}: {why}")
+    log(f"checkpoint step {step} is damaged, moved to {aside}: {why}; "
+        + (f"resuming from step {before[0]}" if before else "no complete step is left"))
+
+
+def _damage(run_dir: rundir.RunDir, config: Config, step: int, backend: str,
+            coord: Optional[distributed.Coordinator]) -> Optional[str]:
+    """What is damaged in step `step` (its meta, or this process's in-process replay checkpoint), or None."""
+    checkpointer = Checkpointer(run_dir.checkpoints(), keep=config.checkpoint.keep,
+                                timeout_s=coord.timeout_s if coord is not None else None)
+    try:
+        names = checkpointer.meta(step).get("replay_checkpoint")
+        if names and backend == "inprocess":
+            own = f"{shard_dir(coord.process_id)}/{json.loads(names)[coord.process_id]}" if coord is not None \
+                else names
+            run_dir.pull_replay(own)  # a bucket run dir's, into the mirror the restore reads it from
+            inprocess.verify(run_dir / rundir.REPLAY_DIR / own)
+    except (CheckpointError, inprocess.DamagedCheckpoint) as e:
+        return str(e).replace(os.fspath(run_dir.local), run_dir.url) if run_dir.remote else str(e)  # not the mirror
+    finally:
+        checkpointer.close()
+    return None
+
+
+def _restore(run: Run, run_dir: rundir.RunDir, step: int, coord: Optional[distributed.Coordinator],
+             log: Callable[[str], None], damaged: list[str]) -> int:
+    """Restores the run from checkpoint `step` onto its shardings (a new mesh reshards), checked
+    against the checksums saved with it before anything trains on it. A damaged step is set
+    aside and the step before it taken; multi-host, every process reads its own shards, and all
+    agree whether any was damaged before the (collective) check. Returns the step restored."""
+    checkpointer = run.checkpointer
+    while True:
+        why, state, meta = None, None, None
+        try:
+            state, meta, _ = checkpointer.read(run.state_tree(), step)
+        except DamagedStep as e:
+            why = str(e)
+        why = _agreed(coord, f"resume/read/{step}", why)
+        if why is None:
+            try:
+                checkpointer.check(state, meta, step)
+            except DamagedStep as e:
+                why = str(e)
+            why = _agreed(coord, f"resume/sums/{step}", why)
+        if why is None:
+            break
+        state = meta = None
+        _set_aside(run_dir, step, why, sorted((s for s in checkpointer.all_steps() if s < step), reverse=True),
+                   coord, log, damaged)
+        checkpointer.reload()
+        step = _undamaged_step(run_dir, run.config, coord, log, damaged)
+        if step is None:
+            raise _none_left(run_dir, damaged)
+    progress = progress_of(meta)
+    run.params, run.opt_state = state["params"], state["opt_state"]
+    run.pending = rollouts.unpadded(run.placement.local_rows(state["pending"]))
+    run.actor_params, run.actor_version = state.get("actor_params"), progress.actor_version
+    run.progress, run.accounting = progress, Accounting(param_count(run.params), progress.accounting)
+    run.tokens_at_step = progress.tokens_generated
+    run.start -= progress.time_total_s  # the run's seconds count every invocation
+    run.last_saved = (progress.learner_step, time.perf_counter())
+    log(f"resumed from step {progress.learner_step} (policy version {progress.policy_version})")
+    log(f"eval/accuracy {progress.eval_accuracy:.3f} at the latest evaluation, resuming at step {progress.learner_step} "
+        f"({progress.warmstart_accuracy:.3f} after the warm start)")
+    return step
 
 
 def _trained_with(run_dir: rundir.RunDir, config: Config, step: Optional[int],
@@ -181,81 +363,27 @@ def _trained_with(run_dir: rundir.RunDir, config: Config, step: Optional[int],
     return settings
 
 
-def latest_step(run_dir: rundir.RunDir, keep: int, log: Callable[[str], None] = lambda _: None,
-                backend: Optional[str] = None) -> Optional[int]:
-    """The step of the latest complete checkpoint in `run_dir`, if any. With the in-process
-    replay backend on a local run dir, a step whose replay checkpoint is damaged (a file cut
-    short or changed since it was written: its sha256) is named in one line and moved to
-    `damaged/`, and the step before it is taken; none left: `CheckpointError`."""
-    if not run_dir.has_checkpoints():
-        return None
-    checkpointer = Checkpointer(run_dir.checkpoints(), keep=keep)
-    try:
-        steps = sorted(checkpointer.all_steps(), reverse=True)
-        if not steps or backend != "inprocess" or run_dir.remote:  # a bucket's replay files: checked on restore
-            return steps[0] if steps else None
-        damaged = []
-        for i, step in enumerate(steps):
-            why = _damage(run_dir, checkpointer, step)
-            if why is None:
-                return step
-            damaged.append(f"checkpoint step {step}: {why}")
-            aside = run_dir / DAMAGED_DIR / f"step-{step}"
-            aside.parent.mkdir(exist_ok=True)
-            os.replace(run_dir.local / rundir.CHECKPOINT_DIR / str(step), aside)
-            log(f"checkpoint step {step} is damaged, moved to {aside}: {why}; "
-                + (f"resuming from step {steps[i + 1]}" if i + 1 < len(steps) else "no complete step is left"))
-        raise CheckpointError(f"no undamaged checkpoint left in {run_dir.checkpoints()} ({'; '.join(damaged)}; "
-                              f"moved to {run_dir / DAMAGED_DIR}): start afresh in a new run.dir")
-    finally:
-        checkpointer.close()
 
-
-DAMAGED_DIR = "damaged"  # in the run dir: checkpoint steps passed over as damaged, kept for a look
-
-
-def _damage(run_dir: rundir.RunDir, checkpointer: Checkpointer, step: int) -> Optional[str]:
-    """What is damaged in step `step` (its meta, or its in-process replay checkpoint), or None."""
-    try:
-        name = checkpointer.meta(step).get("replay_checkpoint")
-        if name:
-            inprocess.verify(run_dir / rundir.REPLAY_DIR / name)
-    except (CheckpointError, inprocess.DamagedCheckpoint) as e:
-        return str(e)
-    return None
-
-
-def _run_state(stack, placement: Placement, recorder: Optional[RunRecorder], run_dir: rundir.RunDir,
-               resume: Optional[int], start: float, log: Callable[[str], None]) -> Run:
-    """The run as the latest checkpoint left it (onto this placement's meshes), or fresh."""
+def _run_state(stack, placement: Placement, run_dir: rundir.RunDir, start: float,
+               log: Callable[[str], None]) -> Run:
+    """The run, fresh; `_restore` restores a checkpoint into it, `_evaluate_at_start` starts a fresh one."""
     c = stack.config
     checkpointer = Checkpointer(run_dir.checkpoints(), keep=c.checkpoint.keep,
                                 timeout_s=c.distributed.timeout_s if placement.kind == "multihost" else None,
                                 settings=run_settings(c))
     progress = Progress()  # its accounting dict is the one the checkpoints save
-    run = Run(config=c, placement=placement, stack=stack, recorder=recorder, checkpointer=checkpointer,
-              progress=progress, params=stack.params, opt_state=stack.opt_state,
-              accounting=Accounting(param_count(stack.params), progress.accounting), start=start,
-              notice=PreemptionNotice(), log=log, run_dir=run_dir,
-              actor_params=stack.to_actor(stack.params) if placement.concurrent else None)
-    if resume is None:
-        run.progress.warmstart_accuracy = run.progress.eval_accuracy = run.evaluate()
-        if recorder:
-            recorder.write(0, {"eval/accuracy": run.progress.warmstart_accuracy})
-        log(f"eval/accuracy at start: {run.progress.warmstart_accuracy:.3f}")
-        return run
-    state, progress = checkpointer.restore(run.state_tree())  # onto this run's shardings: a new mesh reshards
-    run.params, run.opt_state = state["params"], state["opt_state"]
-    run.pending = rollouts.unpadded(placement.local_rows(state["pending"]))
-    run.actor_params, run.actor_version = state.get("actor_params"), progress.actor_version
-    run.progress, run.accounting = progress, Accounting(param_count(run.params), progress.accounting)
-    run.tokens_at_step = progress.tokens_generated
-    run.start = start - progress.time_total_s  # the run's seconds count every invocation
-    run.last_saved = (progress.learner_step, time.perf_counter())
-    log(f"resumed from step {progress.learner_step} (policy version {progress.policy_version})")
-    log(f"eval/accuracy {progress.eval_accuracy:.3f} at the latest evaluation, resuming at step {progress.learner_step} "
-        f"({progress.warmstart_accuracy:.3f} after the warm start)")
-    return run
+    return Run(config=c, placement=placement, stack=stack, recorder=None, checkpointer=checkpointer,
+               progress=progress, params=stack.params, opt_state=stack.opt_state,
+               accounting=Accounting(param_count(stack.params), progress.accounting), start=start,
+               notice=PreemptionNotice(), log=log, run_dir=run_dir,
+               actor_params=stack.to_actor(stack.params) if placement.concurrent else None)
+
+
+def _evaluate_at_start(run: Run, log: Callable[[str], None]) -> None:
+    run.progress.warmstart_accuracy = run.progress.eval_accuracy = run.evaluate()
+    if run.recorder:
+        run.recorder.write(0, {"eval/accuracy": run.progress.warmstart_accuracy})
+    log(f"eval/accuracy at start: {run.progress.warmstart_accuracy:.3f}")
 
 
 def _calibrated(run: Run, run_dir: rundir.RunDir, coord: Optional[distributed.Coordinator],

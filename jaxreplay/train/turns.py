@@ -27,6 +27,7 @@ from jaxreplay.replay.limiter import LimiterState, next_move
 from jaxreplay.replay.tables import ReplayInterrupted, Snapshot
 from jaxreplay.replay.tables import check_only_client
 from jaxreplay.rollout import rollouts
+from jaxreplay.train.checkpoint import write_failure
 from jaxreplay.train.guards import agreed
 from jaxreplay.train.run import Run, replay_record
 
@@ -166,6 +167,13 @@ class LocalTables:
         return self._server.prune(keep)
 
 
+_FAILED = "!failed:"  # a shard's checkpoint name is never this: a process's write failure, in the gather
+
+
+class JobWriteFailure(OSError):
+    """A write failure on one process of a job, raised on every process at once (agreed)."""
+
+
 class GlobalTables:
     """Every process's view of one table in a multi-host job (replay/multiprocess.py)."""
 
@@ -215,9 +223,23 @@ class GlobalTables:
         return "1" in self._coord.gather(f"{name}/{self._turn}", "1" if flag else "0")
 
     def checkpoint(self) -> str:
-        """Every shard's checkpoint, named by process (one JSON list in the run's progress)."""
+        """Every shard's checkpoint, named by process (one JSON list in the run's progress). A
+        process that cannot write its shard's (disk full, read-only, quota) says so in the same
+        gather, so every process raises that failure, not only the one that hit it."""
         self._turn += 1
-        return json.dumps(self._coord.gather(f"checkpoint/{self._turn}", self._replay.checkpoint()))
+        try:
+            mine = self._replay.checkpoint()
+        except Exception as e:
+            failure = write_failure(e)
+            if failure is None:
+                raise
+            mine = _FAILED + json.dumps([failure.errno, failure.strerror, failure.filename])
+        names = self._coord.gather(f"checkpoint/{self._turn}", mine)
+        for i, name in enumerate(names):
+            if name.startswith(_FAILED):
+                code, strerror, filename = json.loads(name[len(_FAILED):])
+                raise JobWriteFailure(code, strerror, f"{filename} (on process {i})")
+        return json.dumps(names)
 
     def prune(self, keep: set[str]) -> Any:
         mine = {json.loads(names)[self._coord.process_id] for names in keep}
