@@ -50,6 +50,9 @@ class TurnTables(Protocol):
 
     def can_learn(self, batch_size: int) -> bool: ...
 
+    def acted(self) -> None:
+        """After an act move: the rollouts waiting changed (the table did not)."""
+
     def evict(self, run: Run) -> None:
         """`replay.max_age`: the stale rows out before the turn decides whether to learn."""
 
@@ -98,6 +101,7 @@ def run_turns(run: Run, tables: TurnTables) -> None:
                     _save(run, tables)
             else:
                 run.act(run.params, run.progress.policy_version)
+                tables.acted()
     except ReplayInterrupted as e:
         raise run.interrupted_wait(str(e)) from None
     _save(run, tables)
@@ -136,6 +140,9 @@ class LocalTables:
 
     def most_pending(self, pending: int) -> int:
         return pending
+
+    def acted(self) -> None:
+        """Nothing: the snapshot is of the table, which acting leaves alone."""
 
     def can_learn(self, batch_size: int) -> bool:
         return self._reader.can_sample(batch_size, self._states())
@@ -198,6 +205,11 @@ class GlobalTables:
         """Every process's waiting rollouts from the view `state` gathered: with the static actor
         all have as many; a streaming actor's processes complete groups at different chunks."""
         return self._view.most if self._view is not None else pending
+
+    def acted(self) -> None:
+        """Every process acted (the move is agreed): the view's waiting rows are out of date on
+        all, so all gather the next turn's view afresh."""
+        self._view = None
 
     def can_learn(self, batch_size: int) -> bool:
         """The global limiter admits the batch, and every shard holds its B / P rows (B / P
