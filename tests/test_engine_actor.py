@@ -25,6 +25,7 @@ from jaxreplay.train.metrics import read_metrics
 
 from conftest import cpu_devices_env
 from test_crash import assert_every_checkpoint_restores, checkpoint_steps, cli, logged_step, wait_for_step
+from test_resume import _finish, _job, needs_multiprocess_checkpoints
 from test_signals import Command, assert_one_line
 from test_train import DEMO, LEARNING, ROOT, TINY, run
 
@@ -35,8 +36,7 @@ K = 2  # decode steps per chunk: the demo's 5-token completions span three chunk
 def test_engine_settings_are_checked_by_the_actor():
     with pytest.raises(ConfigError, match="sampling.engine_slots: 3 slots cannot hold one group"):
         validate(load_config(DEMO, [*STREAM, "sampling.engine_slots=3"]))
-    with pytest.raises(ConfigError, match="sampling.engine: continuous is not wired for multi-host"):
-        validate(load_config(DEMO, [*STREAM, "distributed.enabled=true"]), local=False)
+    validate(load_config(DEMO, [*STREAM, "distributed.enabled=true"]), local=False)  # multi-host: each process its pool
     with pytest.raises(ConfigError, match="sampling.engine_chunk_steps"):
         validate(load_config(DEMO, ["sampling.engine_chunk_steps=0"]))
     validate(load_config(DEMO, STREAM))
@@ -212,3 +212,33 @@ def test_a_disaggregated_streaming_run_bounds_its_waiting_rollouts_and_takes_wei
     config = load_config(run_dir / "config.yaml")
     assert 0 < max(r["rollouts/waiting_max"] for r in records) <= waiting_bound(config)
     assert max(r["weights/version_at_actor"] for r in records) >= 2
+
+
+@pytest.mark.slow
+@needs_multiprocess_checkpoints
+def test_a_two_process_streaming_job_stops_on_sigterm_and_resumes_every_processs_groups_in_flight(tmp_path):
+    """Multi-host: each process streams through its own pool into its own shard; the processes
+    complete groups at different chunks, and every one takes the agreed moves (each inserts what
+    it has, all decode a chunk when none has rows waiting). A SIGTERM saves every process's
+    engine position in the leader's checkpoint and all exit 143; the same command resumes each
+    process from its own position and records every step once."""
+    run_dir = tmp_path / "run"
+    stream = [*STREAM, "checkpoint.every=1000", "distributed.timeout_s=120"]
+    procs = _job(run_dir, *stream, "train.steps=400")
+    try:
+        wait_for_step(procs[0], run_dir, 2)
+        procs[1].send_signal(signal.SIGTERM)  # one process's signal stops every process (agreed)
+    finally:
+        results = _finish(procs, 240)
+    assert [rc for rc, _ in results] == [143, 143], [out[-2000:] for _, out in results]
+    step = logged_step(run_dir)
+    assert checkpoint_steps(run_dir) == [step]
+    saved = progress_at(run_dir, step)
+    positions = saved["engine_positions"]
+    assert len(positions) == 2 and all(started > 0 for started, _ in positions), positions
+    assert any(in_flight for _, in_flight in positions), "the SIGTERM should land while groups are mid-sequence"
+
+    results = _finish(_job(run_dir, *stream, f"train.steps={step + 1}"), 240)
+    assert [rc for rc, _ in results] == [0, 0], [out[-2000:] for _, out in results]
+    assert f"resumed from step {step} " in results[0][1]
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(step + 2))

@@ -8,8 +8,11 @@ and every process sums the same numbers into the same global `LimiterState`, so 
 the decision that one central table's limiter would. Each process inserts its own
 rollouts into its own shard and samples B / P rows from it, which makes the batch a
 stratified uniform sample of the whole buffer. The shards' own limiters admit everything;
-the global view decides. Every insert move puts equally many rows into every shard, so
-the shards stay in lockstep and per-shard FIFO eviction keeps the freshest N rows overall.
+the global view decides. With the static actor every insert move puts equally many rows into
+every shard, so the shards stay in lockstep and per-shard FIFO eviction keeps the freshest N
+rows overall. A streaming actor (sampling.engine continuous) completes groups at different
+chunks on each process: an insert move of k rows then puts min(k, its waiting rows) into each
+shard, and the turn schedule learns only once every shard can give its B / P rows (turns.py).
 
 What sharding means for each table setting (`check_sharded` rejects the rest):
   uniform selector                global: each draw uniform over the buffer, B / P per shard
@@ -69,10 +72,13 @@ class Coordinator(Protocol):
 
 class GlobalView(NamedTuple):
     """The whole table's limiter state, and the rollouts every process has waiting (the
-    fewest of any), identical on every process."""
+    fewest and the most of any), identical on every process. A streaming actor's processes
+    complete groups at different chunks, so their waiting rollouts and shards differ."""
 
     state: LimiterState
     pending: int
+    most: int = 0  # the most rollouts any process has waiting
+    least_size: int = 0  # the rows of the smallest shard (one table: its size)
 
 
 def check_sharded(config: Config, num_processes: Optional[int] = None) -> None:
@@ -196,7 +202,8 @@ class ShardedReplay:
         rows = [json.loads(v) for v in self._coord.gather(f"replay/{key}", mine)]
         shards = [dataclasses.replace(local, size=size, inserts=inserts, samples=samples, deletes=deletes)
                   for size, inserts, samples, deletes, _ in rows]
-        return GlobalView(global_state(self.definition, shards), min(row[4] for row in rows))
+        return GlobalView(global_state(self.definition, shards), min(row[4] for row in rows),
+                          max(row[4] for row in rows), min(row[0] for row in rows))
 
     def local(self) -> LimiterState:
         """This process's shard alone."""
@@ -252,7 +259,8 @@ class CentralReplay:
         self._coord.barrier(f"replay/{key}")
         state = None if self._server is None else dataclasses.asdict(self._server.states()[self._server.table])
         values = [json.loads(v) for v in self._coord.gather(f"replay/{key}", json.dumps([state, pending]))]
-        return GlobalView(LimiterState(**values[0][0]), min(v[1] for v in values))
+        state = LimiterState(**values[0][0])
+        return GlobalView(state, min(v[1] for v in values), max(v[1] for v in values), state.size)
 
     def insert(self, rows: dict[str, np.ndarray]) -> None:
         self._writer.insert(rows)

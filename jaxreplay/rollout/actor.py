@@ -85,16 +85,13 @@ def rollout_stats(rows: Mapping[str, np.ndarray]) -> dict[str, float]:
 
 @owner_check
 def check_engine(c: Config) -> None:
-    """`sampling.engine` and its pool: the slots hold at least one group; multi-host is not wired."""
+    """`sampling.engine` and its pool: the slots hold at least one group."""
     s = c.sampling
     if s.engine != "continuous":
         return
     if s.engine_slots and s.engine_slots < c.train.group_size:
         raise ConfigError(f"sampling.engine_slots: {s.engine_slots} slots cannot hold one group of "
                           f"train.group_size={c.train.group_size} rows")
-    if c.distributed.enabled:
-        raise ConfigError("sampling.engine: continuous is not wired for multi-host runs yet "
-                          "(docs/rollout-engine.md); use static")
 
 
 def engine_slots(c: Config, processes: int = 1) -> int:

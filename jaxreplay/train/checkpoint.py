@@ -40,6 +40,7 @@ class Progress:
     actor_version: int = 0  # the policy version of the weights the actor generates with
     engine_started: int = 0  # sampling.engine continuous: prompt groups this process submitted to its engine
     engine_in_flight: list = dataclasses.field(default_factory=list)  # of those, not complete: regenerated on resume
+    engine_positions: list = dataclasses.field(default_factory=list)  # multi-host: every process's [started, in_flight]
     replay_counters: dict = dataclasses.field(default_factory=dict)  # the table's at the checkpoint, checked on resume
     replay_checkpoint: Optional[str] = None  # relative to the run dir; multi-host: a JSON list, one per process
     rows_inserted: int = 0  # by this process (multi-host: each process its own)

@@ -414,6 +414,7 @@ def _tables(run: Run, placement: Placement, run_dir: rundir.RunDir,
         replay = open_replay(c, spec, coord, checkpoint_root=root,
                              restore_from=names[placement.process_id] if names else None)
         try:
+            run.coordinator = coord  # the streaming actor gathers each chunk's statistics through it
             tables = GlobalTables(replay, coord, run)
             _check_restored(run, lambda: tables.state(0))
             yield lambda: run_turns(run, tables)

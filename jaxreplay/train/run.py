@@ -36,6 +36,7 @@ from jaxreplay.train.accounting import Accounting
 from jaxreplay.train.checkpoint import Checkpointer, Progress
 from jaxreplay.train.guards import NonFiniteStreak, Preempted, PreemptionNotice, describe
 from jaxreplay.train.placement import Placement
+from jaxreplay.train.placement import fetched as placement_fetched
 from jaxreplay.train.recorder import RunRecorder
 from jaxreplay.train.rundir import RunDir
 from jaxreplay.train.stack import Stack
@@ -60,6 +61,7 @@ class Run:
     run_dir: Optional[RunDir] = None  # where records and replay checkpoints go; None: nowhere (tests)
     actor_params: Any = None  # the actor's copy, where it has one (disaggregated)
     actor_version: int = 0  # the policy version of `actor_params`
+    coordinator: Any = None  # multi-host: the job's coordination service (train/distributed.py)
     pending: Optional[rollouts.Rows] = None  # generated rollouts the table has not admitted yet
     actor_stats: dict = dataclasses.field(default_factory=dict)
     last_saved: tuple[int, float] = (-1, 0.0)  # (learner step, perf_counter) of the latest checkpoint
@@ -70,6 +72,9 @@ class Run:
     waiting_max: int = 0  # streaming: the most rollouts waiting for the table since the latest record
     _stream_resumed: bool = False
     _chunk_s: float = 0.0  # streaming: seconds of chunks that completed no group, not yet counted
+    _chunks: int = 0  # multi-host streaming: chunks gathered (names each gather alike on every process)
+    _engine_version: int = -1  # multi-host streaming: the version of `_engine_copy`
+    _engine_copy: Any = None  # multi-host streaming: the weights on this process's device, for its engine
     _bar: Any = None
     _all_dropped_since: Optional[float] = None  # perf_counter of the first of the latest actor steps all dropped
 
@@ -117,33 +122,86 @@ class Run:
         if stream is None:
             return self.stack.actor.act(params, version, self.progress.actor_step)
         if not self._stream_resumed:  # the checkpoint's groups in flight, submitted again first
-            stream.resume(Position(self.progress.engine_started, tuple(self.progress.engine_in_flight)))
+            stream.resume(self._saved_position())
             self._stream_resumed = True
+        if self.placement.kind == "multihost":  # the engine runs on this process's devices alone
+            params = self._engine_params(params, version)
         return stream.advance(params, version)
+
+    def _saved_position(self) -> Position:
+        """This process's engine position in the checkpoint (multi-host: its entry of the
+        leader-written `engine_positions`; the leader's own fields describe only itself)."""
+        p, i = self.progress, self.placement.process_id
+        if self.placement.kind == "multihost" and p.engine_positions:
+            started, in_flight = p.engine_positions[i]
+            return Position(int(started), tuple(int(k) for k in in_flight))
+        return Position(p.engine_started, tuple(p.engine_in_flight))
+
+    def _engine_params(self, params: Any, version: int) -> Any:
+        """Multi-host: a whole copy of the weights on this process's first device, fetched once per
+        policy version. Fetching is a collective; every process acts at the same turns (turns.py)
+        with the same version, so all fetch together. The engine's programs then hold no
+        collective, and each process decodes its own pool at its own pace."""
+        if self._engine_version != version:
+            self._engine_copy = jax.device_put(placement_fetched(params), jax.local_devices()[0])
+            self._engine_version = version
+        return self._engine_copy
+
+    def _stream_commit(self, items: Optional[rollouts.Rows], stats: dict[str, Any]):
+        """Multi-host streaming: what every process's chunk completed, gathered through the
+        coordination service (each process acts at the same turns, so all gather each chunk;
+        the gather waits `distributed.timeout_s` at most). Returns (every process's rows'
+        reward, completion and sequence lengths, or None when no process completed a group;
+        every process's reward errors). Only these cross processes: the rows stay in their
+        process's shard."""
+        self._chunks += 1
+        mine = {"reward": [], "completion": [], "sequence": [], "errors": 0}
+        if items is not None:
+            mine = {"reward": np.asarray(items["reward"], float).tolist(),
+                    "completion": np.asarray(items["completion_mask"]).sum(axis=1).tolist(),
+                    "sequence": np.asarray(items["attention_mask"]).sum(axis=1).tolist(),
+                    "errors": int(stats.get("reward/errors", 0))}
+        every = [json.loads(v) for v in self.coordinator.gather(f"chunk/{self._chunks}", json.dumps(mine))]
+        errors = sum(e["errors"] for e in every)
+        reward = np.asarray([r for e in every for r in e["reward"]], np.float32)
+        if not len(reward):
+            return None, errors
+        column = lambda name: np.asarray([n for e in every for n in e[name]], np.int64)[:, None]
+        return {"reward": reward, "completion_mask": column("completion"), "attention_mask": column("sequence")}, errors
 
     def commit(self, items: Optional[rollouts.Rows], stats: dict[str, Any]) -> None:
         """The generated batch becomes `pending` (less its zero-advantage groups with
         `replay.drop_zero_advantage_groups`), and the actor moves to the next prompts. Counters
         and statistics are of every process's rollouts (multi-host: each holds its share)."""
         p = self.progress
+        every = None
         if "position" in stats:  # streaming: the engine's position is part of the checkpoint
             position = stats["position"]
             p.engine_started, p.engine_in_flight = position.started, list(position.in_flight)
             p.actor_step = position.started // self.stack.stream.per_shard
-            if items is None:
+            if self.placement.kind == "multihost":  # processes complete groups at different chunks
+                every, errors = self._stream_commit(items, stats)
+                stats = {**stats, "reward/errors": errors}
+                done = every is not None
+            else:
+                done = items is not None
+            if not done:
                 self._chunk_s += stats["seconds"]
                 return
             stats = {**stats, "seconds": stats["seconds"] + self._chunk_s}
             self._chunk_s = 0.0
         else:
             p.actor_step += 1
-        every = self.placement.every_process({**items, "reward/errors": np.array([stats["reward/errors"]])})
-        stats = {**stats, **rollout_stats(every), "reward/errors": int(every.pop("reward/errors").sum())}
+        if every is None:
+            every = self.placement.every_process({**items, "reward/errors": np.array([stats["reward/errors"]])})
+            stats = {**stats, **rollout_stats(every), "reward/errors": int(every.pop("reward/errors").sum())}
+        else:
+            stats = {**stats, **rollout_stats(every)}
         p.tokens_generated += stats["tokens"]
         p.time_generate_s += stats["seconds"]
         self.accounting.on_generate(every, stats["seconds"])
         self.actor_stats = {k: stats[k] for k in ACTOR_STATS}
-        if self.config.replay.drop_zero_advantage_groups:  # single-process placements only (config)
+        if self.config.replay.drop_zero_advantage_groups and items is not None:  # single-process only (config)
             items, dropped = rollouts.drop_flat_groups(items, self.config.train.group_size)
             self.accounting.on_drop(dropped)
             self._check_dropping(items is None)
@@ -292,12 +350,22 @@ class Run:
             self.run_dir.sync()
             self.run_dir.push_replay(self.own_replay_checkpoint(p.replay_checkpoint))
         p.time_replay_s += time.perf_counter() - t0
+        if self.stack.stream is not None and self.placement.kind == "multihost":
+            p.engine_positions = self._every_position()
         self.checkpointer.save(p.learner_step, self.state_tree(), p)
         kept = self.checkpointer.replay_checkpoints()
         prune(kept)
         if self.run_dir is not None and self.placement.is_leader:
             self.run_dir.prune_replay(path for names in kept for path in self._replay_paths(names))
         self.last_saved = (p.learner_step, time.perf_counter())
+
+    def _every_position(self) -> list:
+        """Every process's engine position, [started, in_flight] in process order, through the
+        coordination service (saving is collective), for the leader's `Progress`; each process
+        resumes from its own entry."""
+        p = self.progress
+        mine = json.dumps([p.engine_started, list(p.engine_in_flight)])
+        return [json.loads(v) for v in self.coordinator.gather(f"positions/{p.learner_step}", mine)]
 
     def own_replay_checkpoint(self, saved: Optional[str]) -> Optional[str]:
         """This process's replay checkpoint among those a step names, as a path under the run dir's

@@ -12,7 +12,11 @@ until the loop's own next call, and with one table and no `max_times_sampled` it
 its own inserts and samples to the snapshot (`LimiterState.after_insert/after_sample`)
 instead of asking again. Multi-host, every process reads one global view (a collective
 through JAX's coordination service) and so takes the same move: each inserts its own
-rows, samples its own B / P rows, and all take the same learner step.
+rows, samples its own B / P rows, and all take the same learner step. The moves are decided
+on the most rollouts any process has waiting: with a streaming actor (`sampling.engine`
+continuous) the processes complete groups at different chunks, so at an insert move each
+inserts what it has (up to the admitted rows), and all act (decode one chunk each) only when
+none has rows waiting, which keeps every process's waiting rows within one chunk's groups.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 
 from jaxreplay.replay.limiter import LimiterState, next_move
+from jaxreplay.replay.multiprocess import GlobalView
 from jaxreplay.replay.tables import ReplayInterrupted, Snapshot
 from jaxreplay.replay.tables import check_only_client
 from jaxreplay.rollout import rollouts
@@ -40,7 +45,14 @@ class TurnTables(Protocol):
     def state(self, pending: int) -> LimiterState:
         """The limiter now (for multi-host, every process's counters and the fewest rows pending)."""
 
+    def most_pending(self, pending: int) -> int:
+        """The most rollouts any process has waiting (this process's `pending`, given to `state`
+        first): the moves are decided on it, so a process acts only when none has rows waiting."""
+
     def can_learn(self, batch_size: int) -> bool: ...
+
+    def acted(self) -> None:
+        """After an act move: the rollouts waiting changed (the table did not)."""
 
     def evict(self, run: Run) -> None:
         """`replay.max_age`: the stale rows out before the turn decides whether to learn."""
@@ -71,11 +83,12 @@ def run_turns(run: Run, tables: TurnTables) -> None:
                 raise run.stop(signum, lambda: _save(run, tables))
             tables.evict(run)
             pending = rollouts.count(run.pending)
-            move = next_move(tables.state(pending), pending, tables.can_learn(b), tables.processes)
-            if move.kind == "insert":
-                head, run.pending = rollouts.split(run.pending, move.rows)
+            state = tables.state(pending)
+            move = next_move(state, tables.most_pending(pending), tables.can_learn(b), tables.processes)
+            if move.kind == "insert":  # every process takes the move, inserting what it has of the rows
+                head, run.pending = rollouts.split(run.pending, move.rows) if pending else (None, None)
                 _timed(run, tables.insert, head)
-                run.progress.rows_inserted += move.rows
+                run.progress.rows_inserted += rollouts.count(head)
             elif move.kind == "learn":
                 t0 = time.perf_counter()
                 batch, times_sampled = tables.sample(b)
@@ -89,6 +102,7 @@ def run_turns(run: Run, tables: TurnTables) -> None:
                     _save(run, tables)
             else:
                 run.act(run.params, run.progress.policy_version)
+                tables.acted()
     except ReplayInterrupted as e:
         raise run.interrupted_wait(str(e)) from None
     _save(run, tables)
@@ -124,6 +138,12 @@ class LocalTables:
 
     def state(self, pending: int) -> LimiterState:
         return self._states()[self._server.table]
+
+    def most_pending(self, pending: int) -> int:
+        return pending
+
+    def acted(self) -> None:
+        """Nothing: the snapshot is of the table, which acting leaves alone."""
 
     def can_learn(self, batch_size: int) -> bool:
         return self._reader.can_sample(batch_size, self._states())
@@ -181,23 +201,40 @@ class GlobalTables:
         self._replay, self._coord, self._run = replay, coordinator, run
         self.processes = coordinator.num_processes
         self._turn = 0  # names each collective read; every process counts alike
-        self._view: Optional[LimiterState] = None  # the global state, until this process's next call
+        self._view: Optional[GlobalView] = None  # the global view, until this process's next call
 
     def state(self, pending: int) -> LimiterState:
         if self._view is None:
             self._turn += 1
-            self._view = _timed(self._run, self._replay.view, f"turn/{self._turn}", pending).state
-        return self._view
+            self._view = _timed(self._run, self._replay.view, f"turn/{self._turn}", pending)
+        return self._view.state
+
+    def most_pending(self, pending: int) -> int:
+        """Every process's waiting rollouts from the view `state` gathered: with the static actor
+        all have as many; a streaming actor's processes complete groups at different chunks."""
+        return self._view.most if self._view is not None else pending
+
+    def acted(self) -> None:
+        """Every process acted (the move is agreed): the view's waiting rows are out of date on
+        all, so all gather the next turn's view afresh."""
+        self._view = None
 
     def can_learn(self, batch_size: int) -> bool:
-        return self._view is not None and self._view.can_sample_at_once(batch_size)
+        """The global limiter admits the batch, and every shard holds its B / P rows (B / P
+        distinct where sampling deletes, else one): a streaming actor's shards fill unevenly."""
+        view = self._view
+        if view is None or not view.state.can_sample_at_once(batch_size):
+            return False
+        return view.least_size >= (batch_size // self.processes if view.state.max_times_sampled > 0 else 1)
 
     def evict(self, run: Run) -> None:
         """Nothing: config validation refuses replay.max_age multi-host (replay.multiprocess)."""
 
-    def insert(self, rows: rollouts.Rows) -> None:
+    def insert(self, rows: Optional[rollouts.Rows]) -> None:
+        """This process's share of an insert move (None: it has no rows waiting; streaming only)."""
         self._view = None
-        self._replay.insert(rows)
+        if rows is not None:
+            self._replay.insert(rows)
 
     def sample(self, batch_size: int) -> tuple[Optional[rollouts.Rows], Optional[np.ndarray]]:
         self._view = None
