@@ -20,11 +20,19 @@ def test_the_committed_reference_pages_are_what_the_code_generates():
 
 
 def test_check_fails_on_a_page_that_drifted(tmp_path):
+    (tmp_path / "README.md").write_text((ROOT / "README.md").read_text())
     assert docgen.main(["--root", str(tmp_path)]) == 0
     assert docgen.main(["--check", "--root", str(tmp_path)]) == 0
     page = tmp_path / docgen.PAGES["config"]
     page.write_text(page.read_text().replace("| `train.steps` | `int` | `300` |", "| `train.steps` | `int` | `200` |"))
     assert docgen.main(["--check", "--root", str(tmp_path)]) == 1
+
+
+def test_the_sites_home_page_is_the_readme_with_its_links_relative_to_docs():
+    """One text in two places: an edit to the README that is not regenerated fails --check."""
+    home = docgen.home_page()
+    assert "](docs/" not in home and "](demo.md)" in home
+    assert home.splitlines()[1:] == (ROOT / "README.md").read_text().replace("](docs/", "](").splitlines()
 
 
 def test_every_config_key_is_documented_with_its_default():
