@@ -161,7 +161,8 @@ def test_a_bucket_run_killed_after_its_second_checkpoint_resumes_from_the_bucket
     from conftest import cpu_devices_env
     env = cpu_devices_env(2) if placement else dict(os.environ)
     run_url = storage.join(bucket, "run")
-    first = train_cli(run_url, *placement, cwd=tmp_path, env=env)
+    # Trained far past STEPS, so that it cannot finish before it is killed, however fast the machine.
+    first = train_cli(run_url, *placement, f"train.steps={100 * STEPS}", cwd=tmp_path, env=env)
     deadline = time.monotonic() + 600
     while len(bucket_steps(run_url)) < 2 or bucket_steps(run_url)[-1] < 2 * EVERY:
         assert first.poll() is None, first.stdout.read()
@@ -169,16 +170,17 @@ def test_a_bucket_run_killed_after_its_second_checkpoint_resumes_from_the_bucket
         time.sleep(0.5)
     first.send_signal(signal.SIGKILL)
     first.wait()
+    steps = bucket_steps(run_url)[-1] + EVERY  # where the resumed run stops: past its latest complete step
 
-    second = train_cli(run_url, *placement, cwd=tmp_path, env=env)
+    second = train_cli(run_url, *placement, f"train.steps={steps}", cwd=tmp_path, env=env)
     out = second.communicate(timeout=600)[0]
     assert second.returncode == 0, out
     resumed = int(out.split("resumed from step ")[1].split()[0])
     assert resumed >= 2 * EVERY, out
-    assert metric_steps(run_url) == list(range(0, STEPS + 1))  # each step once (0: the start-up evaluation)
-    assert json.loads(storage.read_text(storage.join(run_url, "summary.json")))["steps"] == STEPS
+    assert metric_steps(run_url) == list(range(0, steps + 1))  # each step once (0: the start-up evaluation)
+    assert json.loads(storage.read_text(storage.join(run_url, "summary.json")))["steps"] == steps
     stored = yaml.safe_load(storage.read_text(storage.join(run_url, "config.yaml")))
-    assert stored["run"]["dir"] == run_url and stored["train"]["steps"] == STEPS
+    assert stored["run"]["dir"] == run_url and stored["train"]["steps"] == steps
     assert not (tmp_path / "gs:").exists() and not any(p.name.startswith("gs:") for p in tmp_path.rglob("*"))
     kept = storage.listdir(storage.join(run_url, "replay"))
     assert 1 <= len(kept) <= 2, kept  # the kept steps' replay checkpoints, no more
@@ -188,13 +190,13 @@ def test_a_bucket_run_killed_after_its_second_checkpoint_resumes_from_the_bucket
     # A copied run resumes: bucket -> disk, then disk -> another bucket prefix.
     on_disk = tmp_path / "copied"
     storage.download(run_url, on_disk)
-    out = train_cli(str(on_disk), f"train.steps={STEPS + 2}", cwd=tmp_path).communicate(timeout=600)[0]
-    assert f"resumed from step {STEPS}" in out and f"done: {STEPS + 2} steps" in out, out
+    out = train_cli(str(on_disk), f"train.steps={steps + 2}", cwd=tmp_path).communicate(timeout=600)[0]
+    assert f"resumed from step {steps}" in out and f"done: {steps + 2} steps" in out, out
     back = storage.join(bucket, "copied-back")
     storage.upload(on_disk, back)
-    out = train_cli(back, f"train.steps={STEPS + 4}", cwd=tmp_path).communicate(timeout=600)[0]
-    assert f"resumed from step {STEPS + 2}" in out and f"done: {STEPS + 4} steps" in out, out
-    assert metric_steps(back) == list(range(0, STEPS + 5))
+    out = train_cli(back, f"train.steps={steps + 4}", cwd=tmp_path).communicate(timeout=600)[0]
+    assert f"resumed from step {steps + 2}" in out and f"done: {steps + 4} steps" in out, out
+    assert metric_steps(back) == list(range(0, steps + 5))
 
 
 @pytest.mark.slow
