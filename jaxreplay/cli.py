@@ -205,9 +205,17 @@ def _native_logs_to(path: Path):
                                                   f"Exception ignored in: {u.object!r}" if u.object else u.err_msg)
     threading.excepthook = lambda a: _to_native_log(path, a.exc_type, a.exc_value, a.exc_traceback,
                                                     f"Exception in thread {a.thread.name if a.thread else '?'}")
+    # asyncio logs the exceptions of tasks it drops at a loop's shutdown (older Orbax's reads of a
+    # damaged array after the restore has failed): same story, into the native log too.
+    loop_log, native = logging.getLogger("asyncio"), logging.FileHandler(path, delay=True)
+    propagates, loop_log.propagate = loop_log.propagate, False
+    loop_log.addHandler(native)
     try:
         yield
     finally:
+        loop_log.removeHandler(native)
+        native.close()
+        loop_log.propagate = propagates
         sys.unraisablehook, threading.excepthook = hooks
         sys.stderr.close()
         sys.stderr = previous
