@@ -54,16 +54,31 @@ def test_command_line_overrides_apply_to_every_run_after_the_files_own(tmp_path)
     assert all("train.steps=11" in line for line in out.stdout.splitlines())
 
 
-def test_grid_is_settings_times_seeds_with_one_command_each(tmp_path):
+def test_grid_is_settings_times_seeds_seed_by_seed_with_one_command_each(tmp_path):
     sweep = load_sweep(_write(tmp_path, "seeds: [3, 4]\noverrides: [train.steps=7]\nsettings:\n"
                                         "  a: [replay.samples_per_insert=4]\n  b: [replay.mode=on_policy]\n"))
     assert [(r.setting, r.seed, r.config.train.steps) for r in sweep.runs] == \
-        [("a", 3, 7), ("a", 4, 7), ("b", 3, 7), ("b", 4, 7)]
-    assert sweep.runs[1].dir == tmp_path / "runs" / "a" / "seed4"
+        [("a", 3, 7), ("b", 3, 7), ("a", 4, 7), ("b", 4, 7)]
+    assert sweep.runs[2].dir == tmp_path / "runs" / "a" / "seed4"
     cmds = commands(sweep)
     assert len(cmds) == 4
-    assert shlex.split(cmds[1])[:3] == ["jaxreplay", "train", str(DEMO)]
-    assert "replay.samples_per_insert=4" in cmds[1] and "run.seed=4" in cmds[1]
+    assert shlex.split(cmds[2])[:3] == ["jaxreplay", "train", str(DEMO)]
+    assert "replay.samples_per_insert=4" in cmds[2] and "run.seed=4" in cmds[2]
+
+
+def test_seeds_splits_a_sweep_over_cores_or_machines(tmp_path):
+    path = _write(tmp_path, "seeds: [0, 1, 2]\nsettings:\n  a: []\n  b: [replay.mode=on_policy]\n")
+    assert [(r.setting, r.seed) for r in load_sweep(path, only_seeds=(2, 0)).runs] == \
+        [("a", 0), ("b", 0), ("a", 2), ("b", 2)]
+    with pytest.raises(ConfigError, match="--seeds: 5 is not one of the sweep's seeds"):
+        load_sweep(path, only_seeds=(5,))
+    out = subprocess.run([sys.executable, "-m", "jaxreplay.cli", "sweep", str(path), "--seeds", "1", "--print"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert [shlex.split(line)[-3] for line in out.stdout.splitlines()] == ["run.seed=1"] * 2
+    bad = subprocess.run([sys.executable, "-m", "jaxreplay.cli", "sweep", str(path), "--seeds", "one"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "expected integers separated by commas" in bad.stderr
 
 
 def test_every_setting_shares_one_warm_start_unless_the_sweep_names_another(tmp_path):

@@ -17,10 +17,14 @@ def add_parsers(sub: argparse._SubParsersAction, command_parser: Callable[..., a
         "A sweep file names a base config, settings (lists of overrides) and seeds; each run gets its own\n"
         "run dir under the sweep's out folder. Finished runs are skipped, so the same command resumes.",
         "  jaxreplay sweep configs/sweep_demo.yaml\n"
-        "  jaxreplay sweep configs/sweep_demo.yaml train.steps=50 --print    # the commands, not run")
+        "  jaxreplay sweep configs/sweep_demo.yaml train.steps=50 --print    # the commands, not run\n"
+        "  taskset -c 0 jaxreplay sweep configs/sweep_testbed.yaml --seeds 0,2,4 &    # one core each\n"
+        "  taskset -c 1 jaxreplay sweep configs/sweep_testbed.yaml --seeds 1,3")
     sweep.add_argument("sweep", help="the sweep file, e.g. configs/sweep_demo.yaml")
     sweep.add_argument("overrides", nargs="*", help=f"{overrides_help}; for every run")
     sweep.add_argument("--print", action="store_true", help="print one command per run instead of running")
+    sweep.add_argument("--seeds", type=_seed_list, metavar="S,S,...",
+                       help="run only these of the file's seeds, e.g. to split a sweep over cores or machines")
     report = command_parser(
         sub, "report", "plots and a Markdown table comparing runs",
         "Reads each run dir's metrics and summary; seeds of one setting share a parent folder. Writes\n"
@@ -76,11 +80,18 @@ def mu_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--mu: ").removeprefix("--mu ")) from None
 
 
+def _seed_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, like 0,2,4, got {text!r}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.command == "sweep":
         from jaxreplay.research.sweep import commands, load_sweep, run_sweep
 
-        sweep = load_sweep(args.sweep, args.overrides)
+        sweep = load_sweep(args.sweep, args.overrides, only_seeds=args.seeds)
         if args.print:
             print("\n".join(commands(sweep)))
             return 0

@@ -78,11 +78,12 @@ class Sweep:
     claims: Any = None  # the sweep file's claims, as written (validated by report_claims.parse_claims)
 
 
-def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
+def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequence[int] | None = None) -> Sweep:
     """Parses and validates the sweep file and every run's config; `ConfigError` names the problem.
 
     `overrides` (the command line's) apply to every run after the file's own overrides and
-    the setting's; the seed and run dir stay the sweep's."""
+    the setting's; the seed and run dir stay the sweep's. `only_seeds` keeps a subset of the
+    file's seeds, to split one sweep over several machines or cores."""
     path = Path(path)
     extra = _override_list(list(overrides), "sweep (command line)")
     raw = read_yaml(path, "sweep file")
@@ -113,12 +114,19 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
         raise ConfigError(f"sweep.timeout_s: expected a positive number of seconds, got {show(timeout_s)}")
     out = Path(str(raw["out"]))
     shared_warm_start = (f"warmstart.cache_dir={out / '.warmstart-cache'}",)  # overridable: it comes first
-    runs = []
+    own_overrides = {}
     for name, overrides in settings.items():
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ConfigError(f"sweep.settings: {show(name)} is not a usable directory name")
-        own = _override_list(overrides or [], f"sweep.settings.{name}")
-        for seed in seeds:
+        own_overrides[name] = _override_list(overrides or [], f"sweep.settings.{name}")
+    if only_seeds is not None:
+        missing = [s for s in only_seeds if s not in seeds]
+        if missing:
+            raise ConfigError(f"--seeds: {missing[0]} is not one of the sweep's seeds {seeds}")
+        seeds = [s for s in seeds if s in only_seeds]
+    runs = []
+    for seed in seeds:  # seed-major: a sweep stopped early has whole seeds, and claims pool seeds
+        for name, own in own_overrides.items():
             args = (*shared_warm_start, *common, *own, *extra, f"run.seed={seed}",
                     f"run.dir={out / name / f'seed{seed}'}", "run.progress_bar=false")
             try:
