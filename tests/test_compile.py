@@ -132,6 +132,23 @@ def test_a_tiny_config_compiles_for_a_tpu_slice(tmp_path):
 
 
 @needs_libtpu
+@pytest.mark.slow
+def test_a_multi_host_slice_compiles_each_hosts_engine_on_its_own_chips(tmp_path):
+    """v5e-16 is 4 hosts of 4 chips: with distributed.enabled each host's engine decodes a
+    quarter of the rollout rows on its own 4 chips (no program crosses hosts)."""
+    from jaxreplay.tools.topology import host_devices
+
+    assert [(len(host_devices(name)), host_devices(name)[0].device_kind) for name in ("v5e-16", "v4-16")] == \
+        [(4, "TPU v5 lite"), (4, "TPU v4")]
+    out = tmp_path / "fit.json"
+    assert main(["compile", DEMO, "--topology", "v5e-16", "mesh.fsdp=-1", "distributed.enabled=true",
+                 "train.prompts_per_step=16", "--json", str(out)]) == 0
+    names = [p["name"] for p in json.loads(out.read_text())["programs"]]
+    assert names[-2:] == ["engine prefill (4 prompts, each host on its 4 devices)",
+                          "engine decode chunk (32 slots, each host on its 4 devices)"], names
+
+
+@needs_libtpu
 def test_a_v4_8_runs_as_4_megacore_devices():
     from jaxreplay.tools.topology import hbm_bytes, slice_devices
 

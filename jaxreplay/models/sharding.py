@@ -109,6 +109,45 @@ def _mesh(shape: tuple[int, ...], devices: list[jax.Device]) -> Mesh:
     return Mesh(grid, AXES)
 
 
+def process_local_mesh(mesh: Mesh, local: Optional[Sequence[Any]] = None) -> Mesh:
+    """This process's devices of a multi-host `mesh` (or `local`, one host's devices) as a mesh
+    of their own: its tensor degree kept where the local devices allow it, fsdp over the rest.
+    Weights and a slot pool laid out on it split over the process's devices, and no program on
+    it crosses processes."""
+    if local is None:
+        local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    local = sorted(local, key=lambda d: d.id)
+    tensor = mesh.shape["tensor"] if len(local) % mesh.shape["tensor"] == 0 else 1
+    return Mesh(np.asarray(local, dtype=object).reshape(1, len(local) // tensor, tensor), AXES)
+
+
+def to_process_local(params: Any, local: Mesh) -> Any:
+    """Global `params` (nnx state laid out over a multi-host mesh) whole on every process, laid
+    out on each process's `local` mesh (`process_local_mesh`) by their logical axes. One
+    resharding program onto the processes' local meshes stacked side by side: a collective every
+    process runs together; each then keeps its own devices' shards. Nothing goes through the host."""
+    by_process: dict[int, list] = {}
+    for d in jax.devices():
+        by_process.setdefault(d.process_index, []).append(d)
+    # Every process's devices in the order `process_local_mesh` lays out its own.
+    rows = [sorted(by_process[p], key=lambda d: d.id) for p in sorted(by_process)]
+    if [d.id for d in rows[jax.process_index()]] != [d.id for d in local.devices.flat]:
+        raise ValueError("to_process_local: `local` is not this process's process_local_mesh")
+    stacked = Mesh(np.asarray(rows, dtype=object).reshape(len(rows), *local.devices.shape), ("processes", *AXES))
+    whole = jax.jit(_identity, out_shardings=param_shardings(stacked, params))(params)
+
+    def mine(x: jax.Array) -> jax.Array:
+        spec = x.sharding.spec
+        return jax.make_array_from_single_device_arrays(
+            x.shape, NamedSharding(local, spec), [shard.data for shard in x.addressable_shards])
+
+    return jax.tree.map(mine, whole)
+
+
+def _identity(tree: Any) -> Any:
+    return tree
+
+
 def describe(mesh: Mesh) -> str:
     """E.g. "data=2 fsdp=2 tensor=2 (8 cpu devices)"."""
     sizes = " ".join(f"{k}={v}" for k, v in mesh.shape.items())

@@ -18,6 +18,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxreplay.config import Config, ConfigError, owner_check
 from jaxreplay.rollout.advantages import ADVANTAGES
@@ -220,12 +221,15 @@ class StreamingActor:
 
 
 def make_streaming_actor(graphdef, config: Config, task: Task, params, *, stop_ids: Sequence[int], pad_id: int,
-                         shard: tuple[int, int] = (0, 1), live_vocab: int = 0) -> StreamingActor:
-    """A `StreamingActor` over the in-JAX engine, sampling as `sampling.make_run_samplers`' rollout sampler."""
+                         shard: tuple[int, int] = (0, 1), live_vocab: int = 0,
+                         mesh: Optional[Mesh] = None) -> StreamingActor:
+    """A `StreamingActor` over the in-JAX engine, sampling as `sampling.make_run_samplers`' rollout
+    sampler; its slot pool laid out over `mesh` (the weights it is given must lie on it)."""
     s = config.sampling
     engine = JaxEngine(graphdef, config.model, params, slots=engine_slots(config, shard[1]),
                        group_size=config.train.group_size, prompt_len=task.prompt_len,
                        max_new_tokens=s.max_new_tokens, chunk_steps=s.engine_chunk_steps, temperature=s.temperature,
                        top_p=s.top_p, top_k=s.top_k, stop_ids=stop_ids, pad_id=pad_id,
-                       kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size, live_vocab=live_vocab)
+                       kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size, live_vocab=live_vocab,
+                       mesh=mesh)
     return StreamingActor(config, task, engine, shard=shard)

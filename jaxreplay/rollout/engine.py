@@ -28,9 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxreplay.config import ModelConfig
-from jaxreplay.models.transformer import KVCache, Rotation, dtype_of, init_cache, positions_from_mask, rotation
+from jaxreplay.models import sharding
+from jaxreplay.models.transformer import (
+    KV_CACHE_AXES, KVCache, Rotation, dtype_of, init_cache, positions_from_mask, rotation)
 from jaxreplay.rollout.sampling import Rollout, _prefill, choose_token
 
 
@@ -142,6 +145,9 @@ class EngineStats:
 class JaxEngine:
     """The in-JAX engine: S slots, chunks of K decode steps, one prefill per prompt group.
 
+    With a `mesh`, the pool's slots split over its data-parallel axes and its cache's kv heads
+    over tensor (`state_shardings`); `params` (and every `update_weights`) must lie on that mesh.
+
     Settings as `sampling.make_sampler` (same draw, same model code; ids from `live_vocab` on,
     the embedding's padding past the tokenizer, are never drawn). Between chunks, in this
     order: queued groups are prefilled (in submission order, while their rows would find free
@@ -155,7 +161,7 @@ class JaxEngine:
                  max_new_tokens: int, chunk_steps: int = 8, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, greedy: bool = False, stop_ids: Sequence[int] = (), pad_id: int = 0,
                  kv_cache_dtype: Optional[str] = None, prefill_chunk_size: int = 0, version: int = 0,
-                 live_vocab: int = 0):
+                 live_vocab: int = 0, mesh: Optional[Mesh] = None):
         if group_size <= 0 or slots <= 0:
             raise ValueError(f"slots ({slots}) and group_size ({group_size}) must be positive")
         if chunk_steps <= 0 or max_new_tokens <= 0:
@@ -169,17 +175,23 @@ class JaxEngine:
         self.chunk_steps, self.pad_id = chunk_steps, pad_id
         self.params, self.version = params, version
         self.stats = EngineStats()
+        entries = -(-slots // group_size) + 1  # enough prompts to fill every slot, and one more
+        layout = _layout(mesh, model_cfg, slots, entries, prompt_len, max_new_tokens, kv_cache_dtype)
         self._prefill, self._place, self._decode = _programs(
             graphdef, model_cfg, group_size, prompt_len, max_new_tokens, chunk_steps,
             (bool(greedy), float(temperature), int(top_k), float(top_p), int(live_vocab)),
-            tuple(int(s) for s in stop_ids), pad_id, kv_cache_dtype, prefill_chunk_size)
+            tuple(int(s) for s in stop_ids), pad_id, kv_cache_dtype, prefill_chunk_size, layout)
+        self._replicated = None if mesh is None else sharding.replicated(mesh)
         # Choices of the decode chunk, on by default; off only to measure them side by side
         # (benchmarks): run a draining pool's chunks on its live slots only, write one cache column
         # for all rows when they are in step, and chunks of 2K steps when no group waits.
         self.narrow_drain = self.lockstep_writes = self.long_drain_chunks = True
-        self.pool = _empty_pool(model_cfg, slots, prompt_len, max_new_tokens, pad_id, kv_cache_dtype)
-        entries = -(-slots // group_size) + 1  # enough prompts to fill every slot, and one more
-        self.prefixes = _empty_prefixes(model_cfg, entries, prompt_len, pad_id, kv_cache_dtype)
+        # Made in place: a pool laid out over a mesh is never whole on one device.
+        pool_sharding, prefix_sharding = layout or (None, None)
+        self.pool = jax.jit(lambda: _empty_pool(model_cfg, slots, prompt_len, max_new_tokens, pad_id, kv_cache_dtype),
+                            out_shardings=pool_sharding)()
+        self.prefixes = jax.jit(lambda: _empty_prefixes(model_cfg, entries, prompt_len, pad_id, kv_cache_dtype),
+                                out_shardings=prefix_sharding)()
         self._queue: collections.deque[_Group] = collections.deque()
         self._waiting: list[_Group] = []  # prefilled, some rows not placed yet, in submission order
         self._free_entries = list(range(entries))
@@ -310,6 +322,8 @@ class JaxEngine:
         unused = self.slots - len(slot)
         pad = lambda xs, fill: np.asarray(xs + [fill] * unused, np.int32)
         keys = jnp.stack(keys + [keys[0]] * unused)
+        if self._replicated is not None:
+            keys = jax.device_put(keys, self._replicated)
         self.pool = self._place(self.pool, self.prefixes, pad(entry, 0), pad(row, 0), pad(slot, self.slots), keys)
         for g in [g for g in self._waiting if g.to_place == self.group_size]:
             self._free_entries.append(g.entry)
@@ -341,19 +355,46 @@ class JaxEngine:
 
 @functools.lru_cache(maxsize=32)
 def _programs(graphdef, cfg: ModelConfig, g: int, p: int, n_new: int, k_steps: int, draw: tuple, stop_ids: tuple,
-              pad_id: int, kv_cache_dtype, prefill_chunk_size: int):
+              pad_id: int, kv_cache_dtype, prefill_chunk_size: int, layout: Optional[tuple] = None):
     """The jitted (prefill, place, decode chunk) of one engine shape, shared by engines of that
-    shape (jit caches compiled programs per function object)."""
+    shape (jit caches compiled programs per function object). With a `layout` (`_layout`'s), each
+    program writes the pool and the prefix entries back in it, so the state keeps its layout."""
     greedy, temperature, top_k, top_p, live_vocab = draw
     choose = functools.partial(choose_token, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
                                live_vocab=live_vocab)
     stops = np.asarray(stop_ids, np.int32).reshape(-1)
+    pool_out, prefix_out = layout or (None, None)
+    scalar = None if layout is None else jax.tree.leaves(prefix_out)[0]  # the prefix entries are replicated
     prefill = jax.jit(functools.partial(_prefill_prompts, graphdef, cfg, kv_cache_dtype, prefill_chunk_size),
-                      donate_argnums=1)
-    place = jax.jit(functools.partial(_place_rows, choose, stops, p, n_new, pad_id), donate_argnums=0)
+                      donate_argnums=1, out_shardings=None if layout is None else (prefix_out, scalar))
+    place = jax.jit(functools.partial(_place_rows, choose, stops, p, n_new, pad_id), donate_argnums=0,
+                    out_shardings=pool_out)
     decode = jax.jit(functools.partial(_decode_chunk, graphdef, cfg, choose, stops, p, n_new, 2 * k_steps),
-                     static_argnums=(0, 1), donate_argnums=3)
+                     static_argnums=(0, 1), donate_argnums=3,
+                     out_shardings=None if layout is None else (pool_out, scalar))
     return prefill, place, decode
+
+
+def _layout(mesh: Optional[Mesh], cfg: ModelConfig, slots: int, entries: int, p: int, n_new: int,
+            kv_cache_dtype) -> Optional[tuple[Pool, Prefixes]]:
+    """The engine's state over `mesh` (None: no mesh), as shardings shaped like (Pool, Prefixes):
+    the pool's rows split like a batch and its cache like the static sampler's (slots over the
+    data-parallel axes, kv heads over tensor), so a pool S slots wide costs each device what a
+    batch of S rows does; the few prefix entries replicated."""
+    if mesh is None:
+        return None
+    pool, prefixes, _ = abstract_state(cfg, slots, 0, p, n_new, kv_cache_dtype, entries=entries)
+    return state_shardings(mesh, pool, prefixes)
+
+
+def state_shardings(mesh: Mesh, pool: Pool, prefixes: Prefixes) -> tuple[Pool, Prefixes]:
+    """Shardings for the engine's state (`abstract_state`'s shapes) over `mesh`; see `_layout`."""
+    rows = lambda x: sharding.logical_sharding(mesh, ("batch",) + (None,) * (len(x.shape) - 1), x.shape)
+    cache = lambda x: sharding.cache_sharding(mesh, KV_CACHE_AXES, x.shape)
+    rep = sharding.replicated(mesh)
+    return (pool._replace(cache=jax.tree.map(cache, pool.cache),
+                          **{f: rows(getattr(pool, f)) for f in pool._fields if f != "cache"}),
+            jax.tree.map(lambda _: rep, prefixes))
 
 
 def programs(graphdef, cfg: ModelConfig, *, group_size: int, prompt_len: int, max_new_tokens: int,
@@ -371,10 +412,10 @@ def programs(graphdef, cfg: ModelConfig, *, group_size: int, prompt_len: int, ma
 
 
 def abstract_state(cfg: ModelConfig, slots: int, group_size: int, prompt_len: int, max_new_tokens: int,
-                   kv_cache_dtype: Optional[str] = None) -> tuple[Pool, Prefixes, int]:
+                   kv_cache_dtype: Optional[str] = None, *, entries: int = 0) -> tuple[Pool, Prefixes, int]:
     """The pool's and the prefix entries' shapes and dtypes (nothing allocated), and the most
     prompts one prefill call takes (the largest power of two up to the entries)."""
-    entries = -(-slots // group_size) + 1  # as JaxEngine: every slot's prompt, and one more
+    entries = entries or -(-slots // group_size) + 1  # as JaxEngine: every slot's prompt, and one more
     pool, prefixes = jax.eval_shape(lambda: (_empty_pool(cfg, slots, prompt_len, max_new_tokens, 0, kv_cache_dtype),
                                              _empty_prefixes(cfg, entries, prompt_len, 0, kv_cache_dtype)))
     return pool, prefixes, 1 << (entries.bit_length() - 1)

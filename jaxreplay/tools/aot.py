@@ -152,7 +152,8 @@ def compile_config(config: Config, topology: Optional[str] = None, log=print) ->
 
     programs = [_train_program(graphdef, c, optimizer, mesh, params, opt_state, ref, length, log)]
     programs += _sampler_programs(graphdef, c, mesh, params, p_len, {"rollout": rows, "eval": EVAL_BATCH}, held, log)
-    programs += _engine_programs(graphdef, c, mesh, params, p_len, rows, held, log)
+    programs += _engine_programs(graphdef, c, *_engine_placement(c, mesh, topology, devices, abstract, params),
+                                 p_len, held, log)
     cache = jax.ShapeDtypeStruct((rows, m.n_kv_heads, length, m.head_dim), jnp.dtype(
         c.sampling.kv_cache_dtype or m.compute_dtype))
     cache_shard = sharding.cache_sharding(mesh, KV_CACHE_AXES, cache.shape).shard_shape(cache.shape)
@@ -241,10 +242,28 @@ def _sampler_programs(graphdef, c: Config, mesh, params, p_len: int, batches: di
     return programs
 
 
-def _engine_programs(graphdef, c: Config, mesh, params, p_len: int, slots: int, held: int, log) -> list[Program]:
+def _engine_placement(c: Config, mesh, topology: Optional[str], devices, abstract,
+                      params) -> tuple[Any, Any, int, int]:
+    """(mesh, weights, slots, other bytes held) of the engine as a run places it. Multi-host
+    (`distributed.enabled` on a slice of several hosts), each host's engine runs on its own
+    chips (`sharding.process_local_mesh`) with its share of the slots, and its weight copy sits
+    beside the learner's params; otherwise it shares the learner's mesh and weights."""
+    from jaxreplay.rollout.actor import engine_slots
+    from jaxreplay.tools.topology import host_devices
+
+    hosts = len({d.process_index for d in devices})
+    if not (c.distributed.enabled and hosts > 1):
+        return mesh, params, engine_slots(c), 0
+    local = sharding.process_local_mesh(mesh, host_devices(topology) if topology else None)
+    return local, _placed(abstract, sharding.param_shardings(local, abstract)), engine_slots(c, hosts), \
+        _device_bytes(params)
+
+
+def _engine_programs(graphdef, c: Config, mesh, params, slots: int, engine_held: int, p_len: int, held: int,
+                     log) -> list[Program]:
     """The rollout engine's prefill (its largest call) and decode chunk (at the full window:
-    every slot P + N columns) with a pool of `slots` = the rollout sampler's rows: pool rows
-    split like a batch, its cache like the sampler's, prefix entries replicated."""
+    every slot P + N columns) with its pool of `slots`, laid out as the engine lays it out
+    (`engine.state_shardings`)."""
     from jaxreplay.rollout import engine
 
     s = c.sampling
@@ -254,20 +273,20 @@ def _engine_programs(graphdef, c: Config, mesh, params, p_len: int, slots: int, 
         kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size)
     pool, prefixes, n = engine.abstract_state(c.model, slots, c.train.group_size, p_len, s.max_new_tokens,
                                               s.kv_cache_dtype)
-    rows, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
+    pool_at, prefixes_at = engine.state_shardings(mesh, pool, prefixes)
     place = lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
-    cache = sharding.cache_sharding(mesh, KV_CACHE_AXES, pool.cache.k[0].shape)
-    pool = pool._replace(**{f: jax.tree.map(lambda x: place(x, cache if f == "cache" else rows), getattr(pool, f))
-                            for f in pool._fields})
-    prefixes = jax.tree.map(lambda x: place(x, rep), prefixes)
+    pool, prefixes = jax.tree.map(place, pool, pool_at), jax.tree.map(place, prefixes, prefixes_at)
+    rep = sharding.replicated(mesh)
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
     per_prompt = lambda dtype, *shape: jax.ShapeDtypeStruct((n, *shape), dtype, sharding=rep)
     width = p_len + s.max_new_tokens
+    held += engine_held
+    where = f", each host on its {mesh.devices.size} devices" if engine_held else ""  # multi-host
     return [
-        dataclasses.replace(_compiled(f"engine prefill ({n} prompts)", prefill, (
+        dataclasses.replace(_compiled(f"engine prefill ({n} prompts{where})", prefill, (
             params, prefixes, per_prompt(jnp.int32, p_len), per_prompt(jnp.bool_, p_len), per_prompt(jnp.int32),
             scalar), held, log), flops=None),
-        dataclasses.replace(_compiled(f"engine decode chunk ({slots} slots)", decode, (
+        dataclasses.replace(_compiled(f"engine decode chunk ({slots} slots{where})", decode, (
             width, False, params, pool, jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=rep), scalar, scalar),
             held, log),
             flops=None),

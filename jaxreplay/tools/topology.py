@@ -104,6 +104,17 @@ def slice_devices(name: str) -> list[Any]:
     return devices
 
 
+def host_devices(name: str) -> list[Any]:
+    """One host's devices of slice `name`, described as a slice of their own (v5e-16: a v5e-4),
+    which is what each host's process-local programs run on. XLA's TPU compiler compiles for a
+    whole topology's device ids, not for one host's subset of a larger one."""
+    devices = slice_devices(name)
+    hosts = len({d.process_index for d in devices})
+    spec = TOPOLOGIES[name]
+    per_host = spec.devices // hosts * (2 if spec.megacore else 1)
+    return slice_devices(f"{name.split('-')[0]}-{per_host}")
+
+
 def hbm_bytes(device: Any) -> Optional[int]:
     """Memory per device: the `HBM_GIB` table for TPUs, the runtime's limit for GPUs, None for the host CPU."""
     if device.platform == "tpu":

@@ -48,6 +48,13 @@ class Placement:
         """The process that writes the run's records."""
         return self.process_id == 0
 
+    @property
+    def engine_mesh(self) -> Mesh:
+        """Where the rollout engine's weights and slot pool lie: the actor's mesh, or multi-host
+        this process's devices alone (`sharding.process_local_mesh`), so that each process
+        decodes its own pool at its own pace with no program crossing processes."""
+        return sharding.process_local_mesh(self.actor_mesh) if self.kind == "multihost" else self.actor_mesh
+
     def describe(self) -> str:
         if self.kind == "disaggregated":
             return (f"disaggregated: actor mesh {sharding.describe(self.actor_mesh)} | "

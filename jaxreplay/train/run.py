@@ -27,6 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxreplay.config import Config
+from jaxreplay.models import sharding
 from jaxreplay.replay.limiter import LimiterState
 from jaxreplay.replay.multiprocess import shard_dir
 from jaxreplay.replay.tables import ReplayTimeoutError
@@ -36,7 +37,6 @@ from jaxreplay.train.accounting import Accounting
 from jaxreplay.train.checkpoint import Checkpointer, Progress
 from jaxreplay.train.guards import NonFiniteStreak, Preempted, PreemptionNotice, describe
 from jaxreplay.train.placement import Placement
-from jaxreplay.train.placement import fetched as placement_fetched
 from jaxreplay.train.recorder import RunRecorder
 from jaxreplay.train.rundir import RunDir
 from jaxreplay.train.stack import Stack
@@ -138,12 +138,12 @@ class Run:
         return Position(p.engine_started, tuple(p.engine_in_flight))
 
     def _engine_params(self, params: Any, version: int) -> Any:
-        """Multi-host: a whole copy of the weights on this process's first device, fetched once per
-        policy version. Fetching is a collective; every process acts at the same turns (turns.py)
-        with the same version, so all fetch together. The engine's programs then hold no
-        collective, and each process decodes its own pool at its own pace."""
+        """Multi-host: a whole copy of the weights laid out over this process's devices, taken once
+        per policy version. Taking it is a collective; every process acts at the same turns
+        (turns.py) with the same version, so all take it together. The engine's programs then hold
+        no collective, and each process decodes its own pool at its own pace."""
         if self._engine_version != version:
-            self._engine_copy = jax.device_put(placement_fetched(params), jax.local_devices()[0])
+            self._engine_copy = sharding.to_process_local(params, self.placement.engine_mesh)
             self._engine_version = version
         return self._engine_copy
 

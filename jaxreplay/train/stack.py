@@ -84,7 +84,8 @@ def build_stack(config: Config, placement: Placement, log: Callable[[str], None]
         evaluate=lambda p: evaluate(p, task, greedy, stopping),
         to_actor=_to_mesh(c, placement) if placement.actor_mesh is not learner_mesh else (lambda p: p),
         stream=make_streaming_actor(graphdef, c, task, params, stop_ids=tok.eos_ids, pad_id=tok.pad_id, shard=shard,
-                                    live_vocab=live) if c.sampling.engine == "continuous" else None,
+                                    live_vocab=live, mesh=placement.engine_mesh)
+        if c.sampling.engine == "continuous" else None,
     )
 
 
