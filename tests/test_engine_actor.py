@@ -157,6 +157,26 @@ def test_two_streaming_runs_with_the_same_seed_are_identical_and_waiting_rollout
     assert any(r["batch/version_min"] < r["batch/version_max"] for r in a[1:])
 
 
+@pytest.mark.needs_reverb
+@pytest.mark.slow
+def test_a_streaming_run_on_the_reverb_server_keeps_the_limiters_window(tmp_path):
+    """The engine's groups enter a real Reverb table as they complete, carrying both version
+    fields; Reverb's rate limiter decides every insert and sample, so the table never runs
+    ahead of the window, and the learner samples rows drawn under more than one version."""
+    config, _ = run(tmp_path, *STREAM, "replay.backend=reverb", "replay.selector=uniform", "train.steps=8")
+    records = read_metrics(config.run.dir)
+    assert [r["step"] for r in records] == list(range(9))
+    for r in records[1:]:
+        assert r.keys() <= DOCUMENTED_KEYS, f"add to jaxreplay/train/metric_keys.py: {r.keys() - DOCUMENTED_KEYS}"
+        diff = r["replay/inserts"] * config.replay.samples_per_insert - r["replay/samples"]
+        offset = config.replay.samples_per_insert * config.replay.min_size_to_sample
+        assert abs(diff - offset) <= config.error_buffer
+        assert 0 < r["rollouts/waiting_max"] <= waiting_bound(config) or r["rollouts/waiting_max"] == 0
+    assert records[-1]["replay/samples"] == 8 * config.train.batch_size
+    assert any(r["engine/groups_in_flight"] for r in records[1:]), "the learner should step while rows are mid-sequence"
+    assert any(r["batch/version_min"] < r["batch/version_max"] for r in records[1:])
+
+
 def progress_at(run_dir, step: int) -> dict:
     """The checkpoint's `Progress`, as Orbax wrote it (JSON)."""
     for path in (run_dir / "checkpoints" / str(step)).rglob("*"):
