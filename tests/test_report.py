@@ -468,6 +468,27 @@ def test_committed_results_keep_their_runs():
     out = subprocess.run(["git", "check-ignore", "-q", "results/sweep/runs/on_policy/seed0/metrics.jsonl"],
                          cwd=ROOT, timeout=30)
     assert out.returncode == 1  # not ignored (0 would be: ignored)
+    sweeps = sorted(p for p in (ROOT / "results").iterdir() if p.is_dir())
+    assert sweeps, "results/ should hold the committed sweeps"
+    for sweep in sweeps:
+        assert (sweep / "report.md").is_file() and list((sweep / "runs").glob("*/seed*/metrics.jsonl")), sweep.name
+
+
+COMMITTED = sorted(p.parent for p in (ROOT / "results").glob("*/report.md"))
+
+
+@pytest.mark.parametrize("folder", COMMITTED, ids=lambda p: p.name)
+def test_every_committed_sweeps_report_rebuilds_byte_for_byte_from_its_runs(folder, tmp_path):
+    """What a reviewer does: copy the committed runs, run the command the report names, compare."""
+    md = (folder / "report.md").read_text()
+    command = re.search(r"`(jaxreplay report runs/\*/\* --out \.[^`]*)`", md).group(1)
+    shutil.copytree(folder / "runs", tmp_path / "runs")
+    args = command.split()[2:]  # after "jaxreplay report"
+    runs = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").glob("*/*") if p.is_dir())
+    out = subprocess.run([sys.executable, "-m", "jaxreplay.cli", "report", *runs, *args[1:]], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "report.md").read_text() == md
 
 
 def test_coverage_compares_the_baselines_compute_with_the_most_any_other_run_reached(md):

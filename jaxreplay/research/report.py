@@ -297,8 +297,14 @@ def runs_table(settings: Sequence[Setting], base: Setting) -> str:
     return _markdown(header, rows)
 
 
+def rebuild_command(baseline: Optional[str], mus: Sequence[float]) -> str:
+    """The command that rebuilds a report in its own folder from its copied runs."""
+    return ("jaxreplay report runs/*/* --out ." + (f" --baseline {baseline}" if baseline else "")
+            + (f" --mu {','.join(repr(float(m)).removesuffix('.0') for m in mus)}" if mus else ""))
+
+
 def _how_to_read(settings: Sequence[Setting], base: Setting, mu: Optional[float], given: Sequence[float],
-                 size: int) -> list[str]:
+                 size: int, command: str) -> list[str]:
     runs = [r for s in settings for r in s.runs]
     timed = sum(r.timed for r in runs)
     mus = [m for r in runs if (m := r.last("cost/mu")) is not None]
@@ -326,7 +332,7 @@ def _how_to_read(settings: Sequence[Setting], base: Setting, mu: Optional[float]
         "which holds both first calls.",
         f"- **Data:** every number and plot here is rebuilt from `runs/` alone ({size / 1e6:.2f} MB: each run's "
         "config.yaml, summary.json, eval.json and metrics.jsonl trimmed to the keys read): "
-        "`jaxreplay report runs/*/* --out .` in this folder writes this file again, byte for byte.",
+        f"`{command}` in this folder writes this file again, byte for byte.",
     ]
 
 
@@ -382,7 +388,8 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
     verdicts = claims_table(claims, settings, base) if claims else None
     level = float(np.median([target(r, TARGET_FRACTIONS[-1]) for r in base.runs]))
     pngs = report_plots.write(settings, level, plot_mus, out)
-    doc = ["# Replay comparison", "", *_how_to_read(settings, base, mu, mus, _size(out / "runs")), "",
+    doc = ["# Replay comparison", "", *_how_to_read(settings, base, mu, mus, _size(out / "runs"),
+                                                            rebuild_command(baseline, mus)), "",
            *(["## Claims and verdicts", "", verdicts] if verdicts else []),
            "## Per setting", "", main,
            *([f"## Paired by seed: each run minus the {base.name} run of the same seed", "", paired]
