@@ -134,6 +134,21 @@ def describe_tier() -> str:
     return ", ".join([f"python {platform.python_version()}"] + [f"{n} {_version(n)}" for n in names])
 
 
+def split_kv_gap(tensor: int, kv_heads: int, batch_split: int) -> Optional[str]:
+    """Why this tier computes wrong logits with `tensor`-way head parallelism that does not
+    divide `kv_heads` while the batch is also split `batch_split` ways, or None. jax 0.4.34 (the
+    Reverb tier) does, measured on 8 CPU devices: the sampler's and the engine's log-probs off by
+    0.17-0.46 at data=2 or fsdp=2 with tensor=4 over 2 kv heads; current jax matches one device."""
+    import jax
+
+    if tensor > 1 and kv_heads % tensor and batch_split > 1 and \
+            tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 5):
+        return (f"jax {jax.__version__} miscomputes attention when {tensor}-way tensor parallelism does not divide "
+                f"{kv_heads} kv heads and the batch is split too; use a tensor size that divides the kv heads, "
+                "or the default tier")
+    return None
+
+
 def multiprocess_checkpoint_gap() -> Optional[str]:
     """Why Orbax cannot save one checkpoint from several processes on this tier, or None.
     orbax-checkpoint 0.11 (the Reverb tier) asks the coordination client for

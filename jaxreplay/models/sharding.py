@@ -23,7 +23,7 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxreplay.compat import is_variable, logical_axes, value_of, with_value
+from jaxreplay.compat import is_variable, logical_axes, split_kv_gap, value_of, with_value
 from jaxreplay.config import Config, ConfigError, MeshConfig
 
 AXES = ("data", "fsdp", "tensor")
@@ -260,6 +260,9 @@ def mesh_for(config: Config, role: str = "learner") -> Mesh:
         mesh = actor if role == "actor" else learner
     else:
         mesh = make_mesh(m)
+    gap = split_kv_gap(mesh.shape["tensor"], config.model.n_kv_heads, data_parallelism(mesh))
+    if gap:
+        raise ConfigError(f"mesh.{'actor_tensor' if role == 'actor' and m.actor_devices else 'tensor'}: {gap}")
     sizes = {"train.batch_size": config.train.batch_size} if role == "learner" else {}
     if role == "learner" and config.train.micro_batch_size:
         sizes["train.micro_batch_size"] = config.train.micro_batch_size
