@@ -163,9 +163,8 @@ def test_batch_not_divisible_by_data_parallelism_is_a_config_error():
 def engine_run(config, graphdef, params, prompts, kwargs, mesh, slots=8, group_size=4):
     """A greedy engine run over the prompts (fewer slots than rows, so groups start as others
     stop), its weights changed after the second chunk: completions by tag, and the engine.
-    Greedy, on logits sharpened 20x (the final norm's scale): an untrained model's nearly flat
-    logits leave near-ties that a sharded reduction's last bits can flip (seen on the Reverb
-    tier's jax, mesh 1x2x4, for sampled and for plain greedy draws alike)."""
+    Greedy, on logits sharpened 20x (the final norm's scale), so that no near-tie between an
+    untrained model's nearly flat logits can flip on a sharded reduction's last bits."""
     from jaxreplay.rollout.engine import JaxEngine, PromptGroup
 
     params = jax.tree_util.tree_map_with_path(

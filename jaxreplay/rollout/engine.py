@@ -459,8 +459,7 @@ def _empty_prefixes(cfg: ModelConfig, entries: int, p: int, pad_id: int, kv_cach
 
 def _constrain_cache(mesh: Optional[Mesh], cache: KVCache) -> KVCache:
     """The prefill's cache laid out as the static sampler lays out its own (prompts over the
-    data-parallel axes, kv heads over tensor). Left to GSPMD, the Reverb tier's jax (0.4.34)
-    computed prefill logits 0.24 off on a 1x2x4 mesh (4 heads, 2 kv heads)."""
+    data-parallel axes, kv heads over tensor), so a long prompt's K/V are split like a batch's."""
     if mesh is None:
         return cache
     shard = sharding.cache_sharding(mesh, KV_CACHE_AXES, cache.k[0].shape)
