@@ -34,7 +34,7 @@ from jaxreplay.config import ModelConfig
 from jaxreplay.models import sharding
 from jaxreplay.models.transformer import (
     KV_CACHE_AXES, KVCache, Rotation, dtype_of, init_cache, positions_from_mask, rotation)
-from jaxreplay.rollout.sampling import Rollout, _prefill, choose_token
+from jaxreplay.rollout.sampling import Rollout, _prefill, choose_token, constrain_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,7 +367,7 @@ def _programs(graphdef, cfg: ModelConfig, g: int, p: int, n_new: int, k_steps: i
     scalar = None if layout is None else jax.tree.leaves(prefix_out)[0]  # the prefix entries are replicated
     mesh = None if layout is None else scalar.mesh
     prefill = jax.jit(functools.partial(_prefill_prompts, graphdef, cfg, kv_cache_dtype, prefill_chunk_size,
-                                        functools.partial(_constrain_cache, mesh)),
+                                        functools.partial(constrain_cache, mesh)),
                       donate_argnums=1, out_shardings=None if layout is None else (prefix_out, scalar))
     place = jax.jit(functools.partial(_place_rows, choose, stops, p, n_new, pad_id), donate_argnums=0,
                     out_shardings=pool_out)
@@ -455,15 +455,6 @@ def _empty_prefixes(cfg: ModelConfig, entries: int, p: int, pad_id: int, kv_cach
                     logits=jnp.zeros((entries, cfg.vocab_size), jnp.float32),
                     tokens=jnp.full((entries, p), pad_id, jnp.int32), mask=jnp.zeros((entries, p), bool),
                     version=jnp.zeros((entries,), jnp.int32))
-
-
-def _constrain_cache(mesh: Optional[Mesh], cache: KVCache) -> KVCache:
-    """The prefill's cache laid out as the static sampler lays out its own (prompts over the
-    data-parallel axes, kv heads over tensor), so a long prompt's K/V are split like a batch's."""
-    if mesh is None:
-        return cache
-    shard = sharding.cache_sharding(mesh, KV_CACHE_AXES, cache.k[0].shape)
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, shard), cache)
 
 
 def _prefill_prompts(graphdef, cfg: ModelConfig, kv_cache_dtype, prefill_chunk_size: int, constrain, params,

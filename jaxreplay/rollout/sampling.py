@@ -238,11 +238,7 @@ def make_sampler(
     choose = functools.partial(choose_token, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
                                live_vocab=live_vocab)
 
-    def constrain(cache: KVCache) -> KVCache:
-        if mesh is None:
-            return cache
-        shard = sharding.cache_sharding(mesh, KV_CACHE_AXES, cache.k[0].shape)
-        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, shard), cache)
+    constrain = functools.partial(constrain_cache, mesh)
 
     def sample(params, prompt_tokens, prompt_mask, rng) -> Rollout:
         batch, p = prompt_tokens.shape
@@ -323,6 +319,14 @@ def make_sampler(
                       sharding.replicated(mesh)),
         out_shardings=rows,
     )
+
+
+def constrain_cache(mesh: Optional[Mesh], cache: KVCache) -> KVCache:
+    """`cache` laid out over `mesh` (None: as it is): rows over the data-parallel axes, kv heads over tensor."""
+    if mesh is None:
+        return cache
+    shard = sharding.cache_sharding(mesh, KV_CACHE_AXES, cache.k[0].shape)
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, shard), cache)
 
 
 def _prefill(model, tokens, positions, mask, cache: KVCache, chunk: int, constrain) -> tuple[jax.Array, KVCache]:
