@@ -3,6 +3,7 @@ distribution when sampling, the learner's log-probs, one prefill per prompt grou
 behaviour log-probs when the weights change between chunks."""
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -225,3 +226,25 @@ def test_padded_vocabulary_ids_are_never_drawn_greedy_or_sampled():
     for greedy in (False, True):
         assert (drawn[greedy, 0] >= live).any(), "the fixture should draw padded ids without live_vocab"
         assert (drawn[greedy, live] < live).all(), f"greedy={greedy}: a padded id was drawn"
+
+
+
+def test_copying_stopped_rows_out_compiles_one_program_per_power_of_two_not_per_count():
+    """However many rows stop in a chunk, they leave the pool through one of log2(S) + 1 gather
+    programs: one program per count would be compiled mid-run, again whenever a new count comes."""
+    slots, lowered = 16, []
+    record = logging.Handler()
+    record.emit = lambda r: lowered.append(r.getMessage())
+    engine = JaxEngine(GRAPHDEF, CFG, params_for(3, scale=1.0)[1], slots=slots, group_size=1, prompt_len=P,
+                       max_new_tokens=N - 1, chunk_steps=1, **SAMPLED)  # a pool shape no other test lowers
+    tokens, mask = prompts(4, [1 + i % P for i in range(64)])
+    engine.submit(groups(tokens, mask, seed=5))
+    logging.getLogger("jax").addHandler(record)
+    try:
+        with jax.log_compiles():
+            done, _ = drain(engine)
+    finally:
+        logging.getLogger("jax").removeHandler(record)
+    assert len(done) == 64
+    gathers = [m for m in lowered if "MLIR module conversion jit(_gather)" in m]
+    assert 1 <= len(gathers) <= slots.bit_length(), gathers

@@ -338,7 +338,10 @@ class JaxEngine:
         stopped = [s for s, row in enumerate(self._slot_row) if row is not None and self._done[s]]
         if not stopped:
             return
-        fields = jax.device_get(_gather(self.pool, np.asarray(stopped, np.int32)))
+        # Gathered in a power-of-two count of rows (the first repeated), so the program is one of
+        # log2(S) + 1 rather than one per count of stopped rows, each compiled mid-run.
+        padded = stopped + stopped[:1] * ((1 << (len(stopped) - 1).bit_length()) - len(stopped))
+        fields = jax.device_get(_gather(self.pool, np.asarray(padded, np.int32)))
         for k, s in enumerate(stopped):
             g, j = self._slot_row[s]
             g.rows[j] = tuple(f[k] for f in fields)
