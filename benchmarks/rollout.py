@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from typing import Callable
 
 import jax
 import numpy as np
@@ -41,7 +42,8 @@ from jaxreplay.tasks.registry import make_task
 FULL = dict(vocab=512, width=256, layers=4, heads=8, kv_heads=2, head_dim=32, d_ff=704, rounds=5,
             tail=dict(prompts=64, group=8, prompt=32, cap=512, batch=64, chunk=16, stops=8),
             shared=dict(prompts=8, group=16, prompt=512, new=64, batch=64, chunk=16),
-            demo=dict(chunk=8), full=dict(rows=64, prompt=32, new=128, chunk=16))
+            demo=dict(chunk=8), full=dict(rows=64, prompt=32, new=128, chunk=16),
+            chunks=dict(demo=(4, 8, 16, 21), full=(8, 16, 32, 64)))
 # benchmarks/device.sh --rollout: Qwen2.5-0.5B's shape in bfloat16 (lm_head untied, for the stop
 # bias), long-tail and shared-prompt only, 3 rounds: under 5 minutes on one accelerator.
 DEVICE = dict(vocab=151_936, width=896, layers=24, heads=14, kv_heads=2, head_dim=64, d_ff=4864, rounds=3,
@@ -51,7 +53,8 @@ DEVICE = dict(vocab=151_936, width=896, layers=24, heads=14, kv_heads=2, head_di
 QUICK = dict(vocab=64, width=32, layers=1, heads=2, kv_heads=1, head_dim=16, d_ff=64, rounds=1,
              tail=dict(prompts=4, group=2, prompt=8, cap=16, batch=4, chunk=4, stops=4),
              shared=dict(prompts=2, group=4, prompt=16, new=4, batch=4, chunk=2),
-             demo=dict(chunk=8), full=dict(rows=4, prompt=8, new=8, chunk=4))
+             demo=dict(chunk=8), full=dict(rows=4, prompt=8, new=8, chunk=4),
+             chunks=dict(demo=(8, 21), full=(4, 8)))
 
 
 def model(s: dict, max_len: int, seed: int = 0, flatten: float = 1.0):
@@ -166,26 +169,10 @@ def _engine_step(engine: JaxEngine, seconds, cfg, params, slots: int, prompt: in
             "engine_step_bytes": weights + column * stats.cache_columns / max(stats.decode_steps, 1)}
 
 
-def full_batch(s: dict) -> dict:
-    """Per-token speed with every slot busy: the sampler benchmark's batch 64 (32-token prompts,
-    128 new tokens, no stop), one prompt a group (G = 1) so both sides prefill 64 rows."""
-    w = s["full"]
-    cfg, graphdef, params = model(s, w["prompt"] + w["new"])
-    tokens, mask = random_prompts(w["rows"], w["prompt"], s["vocab"], 1, seed=3)
-    settings = dict(temperature=1.0, stop_ids=(), pad_id=0)
-    sample = make_sampler(graphdef, cfg, max_new_tokens=w["new"], **settings)
-    engine = JaxEngine(graphdef, cfg, params, slots=w["rows"], group_size=1, prompt_len=w["prompt"],
-                       max_new_tokens=w["new"], chunk_steps=w["chunk"], **settings)
-    static_s, engine_s, _, _ = side_by_side(
-        lambda: run_static(sample, params, tokens, mask, 1, w["rows"], seed=0),
-        lambda: run_engine(engine, group_list(tokens, mask, seed=0)), s["rounds"])
-    n = w["rows"] * w["new"]
-    return _line("full-batch", "tok/s", n / statistics.median(static_s), n / statistics.median(engine_s),
-                 static_s, engine_s)
-
-
-def demo_long(s: dict, quick: bool) -> dict:
-    """The actor's work for one training step of demo_long: sample, score, make rows."""
+def demo_long_actors() -> tuple[int, Callable, Callable[[int], Callable]]:
+    """configs/demo_long.yaml's model (random init) and task: (rollouts a step, the static actor's
+    step, and for a chunk length K the engine actor's step: the same prompts sampled, scored and
+    advantaged per group)."""
     c = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "demo_long.yaml"))
     task = make_task(c.task)
     graphdef, params = init_params(c.model, c.run.seed)
@@ -193,27 +180,83 @@ def demo_long(s: dict, quick: bool) -> dict:
     sample, _ = make_run_samplers(graphdef, c, stop_ids=tok.eos_ids, pad_id=tok.pad_id)
     actor = Actor(c, task, sample)
     group, rows = c.train.group_size, c.train.prompts_per_step * c.train.group_size
-    engine = JaxEngine(graphdef, c.model, params, slots=rows, group_size=group, prompt_len=task.prompt_len,
-                       max_new_tokens=c.sampling.max_new_tokens, chunk_steps=s["demo"]["chunk"],
-                       temperature=c.sampling.temperature, top_k=c.sampling.top_k, top_p=c.sampling.top_p,
-                       stop_ids=tok.eos_ids, pad_id=tok.pad_id)
-    step = [0]
+    problems = task.train_problems(c.run.seed, 0, c.train.prompts_per_step)
+    tokens, mask = task.encode_prompts(problems)
 
-    def engine_act():
-        """What the actor does with the engine: the same prompts, scored and advantaged per group."""
-        problems = task.train_problems(c.run.seed, step[0], c.train.prompts_per_step)
-        tokens, mask = task.encode_prompts(problems)
-        done = sorted(run_engine(engine, group_list(tokens, mask, seed=step[0])), key=lambda d: d.tag)
-        completions = [row[keep] for d in done for row, keep in zip(d.rollout.tokens, d.rollout.completion_mask)]
-        rewards, _ = score(task, problems, completions, group)
-        return ADVANTAGES[c.train.advantage](rewards.reshape(-1, group))
+    def engine_actor(k: int) -> Callable:
+        engine = JaxEngine(graphdef, c.model, params, slots=rows, group_size=group, prompt_len=task.prompt_len,
+                           max_new_tokens=c.sampling.max_new_tokens, chunk_steps=k,
+                           temperature=c.sampling.temperature, top_k=c.sampling.top_k, top_p=c.sampling.top_p,
+                           stop_ids=tok.eos_ids, pad_id=tok.pad_id)
 
-    def static_act():
-        return actor.act(params, 0, step[0])
+        def act():
+            done = sorted(run_engine(engine, group_list(tokens, mask, seed=0)), key=lambda d: d.tag)
+            completions = [row[keep] for d in done for row, keep in zip(d.rollout.tokens, d.rollout.completion_mask)]
+            rewards, _ = score(task, problems, completions, group)
+            return ADVANTAGES[c.train.advantage](rewards.reshape(-1, group))
+        return act
 
-    static_s, engine_s, _, _ = side_by_side(static_act, engine_act, s["rounds"])
+    return rows, lambda: actor.act(params, 0, 0), engine_actor
+
+
+def demo_long(s: dict) -> dict:
+    """The actor's work for one training step of demo_long: sample, score, make rows."""
+    rows, static_act, engine_actor = demo_long_actors()
+    static_s, engine_s, _, _ = side_by_side(static_act, engine_actor(s["demo"]["chunk"]), s["rounds"])
     return _line("demo-long", "rollouts/s", rows / statistics.median(static_s), rows / statistics.median(engine_s),
                  static_s, engine_s, rollouts=rows)
+
+
+def full_batch_sides(s: dict) -> tuple[int, Callable, Callable[[int], Callable]]:
+    """The sampler benchmark's batch 64 (32-token prompts, 128 new tokens, no stop), one prompt a
+    group (G = 1) so both sides prefill 64 rows: (tokens a round, the static side, and for a chunk
+    length K the engine side)."""
+    w = s["full"]
+    cfg, graphdef, params = model(s, w["prompt"] + w["new"])
+    tokens, mask = random_prompts(w["rows"], w["prompt"], s["vocab"], 1, seed=3)
+    settings = dict(temperature=1.0, stop_ids=(), pad_id=0)
+    sample = make_sampler(graphdef, cfg, max_new_tokens=w["new"], **settings)
+
+    def engine_side(k: int) -> Callable:
+        engine = JaxEngine(graphdef, cfg, params, slots=w["rows"], group_size=1, prompt_len=w["prompt"],
+                           max_new_tokens=w["new"], chunk_steps=k, **settings)
+        return lambda: run_engine(engine, group_list(tokens, mask, seed=0))
+
+    return w["rows"] * w["new"], lambda: run_static(sample, params, tokens, mask, 1, w["rows"], seed=0), engine_side
+
+
+def full_batch(s: dict) -> dict:
+    """Per-token speed with every slot busy: the engine's must not fall below the static sampler's."""
+    n, static, engine_side = full_batch_sides(s)
+    static_s, engine_s, _, _ = side_by_side(static, engine_side(s["full"]["chunk"]), s["rounds"])
+    return _line("full-batch", "tok/s", n / statistics.median(static_s), n / statistics.median(engine_s),
+                 static_s, engine_s)
+
+
+def chunk_lengths(quick: bool = False) -> list[dict]:
+    """demo-long and full-batch with the engine at several chunk lengths K (and the static side),
+    all side by side in alternating rounds: what the per-chunk host round trip costs against
+    what longer chunks cost (a chunk attends over the width its longest row reaches by its end)."""
+    s, out = QUICK if quick else FULL, []
+    for name, (_, static, engine_side), default, ks in (
+            ("demo-long", demo_long_actors(), s["demo"]["chunk"], s["chunks"]["demo"]),
+            ("full-batch", full_batch_sides(s), s["full"]["chunk"], s["chunks"]["full"])):
+        sides = {"static": static, **{f"K={k}": engine_side(k) for k in ks}}
+        for fn in sides.values():
+            fn()  # compiles
+        seconds = {label: [] for label in sides}
+        for r in range(s["rounds"]):
+            for label, fn in (list(sides.items()) if r % 2 == 0 else list(sides.items())[::-1]):
+                t0 = time.perf_counter()
+                fn()
+                seconds[label].append(time.perf_counter() - t0)
+        medians = {label: statistics.median(t) for label, t in seconds.items()}
+        for label, m in medians.items():
+            out.append({"workload": name, "side": label, "seconds": m, "default_chunk": default,
+                        "vs_default": medians[f"K={default}"] / m, "load": os.getloadavg()[0]})
+            print(f"rollout-chunks {name} {label} ms={1e3 * m:.1f} speed_vs_K={default}={out[-1]['vs_default']:.2f} "
+                  f"(medians of {s['rounds']} rounds, load {out[-1]['load']:.1f})", flush=True)
+    return out
 
 
 def _line(name: str, unit: str, static: float, engine: float, static_s, engine_s, **extra) -> dict:
@@ -232,7 +275,7 @@ def run(quick: bool = False) -> list[dict]:
     """The three workloads, then the full-batch check, each line printed as it is measured."""
     s = QUICK if quick else FULL
     rows = []
-    for fn in (long_tail, shared_prompt, lambda s: demo_long(s, quick), full_batch):
+    for fn in (long_tail, shared_prompt, demo_long, full_batch):
         rows.append(fn(s))
         print(line(rows[-1]), flush=True)
     return rows

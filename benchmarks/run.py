@@ -1,8 +1,9 @@
 """All CPU benchmarks in one process, side by side: prints a table of ratios, writes JSON.
 
-    .venv/bin/python -m benchmarks.run [rollout] [--quick] [--out results.json] [--torch-python PATH]
+    .venv/bin/python -m benchmarks.run [rollout | rollout-chunks] [--quick] [--out results.json] [--torch-python PATH]
 
-`rollout` runs only the rollout-engine benchmark (benchmarks/rollout.py): one line a workload.
+`rollout` runs only the rollout-engine benchmark (benchmarks/rollout.py): one line a workload;
+`rollout-chunks` the engine's demo-long and full-batch at several chunk lengths, side by side.
 
 `--quick` shrinks every benchmark to seconds (tests/test_benchmarks.py runs it so it cannot
 rot); its figures mean nothing. The full run takes a few minutes on 2 CPU cores. Absolute
@@ -27,7 +28,8 @@ TARGETS = {"sampler_ratio_b16_b64": 2.0, "replay_share_of_loop": 0.02}
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("only", nargs="?", choices=["rollout"], help="run only this benchmark")
+    parser.add_argument("only", nargs="?", choices=["rollout", "rollout-chunks"],
+                        help="run only this benchmark")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the code runs, measures nothing")
     parser.add_argument("--out", help="write the results here as JSON")
     parser.add_argument("--torch-python", help="interpreter with torch + transformers for the generate reference "
@@ -38,11 +40,11 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                            "loadavg_start": os.getloadavg()}, "quick": args.quick}
-    if args.only == "rollout":
-        results["rollout"] = rollout.run(quick=args.quick)
+    if args.only:
+        results[args.only] = {"rollout": rollout.run, "rollout-chunks": rollout.chunk_lengths}[args.only](args.quick)
         results["machine"]["loadavg_end"] = os.getloadavg()
         results["seconds"] = time.perf_counter() - start
-        print(f"[rollout: {results['seconds']:.0f}s, load average {results['machine']['loadavg_start'][0]:.1f} | "
+        print(f"[{args.only}: {results['seconds']:.0f}s, load average {results['machine']['loadavg_start'][0]:.1f} | "
               f"{results['machine']['loadavg_end'][0]:.1f} on {os.cpu_count()} cpus]", flush=True)
         if args.out:
             with open(args.out, "w") as f:

@@ -39,3 +39,12 @@ def test_device_script_rollout_mode_dry_runs_on_cpu_and_refuses_a_full_run_witho
     assert [line.split()[1] for line in result.stdout.splitlines()] == ["long-tail", "shared-prompt"]
     refused = sh("--rollout")
     assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0 and "accelerator" in refused.stderr
+
+
+def test_quick_chunk_length_benchmark_times_each_chunk_length_against_the_default_and_the_static_side():
+    results = run.main(["rollout-chunks", "--quick"])["rollout-chunks"]
+    for name, ks in (("demo-long", rollout.QUICK["chunks"]["demo"]), ("full-batch", rollout.QUICK["chunks"]["full"])):
+        rows = {r["side"]: r for r in results if r["workload"] == name}
+        assert list(rows) == ["static", *(f"K={k}" for k in ks)]
+        default = rows[f"K={rows['static']['default_chunk']}"]
+        assert default["vs_default"] == 1.0 and all(r["seconds"] > 0 for r in rows.values())
