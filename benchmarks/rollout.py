@@ -98,22 +98,26 @@ def run_static(sample, params, tokens, mask, group: int, batch: int, seed: int) 
     return out
 
 
+def alternating(sides: dict[str, Callable], rounds: int) -> tuple[dict[str, list[float]], dict[str, object]]:
+    """Each side's seconds per round, the order of the sides reversed every other round, and each
+    side's last output."""
+    seconds, outputs = {label: [] for label in sides}, {}
+    for r in range(rounds):
+        for label, fn in (list(sides.items()) if r % 2 == 0 else list(sides.items())[::-1]):
+            t0 = time.perf_counter()
+            outputs[label] = fn()
+            seconds[label].append(time.perf_counter() - t0)
+    return seconds, outputs
+
+
 def side_by_side(static, engine, rounds: int, static_warmup=None) -> tuple[list[float], list[float], object, object]:
     """Each side's seconds per round (a warm-up round first, untimed: `static_warmup` if given, a
     shorter run that compiles the same program); the order alternates. Returns each side's last
     output too."""
     (static_warmup or static)()
     engine()  # compiles (the prefill programs used depend on the whole run)
-    static_out = engine_out = None
-    times = {"static": [], "engine": []}
-    for r in range(rounds):
-        order = [("static", static), ("engine", engine)]
-        for name, fn in (order if r % 2 == 0 else order[::-1]):
-            t0 = time.perf_counter()
-            result = fn()
-            times[name].append(time.perf_counter() - t0)
-            static_out, engine_out = (result, engine_out) if name == "static" else (static_out, result)
-    return times["static"], times["engine"], static_out, engine_out
+    seconds, outputs = alternating({"static": static, "engine": engine}, rounds)
+    return seconds["static"], seconds["engine"], outputs["static"], outputs["engine"]
 
 
 def long_tail(s: dict) -> dict:
@@ -244,12 +248,7 @@ def chunk_lengths(quick: bool = False) -> list[dict]:
         sides = {"static": static, **{f"K={k}": engine_side(k) for k in ks}}
         for fn in sides.values():
             fn()  # compiles
-        seconds = {label: [] for label in sides}
-        for r in range(s["rounds"]):
-            for label, fn in (list(sides.items()) if r % 2 == 0 else list(sides.items())[::-1]):
-                t0 = time.perf_counter()
-                fn()
-                seconds[label].append(time.perf_counter() - t0)
+        seconds, _ = alternating(sides, s["rounds"])
         medians = {label: statistics.median(t) for label, t in seconds.items()}
         for label, m in medians.items():
             out.append({"workload": name, "side": label, "seconds": m, "default_chunk": default,
