@@ -74,8 +74,8 @@ def random_prompts(n: int, length: int, vocab: int, low: int, seed: int) -> tupl
 
 
 def group_list(tokens, mask, seed: int) -> list[PromptGroup]:
-    base = jax.random.key(seed)
-    return [PromptGroup(i, tokens[i], mask[i], jax.random.fold_in(base, i)) for i in range(len(tokens))]
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), np.arange(len(tokens)))  # one dispatch
+    return [PromptGroup(i, tokens[i], mask[i], key) for i, key in enumerate(keys)]
 
 
 def run_engine(engine: JaxEngine, groups: list[PromptGroup]) -> list:

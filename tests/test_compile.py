@@ -29,10 +29,13 @@ def test_compile_on_the_local_devices_reports_the_demo_programs(tmp_path, capsys
     assert "train step" in printed and "rollout sampler (64 rows)" in printed and "eval sampler (128 rows)" in printed
     report = json.loads(out.read_text())
     assert report["target"] == "local" and report["fits"] is None  # a CPU has no HBM limit
-    train, rollout, evaluation, prefill, decode = report["programs"]
-    # The rollout engine's programs: a pool of 64 slots (the rollout rows) and its prefill of
-    # the most prompts one call takes (64 / G = 8 groups + 1 entries: 8).
-    assert (prefill["name"], decode["name"]) == ("engine prefill (8 prompts)", "engine decode chunk (64 slots)")
+    train, rollout, evaluation, prefill, start, decode = report["programs"]
+    # The rollout engine's programs: a pool of 64 slots (the rollout rows), its prefill of the
+    # most prompts one call takes (64 / G = 8 groups + 1 entries: 8), and its start of 8 whole
+    # groups straight into the pool.
+    assert (prefill["name"], start["name"], decode["name"]) == (
+        "engine prefill (8 prompts)", "engine start (8 prompts into 64 slots)", "engine decode chunk (64 slots)")
+    assert start["alias"] > 0  # the pool is donated
     assert decode["argument"] > report["kv_cache"] and decode["alias"] > 0  # the pool, cache included, is donated
     assert train["name"] == "train step" and train["argument"] > 0 and train["temp"] > 0 and train["flops"] > 0
     assert train["total"] == train["argument"] + train["output"] - train["alias"] + train["temp"]
@@ -128,7 +131,8 @@ def test_a_tiny_config_compiles_for_a_tpu_slice(tmp_path):
     assert report["libtpu"] == libtpu_version() and report["fits"] is True
     assert report["mesh"].startswith("data=1 fsdp=8 tensor=1")
     names = [p["name"] for p in report["programs"]]
-    assert names[-2:] == ["engine prefill (8 prompts)", "engine decode chunk (64 slots)"], names
+    assert names[-3:] == ["engine prefill (8 prompts)", "engine start (8 prompts into 64 slots)",
+                          "engine decode chunk (64 slots)"], names
 
 
 @needs_libtpu
@@ -144,7 +148,8 @@ def test_a_multi_host_slice_compiles_each_hosts_engine_on_its_own_chips(tmp_path
     assert main(["compile", DEMO, "--topology", "v5e-16", "mesh.fsdp=-1", "distributed.enabled=true",
                  "train.prompts_per_step=16", "--json", str(out)]) == 0
     names = [p["name"] for p in json.loads(out.read_text())["programs"]]
-    assert names[-2:] == ["engine prefill (4 prompts, each host on its 4 devices)",
+    assert names[-3:] == ["engine prefill (4 prompts, each host on its 4 devices)",
+                          "engine start (4 prompts into 32 slots, each host on its 4 devices)",
                           "engine decode chunk (32 slots, each host on its 4 devices)"], names
 
 

@@ -152,6 +152,24 @@ def test_a_prompt_is_prefilled_once_per_group_and_its_rows_draw_apart():
     assert engine.pool.cache.k[0].nbytes * 2 * CFG.n_layers == pool_cache_bytes(CFG, 8, P, N)
 
 
+def test_the_engines_shortcuts_change_no_row():
+    """Whole groups prefilled straight into their slots, narrow chunks while the pool drains,
+    one cache column per step for rows in step, and long chunks when nothing waits: with all four
+    off, every group goes through a prefix entry and every chunk runs on the whole pool, and the
+    rows are the same."""
+    engine, done, _ = one_version_run()
+    plain = sampled_engine()
+    plain.start_whole_groups = plain.narrow_drain = plain.lockstep_writes = plain.long_drain_chunks = False
+    plain.submit(groups(np.tile(PROMPT, (4, 1)), np.tile(PROMPT_MASK, (4, 1))))
+    plain_done, _ = drain(plain)
+    for field in ("tokens", "attention_mask", "completion_mask"):
+        np.testing.assert_array_equal(stacked(done, field), stacked(plain_done, field), err_msg=field)
+    np.testing.assert_allclose(stacked(done, "logprobs"), stacked(plain_done, "logprobs"), atol=1e-5)
+    assert 0 < engine.stats.entry_groups < len(done) == plain.stats.entry_groups, "both ways of starting a group"
+    assert engine.stats.narrow_chunks > 0 == plain.stats.narrow_chunks
+    assert engine.stats.prefill_rows == plain.stats.prefill_rows == len(done)
+
+
 @functools.lru_cache(maxsize=None)
 def weights(version):
     return params_for(version)[1] if version else PARAMS

@@ -177,11 +177,14 @@ class StreamingActor:
         return rows, stats
 
     def _submit(self, numbers: Sequence[int]) -> None:
+        if not numbers:
+            return
+        where = np.asarray([self._where(k) for k in numbers], np.int32)  # [n, 2]: (actor step, prompt)
+        fold = lambda step, prompt: jax.random.fold_in(jax.random.fold_in(self._base_key, step), prompt)
+        keys = jax.vmap(fold)(where[:, 0], where[:, 1])  # one dispatch, not two a group
         groups = []
-        for k in numbers:
-            step, prompt = self._where(k)
+        for k, (step, prompt), key in zip(numbers, where.tolist(), keys):
             tokens, mask = self.task.encode_prompts([self._batch(step)[prompt]])
-            key = jax.random.fold_in(jax.random.fold_in(self._base_key, step), prompt)
             groups.append(PromptGroup(tag=k, tokens=tokens[0], mask=mask[0], key=key))
             self._in_flight.append(k)
             self._started = max(self._started, k + 1)

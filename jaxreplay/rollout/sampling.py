@@ -87,30 +87,38 @@ def argmax(x: jax.Array) -> jax.Array:
     return index
 
 
-def categorical(key: jax.Array, logp: jax.Array) -> jax.Array:
+def categorical(rng: jax.Array, logp: jax.Array) -> jax.Array:
     """[B] int32: one draw from each row of log-probabilities `logp` [B, V], by inverse CDF in
     two levels: a block of about sqrt(V) tokens by its probability mass, then a token within
-    it, from two uniforms per row (`key`: one key, or typed keys [B], one per row). Gumbel-max
-    (jax.random.categorical) needs V random numbers and two logarithms per row. Tokens of probability 0 (filtered out: -inf) are never drawn."""
+    it, from two uniforms per row. `rng`: one key, typed keys [B] (one per row), or the
+    uniforms themselves [B, 2] (`uniforms`: drawn ahead, out of a decode loop). Gumbel-max
+    (jax.random.categorical) needs V random numbers and two logarithms per row. Tokens of
+    probability 0 (filtered out: -inf) are never drawn."""
     b, v = logp.shape
     width = 1 << math.ceil(math.log2(v) / 2)
     n_blocks = -(-v // width)
     probs = jnp.pad(jnp.exp(logp.astype(jnp.float32)), ((0, 0), (0, n_blocks * width - v)))
     probs = probs.reshape(b, n_blocks, width)
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 1:  # one key per row
-        u_block, u_token = jnp.moveaxis(jax.vmap(lambda k: jax.random.uniform(k, (2, 1)))(key), 1, 0)
-    else:
-        u_block, u_token = jax.random.uniform(key, (2, b, 1))
-    block = _inverse_cdf(probs.sum(axis=-1), u_block)
+    u = rng if jnp.issubdtype(rng.dtype, jnp.floating) else uniforms(rng, b)
+    block = _inverse_cdf(probs.sum(axis=-1), u[:, :1])
     within = jnp.take_along_axis(probs, block[:, None, None], axis=1)[:, 0]
-    return (block * width + _inverse_cdf(within, u_token)).astype(jnp.int32)
+    return (block * width + _inverse_cdf(within, u[:, 1:])).astype(jnp.int32)
+
+
+def uniforms(rng: jax.Array, rows: int) -> jax.Array:
+    """[rows, 2] f32: the two uniforms `categorical` draws each row's token with, from one key
+    or from typed keys [rows] (one per row)."""
+    if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.ndim == 1:
+        return jax.vmap(lambda k: jax.random.uniform(k, (2, 1)))(rng)[..., 0]
+    return jnp.moveaxis(jax.random.uniform(rng, (2, rows, 1)), 0, 1)[..., 0]
 
 
 def choose_token(logits: jax.Array, rng: jax.Array, *, greedy: bool, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, live_vocab: int = 0) -> tuple[jax.Array, jax.Array]:
     """[B, V] logits -> (token [B] int32, its log-prob [B] under the sampling distribution): the
     draw of every sampler. `greedy` takes the argmax and reports temperature-1 log-probs. `rng` is
-    one key, or one typed key per row ([B]: the rollout engine's rows draw independently).
+    one key, one typed key per row ([B]: the rollout engine's rows draw independently), or the
+    rows' uniforms [B, 2] (`uniforms`).
     `live_vocab` > 0: ids from it on (an embedding padded past the tokenizer) are never drawn."""
     if greedy:
         logits = mask_padded(logits.astype(jnp.float32), live_vocab)

@@ -261,13 +261,14 @@ def _engine_placement(c: Config, mesh, topology: Optional[str], devices, abstrac
 
 def _engine_programs(graphdef, c: Config, mesh, params, slots: int, engine_held: int, p_len: int, held: int,
                      log) -> list[Program]:
-    """The rollout engine's prefill (its largest call) and decode chunk (at the full window:
-    every slot P + N columns) with its pool of `slots`, laid out as the engine lays it out
+    """The rollout engine's prefill into prefix entries and its start of whole groups straight
+    into slots (each at its largest call), and its decode chunk (at the full window: every slot
+    P + N columns), with its pool of `slots`, laid out as the engine lays it out
     (`engine.state_shardings`)."""
     from jaxreplay.rollout import engine
 
     s = c.sampling
-    prefill, _, decode = engine.programs(
+    programs = engine.programs(
         graphdef, c.model, group_size=c.train.group_size, prompt_len=p_len, max_new_tokens=s.max_new_tokens,
         chunk_steps=ENGINE_CHUNK_STEPS, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
         kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size)
@@ -278,15 +279,23 @@ def _engine_programs(graphdef, c: Config, mesh, params, slots: int, engine_held:
     pool, prefixes = jax.tree.map(place, pool, pool_at), jax.tree.map(place, prefixes, prefixes_at)
     rep = sharding.replicated(mesh)
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-    per_prompt = lambda dtype, *shape: jax.ShapeDtypeStruct((n, *shape), dtype, sharding=rep)
+    per_prompt = lambda dtype, *shape, n=n: jax.ShapeDtypeStruct((n, *shape), dtype, sharding=rep)
+    g = c.train.group_size
+    whole = 1 << (max(slots // g, 1).bit_length() - 1)  # the most groups one start call takes
+    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), whole))
     width = p_len + s.max_new_tokens
     held += engine_held
     where = f", each host on its {mesh.devices.size} devices" if engine_held else ""  # multi-host
     return [
-        dataclasses.replace(_compiled(f"engine prefill ({n} prompts{where})", prefill, (
+        dataclasses.replace(_compiled(f"engine prefill ({n} prompts{where})", programs.prefill, (
             params, prefixes, per_prompt(jnp.int32, p_len), per_prompt(jnp.bool_, p_len), per_prompt(jnp.int32),
             scalar), held, log), flops=None),
-        dataclasses.replace(_compiled(f"engine decode chunk ({slots} slots{where})", decode, (
+        dataclasses.replace(_compiled(f"engine start ({whole} prompts into {whole * g} slots{where})",
+                                      programs.start, (
+            params, pool, per_prompt(jnp.int32, p_len, n=whole), per_prompt(jnp.bool_, p_len, n=whole),
+            jax.ShapeDtypeStruct((whole * g,), jnp.int32, sharding=rep), place(keys, rep), scalar), held, log),
+            flops=None),
+        dataclasses.replace(_compiled(f"engine decode chunk ({slots} slots{where})", programs.decode, (
             width, False, params, pool, jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=rep), scalar, scalar),
             held, log),
             flops=None),
