@@ -14,7 +14,9 @@ Three workloads (issue 30), one line each, in this order:
                  (8 x G = 8) sampled, scored and made into replay rows, as the actor does.
                  Unit: rollouts per second.
 Then `full-batch`: the sampler benchmark's batch 64 (32 + 128 tokens, no stop, G = 1), every
-slot busy: the engine's per-token speed must not fall below the static sampler's there.
+slot busy: the engine's per-token speed must not fall below the static sampler's there. Its
+static side is timed twice a round; `static_vs_itself` (the second median over the first) is
+the noise its ratio is read against.
 Each round times one side then the other (which goes first alternates); each side's figure is
 the median over rounds, after a warm-up round that compiles. `ratio` = engine / static; `load`
 is the 1-minute load average as the line is printed (the machine's noise).
@@ -230,11 +232,16 @@ def full_batch_sides(s: dict) -> tuple[int, Callable, Callable[[int], Callable]]
 
 
 def full_batch(s: dict) -> dict:
-    """Per-token speed with every slot busy: the engine's must not fall below the static sampler's."""
+    """Per-token speed with every slot busy: the engine's must not fall below the static sampler's.
+    The static side is timed twice in each round, as two sides: how far apart its two medians
+    are (`static_vs_itself`) is the noise a ratio near 1 has to be read against."""
     n, static, engine_side = full_batch_sides(s)
-    static_s, engine_s, _, _ = side_by_side(static, engine_side(s["full"]["chunk"]), s["rounds"])
+    engine = engine_side(s["full"]["chunk"])
+    static(), engine()  # compiles
+    seconds, _ = alternating({"static": static, "engine": engine, "static again": static}, s["rounds"])
+    static_s, engine_s, again_s = seconds["static"], seconds["engine"], seconds["static again"]
     return _line("full-batch", "tok/s", n / statistics.median(static_s), n / statistics.median(engine_s),
-                 static_s, engine_s)
+                 static_s, engine_s, static_vs_itself=statistics.median(again_s) / statistics.median(static_s))
 
 
 def chunk_lengths(quick: bool = False) -> list[dict]:
@@ -266,8 +273,9 @@ def _line(name: str, unit: str, static: float, engine: float, static_s, engine_s
 def line(r: dict) -> str:
     """`rollout NAME static=... engine=... UNIT ratio=...`: the printed form."""
     more = "".join(f" {k}={r[k]:.1f}" for k in ("mean_len_static", "mean_len_engine") if k in r)
+    noise = f" static_vs_itself={r['static_vs_itself']:.2f}" if "static_vs_itself" in r else ""
     return (f"rollout {r['workload']} static={r['static']:.1f} engine={r['engine']:.1f} {r['unit']} "
-            f"ratio={r['ratio']:.2f} (medians of {len(r['static_seconds'])} rounds{more}, load {r['load']:.1f})")
+            f"ratio={r['ratio']:.2f}{noise} (medians of {len(r['static_seconds'])} rounds{more}, load {r['load']:.1f})")
 
 
 def run(quick: bool = False) -> list[dict]:

@@ -21,6 +21,7 @@ def test_quick_rollout_benchmark_prints_one_line_a_workload_in_order_then_the_fu
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rollout ")]
     assert [line.split()[1] for line in printed] == names and all(" ratio=" in line for line in printed)
     assert 0 < results["rollout"][0]["mean_len_engine"] <= rollout.QUICK["tail"]["cap"]
+    assert results["rollout"][-1]["static_vs_itself"] > 0 and " static_vs_itself=" in printed[-1]
     assert set(rollout.FULL) == set(rollout.QUICK), "the full run has every workload's sizes"
 
 

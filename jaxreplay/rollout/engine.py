@@ -152,11 +152,11 @@ class JaxEngine:
 
     Settings as `sampling.make_sampler` (same draw, same model code; ids from `live_vocab` on,
     the embedding's padding past the tokenizer, are never drawn). Between chunks, in this
-    order: queued groups are prefilled (in submission order, while their rows would find free
-    slots) into prefix entries; waiting rows are placed in the lowest free slots, each drawing
-    its first token from its prompt's logits; one chunk decodes; rows that stopped leave their
-    slots, and a group whose G rows have all stopped is complete. A group's rows may start in
-    different chunks; each row's slot is freed as soon as it stops.
+    order: queued groups start in submission order (`_start_queued`), each row in the lowest free
+    slot, drawing its first token from its prompt's logits; one chunk decodes; rows that stopped
+    leave their slots, and a group whose G rows have all stopped is complete. A group that only
+    partly fits waits in a prefix entry, so its rows may start in different chunks; each row's
+    slot is freed as soon as it stops.
     """
 
     def __init__(self, graphdef, model_cfg: ModelConfig, params, *, slots: int, group_size: int, prompt_len: int,
