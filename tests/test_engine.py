@@ -246,7 +246,6 @@ def test_padded_vocabulary_ids_are_never_drawn_greedy_or_sampled():
         assert (drawn[greedy, live] < live).all(), f"greedy={greedy}: a padded id was drawn"
 
 
-
 def test_copying_stopped_rows_out_compiles_one_program_per_power_of_two_not_per_count():
     """However many rows stop in a chunk, they leave the pool through one of log2(S) + 1 gather
     programs: one program per count would be compiled mid-run, again whenever a new count comes."""

@@ -131,9 +131,9 @@ class _Group:
 class EngineStats:
     """Counters a test or benchmark reads. `prefill_rows` counts prompt rows the prefill program
     ran through the model (one per group: its rows share it); `entry_groups` the groups that
-    waited for slots in a prefix entry (the rest went straight into theirs); `decode_steps` counts pool steps;
-    `narrow_chunks` the chunks run on fewer than S slots (the pool draining); `cache_columns`
-    sums, over steps, rows x window columns attended (what a step reads of the cache)."""
+    waited for slots in a prefix entry (the rest went straight into theirs); `decode_steps`
+    counts pool steps; `narrow_chunks` the chunks run on fewer than S slots (the pool draining);
+    `cache_columns` sums, over steps, rows x window columns attended (what a step reads of the cache)."""
 
     prefill_rows: int = 0
     prefill_calls: int = 0
@@ -609,8 +609,8 @@ def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int,
     # So are its keys: step k's draw uses fold_in(row key, emitted + k). Drawn here in one batch,
     # the uniforms cost a few percent less than a fold_in and a draw per row inside every step
     # (greedy decoding never reads them, and XLA drops them).
-    ahead = jax.vmap(lambda key, e: uniforms(jax.vmap(lambda t: jax.random.fold_in(key, t))(e + jnp.arange(k_max)),
-                                             k_max))(pool.keys, pool.emitted)  # [b, k_max, 2]
+    step_keys = jax.vmap(jax.vmap(jax.random.fold_in, (None, 0)))(pool.keys, pool.emitted[:, None] + jnp.arange(k_max))
+    ahead = uniforms(step_keys.reshape(-1), step_keys.size).reshape(*step_keys.shape, 2)  # [b, k_max, 2]
 
     def step(carry):
         k, pool, window = carry
