@@ -121,8 +121,17 @@ class TaskConfig:
     # start teaches the format (its sloppy teacher writes every carry in as 0). 10·max_digits + 2 tokens:
     # `sampling.max_new_tokens` must hold them
     scratchpad: bool = False
-    # held-out problems, never drawn for training
+    # held-out problems of the test split (`eval/accuracy`, `jaxreplay eval`), never drawn for training: every
+    # reported number comes from it
     eval_size: int = 256
+    # problems of a validation split, disjoint from the test split and never drawn for training, scored at every
+    # evaluation beside it (`eval/validation_accuracy`): what learning rates are chosen on (0 = none). Datasets take
+    # it from the end of the training split
+    validation_size: int = 0
+    # a finite training pool of this many problems, visited in epochs in a seeded order, so prompts repeat as they
+    # do in GSM8K or MATH (0 = generated tasks draw fresh problems forever; datasets use their whole training
+    # split). The pool is fixed by task.data_seed, its order by run.seed
+    train_size: int = 0
     # seed of the eval set
     data_seed: int = 1234
     # local files: a pattern with `{split}` for the split name ending in `.parquet` or `.jsonl` (glob wildcards
@@ -802,7 +811,8 @@ RANGES: dict[str, Interval] = {
     "model.max_seq_len": POSITIVE, "model.rope_theta": POSITIVE, "model.rope_scaling_factor": Interval(1),
     "model.rope_low_freq_factor": POSITIVE, "model.rope_high_freq_factor": POSITIVE,
     "model.rope_original_max_len": POSITIVE, "model.norm_eps": POSITIVE,
-    "task.eval_size": POSITIVE, "task.data_seed": NON_NEGATIVE,
+    "task.eval_size": POSITIVE, "task.data_seed": NON_NEGATIVE, "task.validation_size": NON_NEGATIVE,
+    "task.train_size": NON_NEGATIVE,
     "warmstart.steps": NON_NEGATIVE, "warmstart.batch_size": POSITIVE, "warmstart.learning_rate": POSITIVE,
     "warmstart.teacher_carry_error": Interval(0, 1),
     # Below ~1e-3, logits / temperature overflow float32 and sampling turns to NaN.

@@ -147,3 +147,78 @@ def test_scratchpad_settings_are_validated_by_the_task(overrides, key):
     load_config(None, base)
     with pytest.raises(ConfigError, match=rf"^{key}: "):
         load_config(None, base + overrides)
+
+
+def test_a_product_scratchpad_writes_each_partial_product_and_the_running_sum():
+    p = Problem(347, "*", 26, width=3, reverse=True, scratchpad=True)
+    assert p.completion == "6*2802=280200,2*4960=220900,0*0000=220900:2209"
+    assert p.value == 9022
+    t = task(min_digits=3, max_digits=3, operations=("*",), scratchpad=True)
+    assert t.answer_len == 3 * (3 * 3 + 5) + 6 + 1  # rows, a six-digit answer, EOS
+    longest = Problem(999, "*", 999, width=3, reverse=True, scratchpad=True)
+    assert len(longest.completion) + 1 == t.answer_len
+
+
+def test_the_sloppy_teacher_drops_the_carries_of_each_digit_product():
+    p = Problem(347, "*", 26, width=3, reverse=True, scratchpad=True)
+    # 347 * 6 without carries: 3*6=18 -> 8, 4*6=24 -> 4, 7*6=42 -> 2: 842; 347 * 2: 684 -> shifted 6840
+    assert p.carry_free_completion == "6*2480=248000,2*4860=286700,0*0000=286700:2867"
+    assert p.carry_free_answer == "2867" != p.answer
+    assert Problem(111, "*", 3, width=3, reverse=True, scratchpad=True).carry_free_answer == "333"
+
+
+def test_product_rewards_read_the_answer_after_the_scratchpad():
+    t = task(min_digits=3, max_digits=3, operations=("*",), scratchpad=True)
+    p = Problem(347, "*", 26, width=3, reverse=True, scratchpad=True)
+    reward = lambda text: t.reward(p, t.tokenizer.encode(text) + [t.tokenizer.EOS])  # noqa: E731
+    assert reward(p.completion) == 1.0
+    assert reward(p.carry_free_completion) == 0.0
+    assert reward("1*0000=000000:2209") == 1.0  # a wrong scratchpad with the right answer still scores
+
+
+def test_test_validation_and_training_pool_are_disjoint_and_fixed_by_the_data_seed():
+    kw = dict(min_digits=3, max_digits=3, operations=("*",), eval_size=300, validation_size=200, train_size=500)
+    t = task(**kw)
+    test, val, pool = set(t.eval_problems), set(t.validation_problems), set(t._pool.items)
+    assert (len(test), len(val), len(pool)) == (300, 200, 500)
+    assert not test & val and not pool & (test | val)
+    again = task(**kw)
+    assert again.eval_problems == t.eval_problems and again.validation_problems == t.validation_problems
+    assert task(**{**kw, "data_seed": 7}).validation_problems != t.validation_problems
+    # adding a validation split or a pool leaves the test split as it was: earlier results stay comparable
+    assert task(**{**kw, "validation_size": 0, "train_size": 0}).eval_problems == t.eval_problems
+
+
+def test_a_finite_pool_is_visited_once_per_epoch_in_an_order_set_by_the_run_seed():
+    t = task(min_digits=2, max_digits=2, eval_size=64, validation_size=64, train_size=96)
+    epoch = [p for i in range(12) for p in t.train_problems(seed=3, index=i, n=8)]
+    assert sorted(epoch, key=str) == sorted(t._pool.items, key=str)  # 12 x 8 = one epoch: each problem once
+    second = [p for i in range(12, 24) for p in t.train_problems(seed=3, index=i, n=8)]
+    assert set(second) == set(epoch) and second != epoch  # the next epoch: the same problems, reshuffled
+    assert t.train_problems(3, 5, 8) == task(min_digits=2, max_digits=2, eval_size=64, validation_size=64,
+                                             train_size=96).train_problems(3, 5, 8)  # a pure function
+    assert [p for i in range(12) for p in t.train_problems(seed=4, index=i, n=8)] != epoch
+    held_out = set(t.eval_problems) | set(t.validation_problems)
+    assert not held_out & set(epoch)
+
+
+def test_the_endless_stream_never_draws_a_validation_problem():
+    t = task(min_digits=1, max_digits=1, eval_size=20, validation_size=20)
+    drawn = {p for i in range(50) for p in t.train_problems(0, i, 16)}
+    assert not drawn & (set(t.eval_problems) | set(t.validation_problems))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["task.operations=['+','*']"], "task.scratchpad"),
+    (["sampling.max_new_tokens=48"], "sampling.max_new_tokens"),
+    (["task.train_size=400000"], "task.train_size"),
+    (["task.validation_size=998200"], "task.eval_size"),
+])
+def test_product_scratchpad_and_split_sizes_are_validated_by_the_task(overrides, key):
+    from jaxreplay.config import ConfigError, load_config
+
+    base = ["task.scratchpad=true", "task.operations=['*']", "task.min_digits=3", "task.max_digits=3",
+            "model.max_seq_len=64", "sampling.max_new_tokens=49", "task.eval_size=1024"]
+    load_config(None, base)
+    with pytest.raises(ConfigError, match=rf"^{key}: "):
+        load_config(None, base + overrides)

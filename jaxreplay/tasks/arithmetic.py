@@ -1,10 +1,12 @@
 """The embedded default task: integer arithmetic with an exact-match reward.
 
 Generated in-process, so the demo needs no download. With `task.scratchpad` an addition
-is worked column by column before the answer: completions of 10 tokens per digit, for a
-demo whose generation is long (configs/demo_long.yaml). Problems are drawn from a
-seeded stream indexed by the actor step (resuming is just remembering the step);
-a fixed held-out eval set is never drawn for training.
+is worked column by column before the answer (10 tokens per digit, for a demo whose
+generation is long: configs/demo_long.yaml), and a multiplication writes each partial
+product and the running sum (configs/testbed_mul.yaml). Problems are drawn from a seeded
+stream indexed by the actor step (resuming is just remembering the step), or with
+`task.train_size` from a finite pool visited in epochs. The test split (`eval_size`) and the
+validation split (`validation_size`) are fixed by `data_seed` and never drawn for training.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import operator
 import numpy as np
 
 from jaxreplay.config import Config, ConfigError, TaskConfig
+from jaxreplay.tasks.base import EpochPool
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 MAX_DIGITS = 9
@@ -39,17 +42,23 @@ def validate_config(c: Config) -> None:
     for i, op in enumerate(t.operations):
         require(op in _OPS, f"task.operations[{i}]", f"{op[:20]!r} is not one of {', '.join(_OPS)}")
     if t.scratchpad:
-        require(set(t.operations) == {"+"}, "task.scratchpad", "works columns of additions only: set task.operations "
-                "to [\"+\"]")
+        require(set(t.operations) in ({"+"}, {"*"}), "task.scratchpad",
+                "works additions (columns) or multiplications (partial products), one at a time: set "
+                "task.operations to [\"+\"] or [\"*\"]")
         need = completion_length(t)
         require(c.sampling.max_new_tokens >= need, "sampling.max_new_tokens",
                 f"{c.sampling.max_new_tokens} cannot hold a worked {t.max_digits}-digit addition: task.scratchpad "
                 f"needs {need} tokens")
     n = problem_count(t)
-    require(t.eval_size < n, "task.eval_size",
-            f"{t.eval_size} held-out problems would take all {n} problems of {t.min_digits} to {t.max_digits} "
-            f"digits with {', '.join(dict.fromkeys(t.operations))}, leaving none to train on: lower task.eval_size "
-            f"below {n} or raise task.max_digits")
+    held_out = t.eval_size + t.validation_size
+    require(held_out < n, "task.eval_size",
+            f"{held_out} held-out problems (task.eval_size + task.validation_size) would take all {n} problems of "
+            f"{t.min_digits} to {t.max_digits} digits with {', '.join(dict.fromkeys(t.operations))}, leaving none to "
+            f"train on: lower them below {n} or raise task.max_digits")
+    # Drawing distinct problems stops after 50 draws per problem wanted: far fewer than the space holds.
+    require(held_out + t.train_size <= n // 4, "task.train_size",
+            f"{t.train_size} training problems beside {held_out} held-out ones need more than a quarter of the "
+            f"{n} distinct problems the digit settings give: lower task.train_size or raise task.max_digits")
 
 
 def problem_count(config: TaskConfig) -> int:
@@ -61,9 +70,11 @@ def problem_count(config: TaskConfig) -> int:
 def completion_length(config: TaskConfig) -> int:
     """Tokens of the longest correct completion, EOS included: the (reversed) answer with its
     sign, after the worked columns with `scratchpad` (9 tokens a column, the last one's ':')."""
-    ops = config.operations
-    digits = 2 * config.max_digits if "*" in ops else config.max_digits + 1
-    worked = 9 * config.max_digits if config.scratchpad else 0
+    ops, width = config.operations, config.max_digits
+    digits = 2 * width if "*" in ops else width + 1
+    worked = 0
+    if config.scratchpad:  # "d*PPPP=SSSSSS" a row for products (partial w+1 digits, sum 2w), "a+b+c=ss" for sums
+        worked = width * (3 * width + 5) if "*" in ops else 9 * width
     return worked + digits + ("-" in ops) + 1
 
 
@@ -119,8 +130,11 @@ class Problem:
 
     With `reverse` the answer is written least significant digit first (sign last),
     the order in which carries flow: small transformers learn it far faster. With
-    `scratchpad` (additions) the completion works each column first: 456+789 writes
-    "6+9+0=15,5+8+1=14,4+7+1=12:" before its answer.
+    `scratchpad` the completion works the problem first. An addition works each column:
+    456+789 writes "6+9+0=15,5+8+1=14,4+7+1=12:" before its answer. A multiplication
+    writes, for each digit of b (least significant first), a times that digit and the
+    running sum of the shifted partial products, both reversed and zero-padded:
+    347*026 writes "6*2802=280200,2*4960=220900,0*0000=220900:" before its answer.
     """
 
     a: int
@@ -160,9 +174,11 @@ class Problem:
         return answer if colon else ""
 
     def _worked(self, carries: bool) -> str:
-        """One `a+b+carry=sum` per column of the zero-padded operands, least significant first."""
+        """The scratchpad: columns of a sum, or partial products of a product (`_rows`)."""
         if not self.scratchpad:
             return ""
+        if self.op == "*":
+            return self._rows(carries)[0]
         a, b, carry, columns = self.a, self.b, 0, []
         for _ in range(self.width):
             total = a % 10 + b % 10 + carry
@@ -170,9 +186,25 @@ class Problem:
             a, b, carry = a // 10, b // 10, total // 10 if carries else 0
         return ",".join(columns) + ":"
 
+    def _rows(self, carries: bool) -> tuple[str, int]:
+        """A product's rows, one per digit d of b, least significant first: `d*P=S` with P = a·d
+        (every digit product's carry dropped when not `carries`) and S the running sum of the
+        shifted partials, both reversed and zero-padded; and the sum they end at."""
+        width, b, total, rows = self.width, self.b, 0, []
+        for place in range(width):
+            digit = b % 10
+            partial = self.a * digit if carries else _carry_free_times(self.a, digit)
+            total += partial * 10 ** place
+            rows.append(f"{digit}*{_reversed(partial, width + 1)}={_reversed(total, 2 * width)}")
+            b //= 10
+        return ",".join(rows) + ":", total
+
     @property
     def carry_free_answer(self) -> str:
-        """The classic slip: every column summed mod 10, carries forgotten (addition only)."""
+        """The classic slip: carries forgotten. A sum's columns are added mod 10; a product's
+        partial products drop their digit products' carries (the rows still add up)."""
+        if self.op == "*":
+            return self._write(self._rows(carries=False)[1])
         if self.op != "+":
             return self.answer
         a, b, total, place = self.a, self.b, 0, 1
@@ -187,6 +219,20 @@ class Problem:
         return str(abs(v))[::-1] + ("-" if v < 0 else "")
 
 
+def _reversed(value: int, width: int) -> str:
+    """`value` zero-padded to `width` digits, least significant first."""
+    return f"{value:0{width}d}"[::-1]
+
+
+def _carry_free_times(a: int, digit: int) -> int:
+    """a · digit with every digit product's carry dropped: each digit of a becomes (a_i · digit) mod 10."""
+    out, place = 0, 1
+    while a:
+        out += (a % 10 * digit % 10) * place
+        a, place = a // 10, place * 10
+    return out
+
+
 class ArithmeticTask:
     """Prompts, rewards, supervised examples and the held-out eval set."""
 
@@ -195,9 +241,14 @@ class ArithmeticTask:
         self.tokenizer = CharTokenizer()
         self.prompt_len = prompt_length(config)
         self.answer_len = completion_length(config)
-        eval_rng = np.random.default_rng([config.data_seed, 0xE7A1])
-        self.eval_problems = self._unique_problems(eval_rng, config.eval_size)
-        self._held_out = frozenset(self.eval_problems)
+        self.eval_problems = self._unique_problems(np.random.default_rng([config.data_seed, 0xE7A1]),
+                                                   config.eval_size)
+        self.validation_problems = self._unique_problems(np.random.default_rng([config.data_seed, 0x5A1D]),
+                                                         config.validation_size, exclude=set(self.eval_problems))
+        self._held_out = frozenset(self.eval_problems) | frozenset(self.validation_problems)
+        self._pool = EpochPool(self._unique_problems(np.random.default_rng([config.data_seed, 0x7001]),
+                                                     config.train_size, exclude=self._held_out)) \
+            if config.train_size else None
 
     # -- problem streams ---------------------------------------------------------
     def _draw(self, rng: np.random.Generator) -> Problem:
@@ -208,16 +259,20 @@ class ArithmeticTask:
         return Problem(a, str(rng.choice(list(c.operations))), b, width=c.max_digits, reverse=c.reverse_answer,
                        scratchpad=c.scratchpad)
 
-    def _unique_problems(self, rng: np.random.Generator, n: int) -> list[Problem]:
+    def _unique_problems(self, rng: np.random.Generator, n: int, exclude=frozenset()) -> list[Problem]:
         seen: dict[Problem, None] = {}
         for _ in range(50 * n):
-            seen.setdefault(self._draw(rng), None)
             if len(seen) == n:
                 break
+            if (p := self._draw(rng)) not in exclude:
+                seen.setdefault(p, None)
         return list(seen)
 
     def train_problems(self, seed: int, index: int, n: int) -> list[Problem]:
-        """The `index`-th batch of the training stream: deterministic, never an eval problem."""
+        """The `index`-th batch of training problems: from the pool's epochs with `train_size`, else
+        from an endless stream; deterministic, never a held-out problem."""
+        if self._pool is not None:
+            return self._pool.batch(seed, index, n)
         rng = np.random.default_rng([seed, index])
         out = []
         while len(out) < n:

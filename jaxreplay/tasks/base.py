@@ -42,7 +42,8 @@ class Tokenizer(Protocol):
 class Task(Protocol):
     tokenizer: Tokenizer
     prompt_len: int  # every encoded prompt is left-padded to this many tokens
-    eval_problems: Sequence[Any]  # held out: never drawn by `train_problems`
+    eval_problems: Sequence[Any]  # the test split: held out, never drawn by `train_problems`
+    validation_problems: Sequence[Any]  # held out too, disjoint from the test split; empty without one
 
     def train_problems(self, seed: int, index: int, n: int) -> list[Any]:
         """The `index`-th batch of n training problems: a pure function of its arguments."""
@@ -55,6 +56,35 @@ class Task(Protocol):
     def reward(self, problem: Any, completion_ids: Sequence[int]) -> float:
         """The reward of one completion (ids after the prompt); may raise on odd input."""
         ...
+
+
+class EpochPool:
+    """A finite training set visited in epochs, each in its own seeded order, so that batch
+    `index` is a pure function of (seed, index): resuming is remembering the step, and every
+    prompt comes back once per epoch, as a dataset's do."""
+
+    SALT = 0xDA7A
+
+    def __init__(self, items: Sequence[Any]):
+        if not items:
+            raise ValueError("an epoch pool needs at least one item")
+        self.items = list(items)
+        self._order: tuple[Any, Any] = (None, None)  # the latest epoch's (key, permutation)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def order(self, seed: int, epoch: int) -> np.ndarray:
+        if self._order[0] != (seed, epoch):
+            self._order = ((seed, epoch), np.random.default_rng([seed, epoch, self.SALT]).permutation(len(self.items)))
+        return self._order[1]
+
+    def batch(self, seed: int, index: int, n: int) -> list[Any]:
+        out = []
+        for j in range(index * n, (index + 1) * n):
+            epoch, position = divmod(j, len(self.items))
+            out.append(self.items[self.order(seed, epoch)[position]])
+        return out
 
 
 def score(task: Task, problems: Sequence[Any], completions: np.ndarray, group: int = 1) -> tuple[np.ndarray, int]:

@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxreplay import storage
 from jaxreplay.config import Config, ConfigError, TaskConfig
-from jaxreplay.tasks.base import ByteTokenizer, Tokenizer
+from jaxreplay.tasks.base import ByteTokenizer, EpochPool, Tokenizer
 from jaxreplay.tasks.rewards import REWARDS, get_reward
 
 log = logging.getLogger(__name__)
@@ -302,11 +302,20 @@ class DatasetTask:
         self.prompt_len = self.config.max_prompt_len
         self.reward_fn = get_reward(self.config.reward)
         self.skipped: dict[str, int] = {}
-        self._epoch: tuple = (None, None)
         c = self.config
         read = (lambda split: records[split]) if records is not None else (lambda split: read_records(c, split))
-        self.train_examples = self._encode(c.train_split, read(c.train_split)) if train else []
+        examples = self._encode(c.train_split, read(c.train_split)) if train or c.validation_size else []
         self.eval_problems = self._encode(c.eval_split, read(c.eval_split))[:c.eval_size]
+        self.train_examples, self.validation_problems = [], []
+        if examples:
+            if c.validation_size:
+                if c.validation_size >= len(examples):
+                    raise DatasetError(f"task.validation_size={c.validation_size} would take all {len(examples)} "
+                                       f"usable examples of split {c.train_split!r}, leaving none to train on")
+                examples, self.validation_problems = (examples[:-c.validation_size],
+                                                      examples[-c.validation_size:])
+            self.train_examples = examples[:c.train_size] if c.train_size else examples
+        self._pool = EpochPool(self.train_examples) if self.train_examples else None
 
     def _encode(self, split: str, records: Sequence[tuple[str, str]]) -> list[Example]:
         c = self.config
@@ -331,24 +340,12 @@ class DatasetTask:
                                f"longer than task.max_prompt_len={self.prompt_len})")
         return out
 
-    def _order(self, seed: int, epoch: int) -> np.ndarray:
-        """The seeded permutation of one epoch (the latest one is kept)."""
-        if self._epoch[0] != (seed, epoch):
-            self._epoch = ((seed, epoch), np.random.default_rng([seed, epoch, 0xDA7A]).permutation(
-                len(self.train_examples)))
-        return self._epoch[1]
-
     def train_problems(self, seed: int, index: int, n: int) -> list[Example]:
         """Batch `index` of the stream: each epoch visits every training example once, in a
         seeded order, so the stream is a pure function of (seed, index)."""
-        size = len(self.train_examples)
-        if not size:
+        if self._pool is None:
             raise RuntimeError("this task was made for evaluation only (train=False): it has no training split")
-        out = []
-        for j in range(index * n, (index + 1) * n):
-            epoch, position = divmod(j, size)
-            out.append(self.train_examples[self._order(seed, epoch)[position]])
-        return out
+        return self._pool.batch(seed, index, n)
 
     def encode_prompts(self, problems: Sequence[Example]) -> tuple[np.ndarray, np.ndarray]:
         tokens = np.full((len(problems), self.prompt_len), self.tokenizer.pad_id, np.int32)

@@ -37,6 +37,7 @@ from jaxreplay.train.accounting import Accounting, param_count
 from jaxreplay.train.calibrate import calibrated, measure_mu
 from jaxreplay.train.checkpoint import (
     CheckpointError, Checkpointer, DamagedStep, Progress, progress_of, write_failure, write_failure_message)
+from jaxreplay.train.eval import TEST_KEY
 from jaxreplay.train.guards import Preempted, PreemptionNotice
 from jaxreplay.train.placement import Placement, params_digest, placement_for
 from jaxreplay.train.recorder import CONFIG_FILE, RunRecorder, last_summary, resume_config, run_settings
@@ -380,9 +381,10 @@ def _run_state(stack, placement: Placement, run_dir: rundir.RunDir, start: float
 
 
 def _evaluate_at_start(run: Run, log: Callable[[str], None]) -> None:
-    run.progress.warmstart_accuracy = run.progress.eval_accuracy = run.evaluate()
+    scores = run.evaluate()
+    run.progress.warmstart_accuracy = run.progress.eval_accuracy = scores[TEST_KEY]
     if run.recorder:
-        run.recorder.write(0, {"eval/accuracy": run.progress.warmstart_accuracy})
+        run.recorder.write(0, scores)
     log(f"eval/accuracy at start: {run.progress.warmstart_accuracy:.3f}")
 
 

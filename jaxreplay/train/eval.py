@@ -32,11 +32,25 @@ PASS1_KEY = f"pass@1_t{PASS1_TEMPERATURE}"  # eval.json keys: "pass@1_t0.1", "pa
 PASSK_KEY = f"pass@k_t{PASSK_TEMPERATURE}"
 
 
-def evaluate(params, task: Task, greedy_sample_fn, stopping: Callable[[], Optional[int]] = lambda: None) -> float:
-    """Fraction of eval problems answered exactly; the last batch is padded, not reshaped.
-    `stopping` (guards.stop_poll) is asked before each batch: a stop signal ends the
-    evaluation there with `Preempted`, since a long one would outlast a preemption notice."""
-    problems = task.eval_problems
+TEST_KEY, VALIDATION_KEY = "eval/accuracy", "eval/validation_accuracy"
+
+
+def evaluations(params, task: Task, greedy_sample_fn,
+                stopping: Callable[[], Optional[int]] = lambda: None) -> dict[str, float]:
+    """Greedy accuracy on the test split and, where the task has one, on the validation split:
+    the loop's evaluation, recorded under TEST_KEY and VALIDATION_KEY."""
+    out = {TEST_KEY: evaluate(params, task, greedy_sample_fn, stopping)}
+    if task.validation_problems:
+        out[VALIDATION_KEY] = evaluate(params, task, greedy_sample_fn, stopping, task.validation_problems)
+    return out
+
+
+def evaluate(params, task: Task, greedy_sample_fn, stopping: Callable[[], Optional[int]] = lambda: None,
+             problems: Optional[Sequence[Any]] = None) -> float:
+    """Fraction of `problems` (the test split unless given) answered exactly; the last batch is
+    padded, not reshaped. `stopping` (guards.stop_poll) is asked before each batch: a stop signal
+    ends the evaluation there with `Preempted`, since a long one would outlast a preemption notice."""
+    problems = task.eval_problems if problems is None else problems
     correct = 0.0
     key = jax.random.PRNGKey(0)  # unused by greedy decoding, required by the signature
     for start in range(0, len(problems), EVAL_BATCH):

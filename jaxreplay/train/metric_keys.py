@@ -93,8 +93,10 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     ("compute/flops_train", "cumulative FLOP estimate of training: 6 × params per token trained", "every step"),
     ("compute/flops", "their sum", "every step"),
     # Evaluation (train/run.py, train/driver.py).
-    ("eval/accuracy", "greedy exact-match accuracy on the held-out set", "step 0, every `train.eval_every` steps "
-                                                                         "(or `train.eval_every_tokens`), the last step"),
+    ("eval/accuracy", "greedy exact-match accuracy on the test split (the held-out set)",
+     "step 0, every `train.eval_every` steps (or `train.eval_every_tokens`), the last step"),
+    ("eval/validation_accuracy", "greedy exact-match accuracy on the validation split (`task.validation_size` > 0): "
+     "what learning rates are chosen on", "with eval/accuracy"),
 )
 
 KEYS = frozenset(key for key, _, _ in METRICS)

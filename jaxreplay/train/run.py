@@ -35,6 +35,7 @@ from jaxreplay.rollout import rollouts
 from jaxreplay.rollout.actor import Position, rollout_stats, waiting_capacity
 from jaxreplay.train.accounting import Accounting
 from jaxreplay.train.checkpoint import Checkpointer, Progress
+from jaxreplay.train.eval import TEST_KEY
 from jaxreplay.train.guards import NonFiniteStreak, Preempted, PreemptionNotice, describe
 from jaxreplay.train.placement import Placement
 from jaxreplay.train.recorder import RunRecorder
@@ -288,8 +289,9 @@ class Run:
             record["engine/groups_in_flight"] = len(p.engine_in_flight)
             self.waiting_max = rollouts.count(self.pending)
         step = p.learner_step
-        if self._eval_due() and (accuracy := self.evaluate()) is not None:  # None: cut short by a stop signal
-            p.eval_accuracy = record["eval/accuracy"] = accuracy
+        if self._eval_due() and (scores := self.evaluate()) is not None:  # None: cut short by a stop signal
+            record.update(scores)
+            p.eval_accuracy = scores[TEST_KEY]
             p.eval_tokens = p.tokens_generated
         if self.recorder:
             self.recorder.write(step, record)
@@ -299,8 +301,8 @@ class Run:
                              ratio=f"{state.ratio:.2f}", refresh=False)
         return record
 
-    def evaluate(self) -> Optional[float]:
-        """Greedy eval accuracy, or None when a stop signal cut the evaluation short and the
+    def evaluate(self) -> Optional[dict[str, float]]:
+        """Greedy accuracy on the test split (and the validation split's), or None when a stop signal cut the evaluation short and the
         schedule's next turn saves and stops; where nothing trained since the last checkpoint
         (the start-up evaluation), the run stops here."""
         try:

@@ -27,7 +27,7 @@ from jaxreplay.rollout.sampling import make_run_samplers
 from jaxreplay.tasks.base import Task
 from jaxreplay.tasks.registry import make_task
 from jaxreplay.train import distributed
-from jaxreplay.train.eval import evaluate
+from jaxreplay.train.eval import evaluations
 from jaxreplay.train.guards import stop_poll
 from jaxreplay.train.placement import Placement
 from jaxreplay.train.warmstart import warm_start
@@ -45,7 +45,7 @@ class Stack:
     opt_state: Any
     train_step: TrainStep
     actor: Actor  # the static sampler's (calibration uses it; also the rollouts with sampling.engine static)
-    evaluate: Callable[[Any], float]  # params on the actor mesh -> eval accuracy
+    evaluate: Callable[[Any], dict[str, float]]  # params on the actor mesh -> eval/accuracy (and validation's)
     to_actor: Callable[[Any], Any]  # learner params -> the actor's copy (identity when they share a mesh)
     stream: Optional[StreamingActor] = None  # sampling.engine continuous: the rollouts stream through it
 
@@ -81,7 +81,7 @@ def build_stack(config: Config, placement: Placement, log: Callable[[str], None]
         optimizer=optimizer, opt_state=sharding.shard_params(optimizer.init(params), learner_mesh),
         train_step=make_train_step(graphdef, c, optimizer, learner_mesh, live_vocab=live),
         actor=Actor(c, task, placement.rollout_sampler(sample_fn), shard=shard),
-        evaluate=lambda p: evaluate(p, task, greedy, stopping),
+        evaluate=lambda p: evaluations(p, task, greedy, stopping),
         to_actor=_to_mesh(c, placement) if placement.actor_mesh is not learner_mesh else (lambda p: p),
         stream=make_streaming_actor(graphdef, c, task, params, stop_ids=tok.eos_ids, pad_id=tok.pad_id, shard=shard,
                                     live_vocab=live, mesh=placement.engine_mesh)
