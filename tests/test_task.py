@@ -211,7 +211,7 @@ def test_the_endless_stream_never_draws_a_validation_problem():
 @pytest.mark.parametrize("overrides, key", [
     (["task.operations=['+','*']"], "task.scratchpad"),
     (["sampling.max_new_tokens=48"], "sampling.max_new_tokens"),
-    (["task.train_size=400000"], "task.train_size"),
+    (["task.train_size=800000"], "task.train_size"),
     (["task.validation_size=998200"], "task.eval_size"),
 ])
 def test_product_scratchpad_and_split_sizes_are_validated_by_the_task(overrides, key):

@@ -117,6 +117,28 @@ def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
+def test_a_finite_pool_resumes_mid_epoch_and_every_evaluation_scores_both_held_out_splits(tmp_path):
+    """task.train_size: 2 actor steps of 4 prompts visit the 8-problem pool once; a run stopped at
+    step 2 and resumed to 8 crosses the epoch boundary exactly as the run straight to 8 does."""
+    pool = ["replay.selector=fifo", "train.batch_size=4", "replay.samples_per_insert=1", "replay.error_buffer=3",
+            "replay.max_size=16", "replay.min_size_to_sample=16", *LEARNING, "train.loss=asymre",
+            "train.advantage=group_centered", "task.train_size=8", "task.validation_size=8", "task.eval_size=8"]
+    straight_config, _ = run(tmp_path, *pool, "train.steps=8", name="straight")
+    run(tmp_path, *pool, "train.steps=2", name="resumed")
+    resumed_config, _ = run(tmp_path, *pool, "train.steps=8", name="resumed")
+    a, b = read_metrics(straight_config.run.dir), read_metrics(resumed_config.run.dir)
+    assert a[-1]["rollouts/generated"] > 2 * 16  # past the first epoch: 2 actor steps of 4 prompts x 4 samples
+    for ra, rb in zip(a, b):
+        for key in ("loss", "grad_norm", "tokens/generated", "eval/accuracy", "eval/validation_accuracy"):
+            if key in ra and key in rb:
+                assert ra[key] == pytest.approx(rb[key], rel=1e-6), (ra["step"], key)
+    evaluated = [r for r in a if "eval/accuracy" in r]
+    assert [r["step"] for r in evaluated] == [0, 4, 8]
+    assert all("eval/validation_accuracy" in r for r in evaluated)
+    assert not any("eval/validation_accuracy" in r for r in a if "eval/accuracy" not in r)
+
+
 def jax_leaves(tree):
     import jax
 

@@ -55,9 +55,10 @@ def validate_config(c: Config) -> None:
             f"{held_out} held-out problems (task.eval_size + task.validation_size) would take all {n} problems of "
             f"{t.min_digits} to {t.max_digits} digits with {', '.join(dict.fromkeys(t.operations))}, leaving none to "
             f"train on: lower them below {n} or raise task.max_digits")
-    # Drawing distinct problems stops after 50 draws per problem wanted: far fewer than the space holds.
-    require(held_out + t.train_size <= n // 4, "task.train_size",
-            f"{t.train_size} training problems beside {held_out} held-out ones need more than a quarter of the "
+    # Distinct problems are drawn by rejection, at most 50 draws per problem wanted: enough while they take
+    # at most half of the space.
+    require(held_out + t.train_size <= n // 2, "task.train_size",
+            f"{t.train_size} training problems beside {held_out} held-out ones need more than half of the "
             f"{n} distinct problems the digit settings give: lower task.train_size or raise task.max_digits")
 
 
