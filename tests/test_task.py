@@ -185,8 +185,19 @@ def test_test_validation_and_training_pool_are_disjoint_and_fixed_by_the_data_se
     again = task(**kw)
     assert again.eval_problems == t.eval_problems and again.validation_problems == t.validation_problems
     assert task(**{**kw, "data_seed": 7}).validation_problems != t.validation_problems
-    # adding a validation split or a pool leaves the test split as it was: earlier results stay comparable
-    assert task(**{**kw, "validation_size": 0, "train_size": 0}).eval_problems == t.eval_problems
+    # without a validation split or a pool the test split is the one earlier results were measured on
+    alone = task(**{**kw, "validation_size": 0, "train_size": 0})
+    assert alone.eval_problems == alone._unique_problems(np.random.default_rng([1234, 0xE7A1]), 300)
+
+
+def test_the_splits_are_alike_where_draws_are_not_uniform():
+    """min_digits=1, max_digits=2 draws the digit count first: one-digit operands are half of all
+    draws but 10 of 100 values. Drawn split after split, the later ones would get the rarer,
+    harder two-digit problems; dealt from one set, every split has the same share."""
+    t = task(min_digits=1, max_digits=2, operations=("*",), eval_size=1000, validation_size=1000, train_size=2000)
+    share = lambda problems: np.mean([p.a < 10 or p.b < 10 for p in problems])  # noqa: E731
+    test, val, pool = share(t.eval_problems), share(t.validation_problems), share(t._pool.items)
+    assert abs(test - val) < 0.05 and abs(test - pool) < 0.05, (test, val, pool)
 
 
 def test_a_finite_pool_is_visited_once_per_epoch_in_an_order_set_by_the_run_seed():
@@ -211,7 +222,7 @@ def test_the_endless_stream_never_draws_a_validation_problem():
 @pytest.mark.parametrize("overrides, key", [
     (["task.operations=['+','*']"], "task.scratchpad"),
     (["sampling.max_new_tokens=48"], "sampling.max_new_tokens"),
-    (["task.train_size=800000"], "task.train_size"),
+    (["task.train_size=998000"], "task.train_size"),
     (["task.validation_size=998200"], "task.eval_size"),
 ])
 def test_product_scratchpad_and_split_sizes_are_validated_by_the_task(overrides, key):

@@ -55,10 +55,10 @@ def validate_config(c: Config) -> None:
             f"{held_out} held-out problems (task.eval_size + task.validation_size) would take all {n} problems of "
             f"{t.min_digits} to {t.max_digits} digits with {', '.join(dict.fromkeys(t.operations))}, leaving none to "
             f"train on: lower them below {n} or raise task.max_digits")
-    # Distinct problems are drawn by rejection, at most 50 draws per problem wanted: enough while they take
-    # at most half of the space.
-    require(held_out + t.train_size <= n // 2, "task.train_size",
-            f"{t.train_size} training problems beside {held_out} held-out ones need more than half of the "
+    # Distinct problems are drawn by rejection, at most 50 draws per problem wanted: plenty while they take
+    # at most three quarters of the space.
+    require(held_out + t.train_size <= 3 * n // 4, "task.train_size",
+            f"{t.train_size} training problems beside {held_out} held-out ones need more than three quarters of the "
             f"{n} distinct problems the digit settings give: lower task.train_size or raise task.max_digits")
 
 
@@ -242,14 +242,23 @@ class ArithmeticTask:
         self.tokenizer = CharTokenizer()
         self.prompt_len = prompt_length(config)
         self.answer_len = completion_length(config)
-        self.eval_problems = self._unique_problems(np.random.default_rng([config.data_seed, 0xE7A1]),
-                                                   config.eval_size)
-        self.validation_problems = self._unique_problems(np.random.default_rng([config.data_seed, 0x5A1D]),
-                                                         config.validation_size, exclude=set(self.eval_problems))
+        self.eval_problems, self.validation_problems, pool = self._splits()
         self._held_out = frozenset(self.eval_problems) | frozenset(self.validation_problems)
-        self._pool = EpochPool(self._unique_problems(np.random.default_rng([config.data_seed, 0x7001]),
-                                                     config.train_size, exclude=self._held_out)) \
-            if config.train_size else None
+        self._pool = EpochPool(pool) if pool else None
+
+    def _splits(self) -> tuple[list[Problem], list[Problem], list[Problem]]:
+        """(test, validation, training pool): distinct problems drawn as one set, then dealt in a
+        seeded random order. Drawn one split after another, each excluding the last, a later split
+        would lean towards rarer problems wherever draws are not uniform (min_digits < max_digits
+        draws the digit count first); dealt, the three are exchangeable. Without a validation split
+        or a pool the test split is the set drawn, as it always was."""
+        c = self.config
+        sizes = (c.eval_size, c.validation_size, c.train_size)
+        drawn = self._unique_problems(np.random.default_rng([c.data_seed, 0xE7A1]), sum(sizes))
+        if len(drawn) > c.eval_size:
+            drawn = [drawn[i] for i in np.random.default_rng([c.data_seed, 0x5A1D]).permutation(len(drawn))]
+        test, validation = drawn[:sizes[0]], drawn[sizes[0]:sizes[0] + sizes[1]]
+        return test, validation, drawn[sizes[0] + sizes[1]:]
 
     # -- problem streams ---------------------------------------------------------
     def _draw(self, rng: np.random.Generator) -> Problem:
@@ -260,14 +269,14 @@ class ArithmeticTask:
         return Problem(a, str(rng.choice(list(c.operations))), b, width=c.max_digits, reverse=c.reverse_answer,
                        scratchpad=c.scratchpad)
 
-    def _unique_problems(self, rng: np.random.Generator, n: int, exclude=frozenset()) -> list[Problem]:
+    def _unique_problems(self, rng: np.random.Generator, n: int) -> list[Problem]:
         seen: dict[Problem, None] = {}
         for _ in range(50 * n):
+            seen.setdefault(self._draw(rng), None)
             if len(seen) == n:
-                break
-            if (p := self._draw(rng)) not in exclude:
-                seen.setdefault(p, None)
-        return list(seen)
+                return list(seen)
+        raise ValueError(f"drew only {len(seen)} distinct problems of the {n} wanted in {50 * n} draws: lower "
+                         f"task.eval_size, task.validation_size or task.train_size, or raise task.max_digits")
 
     def train_problems(self, seed: int, index: int, n: int) -> list[Problem]:
         """The `index`-th batch of training problems: from the pool's epochs with `train_size`, else
