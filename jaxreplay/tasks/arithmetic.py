@@ -57,7 +57,7 @@ def validate_config(c: Config) -> None:
             f"train on: lower them below {n} or raise task.max_digits")
     # Distinct problems are drawn by rejection, at most 50 draws per problem wanted: plenty while they take
     # at most three quarters of the space.
-    require(held_out + t.train_size <= 3 * n // 4, "task.train_size",
+    require(not (t.validation_size or t.train_size) or held_out + t.train_size <= 3 * n // 4, "task.train_size",
             f"{t.train_size} training problems beside {held_out} held-out ones need more than three quarters of the "
             f"{n} distinct problems the digit settings give: lower task.train_size or raise task.max_digits")
 
