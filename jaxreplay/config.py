@@ -702,6 +702,19 @@ def config_keys(cls: type = None, prefix: str = "") -> list[str]:
     return keys
 
 
+def mapping_keys(cls: type = None, prefix: str = "") -> list[str]:
+    """The dotted keys whose values are mappings handed on whole (`task.dataset_config`): `flatten`
+    spreads their entries into keys of their own, so a config that drops an entry lacks its key."""
+    keys = []
+    for f in dataclasses.fields(cls or Config):
+        tp = typing.get_type_hints(cls or Config)[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys += mapping_keys(tp, f"{prefix}{f.name}.")
+        elif typing.get_origin(tp) is dict:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
 def did_you_mean(name: str, known: typing.Iterable[str]) -> Optional[str]:
     """The known name closest to the unknown `name` (a typo's correction), or None."""
     match = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
