@@ -174,6 +174,7 @@ def test_config_flat_prints_the_settings_as_overrides_that_read_back(base, capsy
         (["task.dataset_config=3"], "task.dataset_config: expected a mapping, got int 3"),
         (["warmstart.steps=10"], "warmstart.steps: the reasoning_gym task has no supervised demonstrations"),
         (["task.reward=exact_match"], "task.reward: must be null for reasoning_gym"),
+        (["task.eval_split=validation"], "task.eval_split: reasoning_gym's splits are test, validation and train"),
         (["task.train_size=20000000"], "task.train_size: at most 16777216 problems a split"),
         (["task.name=arithmetic", "model.vocab_size=32"], "task.dataset: is for task.name=reasoning_gym only"),
     ],

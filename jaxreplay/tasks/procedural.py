@@ -63,6 +63,9 @@ def validate_config(c: Config) -> None:
     for key in ("path", "data_dir", "tfds_name", "prompt_field", "answer_field", "reward"):
         require(getattr(t, key) is None, f"task.{key}",
                 "must be null for reasoning_gym (its generator makes the records and scores the answers)")
+    for key, split in (("eval_split", "test"), ("train_split", "train")):
+        require(getattr(t, key) == split, f"task.{key}",
+                f"reasoning_gym's splits are test, validation and train, drawn from task.data_seed: leave it {split}")
     for key in ("eval_size", "validation_size", "train_size"):
         require(getattr(t, key) <= MAX_SPLIT, f"task.{key}", f"at most {MAX_SPLIT} problems a split for reasoning_gym")
     for key in OWN_KEYS:
