@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from jaxreplay.cli import main
-from jaxreplay.config import ConfigError, load_config, to_dict
+from jaxreplay.config import ConfigError, load_config
 from jaxreplay.tasks.base import ByteTokenizer
 from jaxreplay.tasks.datasets import DatasetError
 from jaxreplay.tasks.procedural import SPLIT_STRIDE, extract_answer, split_seed
@@ -142,14 +142,6 @@ def test_the_answer_is_the_last_answer_tag_else_the_whole_completion():
 
 
 # -- config ----------------------------------------------------------------------------------------
-
-def test_dataset_config_is_a_mapping_from_dotted_overrides_flow_yaml_or_a_file(tmp_path):
-    dotted = config("task.dataset_config.max_digits=2")
-    flow = load_config(None, [*SMALL[:4], "task.dataset_config={min_digits: 1, max_digits: 2}", *SMALL[4:]])
-    assert dotted.task.dataset_config == flow.task.dataset_config == {"min_digits": 1, "max_digits": 2}
-    (tmp_path / "c.yaml").write_text(json.dumps(to_dict(dotted)))
-    assert load_config(tmp_path / "c.yaml") == dotted  # what a run dir's config.yaml reads back as
-
 
 def test_config_flat_prints_the_settings_as_overrides_that_read_back(base, capsys):
     assert main(["config", base, "--flat", *SMALL]) == 0

@@ -34,11 +34,13 @@ MAX_SPLIT = 2**24  # problems a split may ask for: its draws (DRAWS_PER_PROBLEM 
 DRAWS_PER_PROBLEM, DRAWS_SLACK = 4, 64  # distinct questions are sought in at most this many draws
 DEFAULT_TRAIN_SIZE = 2048  # task.train_size=0: a pool of this many problems (issue 40's testbed size)
 OWN_KEYS = ("seed", "size")  # a generator's settings that this task sets itself
-EXAMPLES = ("products", "chain_sum", "gcd", "base_conversion", "number_sorting")  # with a difficulty knob for small models
+# Generators with a difficulty knob that suit a small model: what an unknown name's error suggests.
+EXAMPLES = ("products", "chain_sum", "gcd", "base_conversion", "number_sorting")
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def _gym():
+    """reasoning_gym, imported when first needed: it imports every generator's dependencies (seconds)."""
     return importlib.import_module("reasoning_gym")
 
 
@@ -141,7 +143,7 @@ class ReasoningGymTask(DatasetTask):
         self._pool: Optional[EpochPool] = EpochPool(self.train_examples) if self.train_examples else None
 
     def _split(self, split: str, items: Sequence[dict[str, Any]]) -> list[Example]:
-        """The split's items as prompts (the task's template, tokenized, too long ones skipped as `DatasetTask` does)."""
+        """The split's items as prompts: through the template, tokenized, too long ones skipped (`DatasetTask._encode`)."""
         for item in items:
             self._entries[item["question"]] = item
         return self._encode(split, [(item["question"], str(item["answer"])) for item in items])
