@@ -71,7 +71,7 @@ INSTALL_pip = $(VENV)/bin/python -m pip install
 unexport PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX ?= $(abspath $(VENV))/pycache
 
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(CONSTRAINTS) | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml $(CONSTRAINTS); echo '$(EXTRAS)') | cksum | cut -d' ' -f1)
 
 .PHONY: venv demo test clean
 

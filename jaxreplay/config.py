@@ -100,14 +100,23 @@ class TaskConfig:
     "gsm8k", "math": local files at `path` (e.g. the Hub repository's Parquet shards), or
     without `path` TFDS datasets read from `data_dir` (never downloaded; needs TensorFlow).
     "jsonl", "parquet": local files of any dataset at `path`.
+    "reasoning_gym": one of reasoning-gym's procedural generators (`dataset`, `dataset_config`;
+    the reasoning_gym extra), its three splits drawn from seeds far apart (tasks/procedural.py).
     `path`: a pattern with `{split}` for the split name (glob wildcards allowed) or a
     directory in a Hub dataset's layout; the file extension gives the format.
     Dataset keys left null take the source's defaults (tasks.datasets.SOURCES).
     """
 
     # `arithmetic` (the embedded task), `gsm8k` or `math` (local files in `task.path`, else TFDS), `jsonl` or
-    # `parquet` (local files)
-    name: Literal["arithmetic", "gsm8k", "math", "jsonl", "parquet"] = "arithmetic"
+    # `parquet` (local files), `reasoning_gym` (a reasoning-gym generator: `task.dataset`; the reasoning_gym extra)
+    name: Literal["arithmetic", "gsm8k", "math", "jsonl", "parquet", "reasoning_gym"] = "arithmetic"
+    # reasoning_gym: the generator's name (`products`, `chain_sum`, `gcd`, `base_conversion`, `number_sorting`, ...);
+    # null for the other tasks
+    dataset: Optional[str] = None
+    # reasoning_gym: the generator's settings, its config class's keyword arguments (`task.dataset_config.min_digits=3`
+    # or `task.dataset_config={min_digits: 3, max_digits: 3}`); its seed and size come from `task.data_seed` and the
+    # split sizes
+    dataset_config: dict[str, Any] = field(default_factory=dict)
     # smallest operand size in digits (arithmetic)
     min_digits: int = 2
     # largest operand size in digits; operands are zero-padded to it (arithmetic)
@@ -126,13 +135,14 @@ class TaskConfig:
     eval_size: int = 256
     # problems of a validation split, disjoint from the test split and never drawn for training, scored at every
     # evaluation beside it (`eval/validation_accuracy`): what learning rates are chosen on (0 = none). Datasets take
-    # it from the end of the training split
+    # it from the end of the training split, reasoning_gym draws it from a seed of its own
     validation_size: int = 0
     # a finite training pool of this many problems, visited in epochs in a seeded order, so prompts repeat as they
-    # do in GSM8K or MATH (0 = generated tasks draw fresh problems forever; datasets use their whole training
-    # split). The pool is fixed by task.data_seed, its order by run.seed
+    # do in GSM8K or MATH (0 = arithmetic draws fresh problems forever, reasoning_gym pools 2048, datasets use their
+    # whole training split). The pool is fixed by task.data_seed, its order by run.seed
     train_size: int = 0
-    # seed of the eval set
+    # seed of the test and validation splits and of the training pool (reasoning_gym: the three splits draw from
+    # seeds 2^28 apart, as its item i is drawn with Random(seed + i))
     data_seed: int = 1234
     # local files: a pattern with `{split}` for the split name ending in `.parquet` or `.jsonl` (glob wildcards
     # allowed: `data/{split}-*.parquet`), or a directory in a Hub dataset's layout (`data/{split}-*.parquet`,
@@ -692,6 +702,19 @@ def config_keys(cls: type = None, prefix: str = "") -> list[str]:
     return keys
 
 
+def mapping_keys(cls: type = None, prefix: str = "") -> list[str]:
+    """The dotted keys whose values are mappings handed on whole (`task.dataset_config`): `flatten`
+    spreads their entries into keys of their own, so a config that drops an entry lacks its key."""
+    keys = []
+    for f in dataclasses.fields(cls or Config):
+        tp = typing.get_type_hints(cls or Config)[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys += mapping_keys(tp, f"{prefix}{f.name}.")
+        elif typing.get_origin(tp) is dict:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
 def did_you_mean(name: str, known: typing.Iterable[str]) -> Optional[str]:
     """The known name closest to the unknown `name` (a typo's correction), or None."""
     match = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
@@ -734,6 +757,13 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value not in choices:
             raise ConfigError(f"{key}: {show(value)} is not one of {', '.join(map(str, choices))}")
         return value
+    if origin is dict:  # a mapping handed on whole (task.dataset_config): its keys are its owner's to check
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {show(value)}")
+        for name in value:
+            if not isinstance(name, str):
+                raise ConfigError(f"{key}: key {show(name)} is not a name")
+        return dict(value)
     if origin is tuple:
         (inner, _) = typing.get_args(tp)
         items = value if isinstance(value, (list, tuple)) else [value]
@@ -919,6 +949,9 @@ def _validate_machine(c: Config) -> None:
         _require(not storage.is_url(value) or importlib.util.find_spec("tensorflow") is None, key,
                  f"{value}: run dirs and caches in buckets need the default tier (Python >= 3.12, no TensorFlow); "
                  "the Reverb lane writes them to a disk")
+    _require(c.task.name != "reasoning_gym" or importlib.util.find_spec("reasoning_gym") is not None, "task.name",
+             "reasoning_gym needs reasoning-gym (pip install 'jaxreplay[reasoning_gym]'; pycosat, one of its "
+             "dependencies, builds from source with a C compiler: docs/install.md)")
     _require(c.wandb.mode == "disabled" or importlib.util.find_spec("wandb") is not None, "wandb.mode",
              f"{c.wandb.mode} needs wandb (pip install 'jaxreplay[tracking]'), or use disabled")
     hf_path = c.model.hf_path

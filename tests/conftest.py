@@ -26,6 +26,8 @@ what differs between the tiers). The default lane runs every test; the Reverb la
 (`-m "needs_reverb or needs_tf or needs_torch or tier"`) only those, so no tier-independent test
 runs twice. `--lane-check` (CI's default lane) fails a test that skips for want of Reverb,
 TensorFlow or torch without the marker that sends it to the Reverb lane: it would run nowhere.
+`needs_reasoning_gym` (the reasoning_gym extra, whose pycosat builds only with a C compiler) is the
+default lane's own: CI installs it there, tests skip without it, and `--lane-check` fails such a skip.
 """
 
 import importlib.util
@@ -59,6 +61,11 @@ NEEDS = {
     "needs_torch": (("torch",), ("torch",)),
 }
 LANE_MARKS = (*NEEDS, "tier")  # the Reverb lane's selection: CI's -m is these joined by "or"
+# Needs CI's default lane installs beside the `test` extra (.ci/run: EXTRAS), that a fresh machine may lack:
+# skipped where missing, and under --lane-check such a skip fails (that lane should have it).
+DEFAULT_LANE_NEEDS = {
+    "needs_reasoning_gym": (("reasoning_gym",), "pip install 'jaxreplay[reasoning_gym]'; pycosat needs a C compiler"),
+}
 
 
 def _missing(marker: str) -> bool:
@@ -83,6 +90,12 @@ def pytest_collection_modifyitems(items) -> None:
             if missing[marker] and item.get_closest_marker(marker):
                 item.add_marker(pytest.mark.skip(reason=f"{marker}: {' or '.join(NEEDS[marker][0])} "
                                                         "is not installed here"))
+    for marker, (modules, how) in DEFAULT_LANE_NEEDS.items():
+        if any(importlib.util.find_spec(m) is None for m in modules):
+            for item in items:
+                if item.get_closest_marker(marker):
+                    item.add_marker(pytest.mark.skip(reason=f"{marker}: {' or '.join(modules)} is not installed "
+                                                            f"here ({how}: docs/install.md)"))
     slow_runs = Counter(item.path for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow_runs[item.path])  # stable: keeps each file's order
 
@@ -104,6 +117,10 @@ def pytest_runtest_makereport(item, call):
             report.outcome = "failed"
             report.longrepr = (f"--lane-check: skipped ({report.longrepr[2]}) without @pytest.mark."
                                f"{' or '.join(unmarked)}, so no CI lane runs it")
+        elif wanted := [m for m in DEFAULT_LANE_NEEDS if item.get_closest_marker(m) and m in report.longrepr[2]]:
+            report.outcome = "failed"
+            report.longrepr = (f"--lane-check: skipped ({report.longrepr[2]}), but CI's default lane installs "
+                               f"what {' and '.join(wanted)} needs (.ci/run)")
 
 
 @pytest.hookimpl(hookwrapper=True)

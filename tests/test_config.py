@@ -1,6 +1,7 @@
 """Config: YAML + dotted overrides in, typed and validated Config out, or a one-line error naming the key."""
 
 import dataclasses
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -80,6 +81,24 @@ def test_deadlocking_limiter_settings_are_rejected(overrides, key):
 def test_on_policy_mode_ignores_ratio_settings():
     c = load_config("configs/demo.yaml", ["replay.mode=on_policy", "replay.error_buffer=1"])
     assert c.replay.mode == "on_policy"
+
+
+def test_a_mapping_key_takes_dotted_entries_a_flow_mapping_or_a_file_and_reads_back(tmp_path):
+    """task.dataset_config is handed on whole; its entries are its owner's to check (local=False: here
+    or not, reasoning-gym need not be installed)."""
+    import yaml
+
+    gym = ["task.name=reasoning_gym", "task.dataset=products", "warmstart.steps=0", "model.vocab_size=259",
+           "model.max_seq_len=300"]
+    dotted = load_config(None, [*gym, "task.dataset_config.max_digits=3", "task.dataset_config.min_digits=2"],
+                         local=False)
+    flow = load_config(None, [*gym, "task.dataset_config={min_digits: 2, max_digits: 3}"], local=False)
+    assert dotted == flow and dotted.task.dataset_config == {"max_digits": 3, "min_digits": 2}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(to_dict(dotted)))
+    assert load_config(tmp_path / "c.yaml", local=False) == dotted
+    for value, why in [("[1, 2]", "expected a mapping, got list [1, 2]"), ("{1: 2}", "key 1 is not a name")]:
+        with pytest.raises(ConfigError, match=re.escape(f"task.dataset_config: {why}")):
+            load_config(None, [*gym, f"task.dataset_config={value}"], local=False)
 
 
 def test_unknown_key_in_yaml_file_is_rejected(tmp_path):

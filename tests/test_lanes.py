@@ -1,9 +1,11 @@
 """CI's lanes split the suite by what tests need (tests/conftest.py): a test that skips on the
 default lane for want of Reverb, TensorFlow or torch must carry the marker that sends it to the
-Reverb lane, or it would run nowhere; `--lane-check` fails it. Each case runs pytest on a small
-suite of its own under this suite's conftest."""
+Reverb lane, or it would run nowhere; `--lane-check` fails it, and a skip for want of what the
+default lane installs itself (reasoning-gym). Each case runs pytest on a small suite of its own
+under this suite's conftest."""
 
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -44,6 +46,17 @@ def test_reads_a_reverb_table():
     pass
 """
 
+REASONING_GYM = """
+import pytest
+
+@pytest.mark.needs_reasoning_gym
+def test_draws_from_a_generator():
+    import reasoning_gym
+"""
+
+# A plugin (-p) that makes reasoning_gym missing in that pytest, installed or not: find_spec gives None.
+HIDE_REASONING_GYM = "import sys\nsys.modules['reasoning_gym'] = None\n"
+
 WHOLE_MODULE_MARKED = WHOLE_MODULE.replace("\ndef test", "pytestmark = pytest.mark.needs_reverb\n\ndef test")
 
 
@@ -59,10 +72,10 @@ def suite(tmp_path_factory):
     return suite
 
 
-def run(suite, *args):
+def run(suite, *args, env=None):
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-rA",
                            "--continue-on-collection-errors", "--rootdir", str(suite), str(suite), *args],
-                          cwd=suite, capture_output=True, text=True, timeout=300)
+                          cwd=suite, capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_the_lane_check_fails_exactly_the_skips_for_want_of_reverb_that_no_marker_sends_to_its_lane(suite):
@@ -91,3 +104,34 @@ def test_ci_selects_the_reverb_lane_by_the_conftest_markers():
     assert re.search(r'^REVERB_LANE="(.*)"$', ci, re.M).group(1) == " or ".join(LANE_MARKS)
     assert """lane_tests reverb PYTEST_ARGS="-m '$REVERB_LANE'""" in ci
     assert 'lane_tests default PYTEST_ARGS="-rs --lane-check"' in ci
+
+
+@pytest.fixture
+def reasoning_gym_suite(tmp_path):
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "test_generator.py").write_text(REASONING_GYM)
+    (tmp_path / "hide_reasoning_gym.py").write_text(HIDE_REASONING_GYM)
+    return tmp_path
+
+
+def test_the_lane_check_fails_a_skip_for_want_of_reasoning_gym_which_the_default_lane_installs(reasoning_gym_suite):
+    hidden = {**os.environ, "PYTHONPATH": str(reasoning_gym_suite)}
+    result = run(reasoning_gym_suite, "-p", "hide_reasoning_gym", "--lane-check", env=hidden)
+    assert result.returncode == 1, result.stdout
+    assert "ERROR test_generator.py::test_draws_from_a_generator - --lane-check: skipped" in result.stdout  # at setup
+    assert ("--lane-check: skipped (Skipped: needs_reasoning_gym: reasoning_gym is not installed here (pip install "
+            "'jaxreplay[reasoning_gym]'; pycosat needs a C compiler: docs/install.md)), but CI's default lane "
+            "installs what needs_reasoning_gym needs (.ci/run)") in result.stdout
+    result = run(reasoning_gym_suite, "-p", "hide_reasoning_gym", env=hidden)  # a skip, with what to install
+    assert result.returncode == 0 and "SKIPPED [1] test_generator.py" in result.stdout, result.stdout
+    assert "pycosat needs a C compiler: docs/install.md" in result.stdout
+    if importlib.util.find_spec("reasoning_gym") is not None:  # where it is installed the test runs
+        assert "1 passed" in run(reasoning_gym_suite, "--lane-check").stdout
+
+
+def test_ci_installs_the_reasoning_gym_extra_in_the_default_lane_alone():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'extras() { if [ "$1" = default ]; then echo "EXTRAS=test,reasoning_gym"; fi; }' in ci
+    assert "make venv LANE=$lane $(extras $lane)" in ci
+    assert 'lane_tests default PYTEST_ARGS="-rs --lane-check" $(extras default)' in ci

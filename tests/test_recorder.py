@@ -1,6 +1,7 @@
 """The run recorder: config.yaml says what the run used, and a resumed run's records hold each step once."""
 
 import json
+import re
 import struct
 
 import pytest
@@ -47,6 +48,19 @@ def test_a_resume_that_changes_the_run_is_refused_and_writes_nothing(tmp_path):
     assert "train.steps" not in message  # allowed; only what changes the run is named
     assert "use a new run.dir, or restore the old values" in message
     assert files(tmp_path) == before  # config.yaml byte-identical, metrics and TensorBoard untouched
+
+
+def test_a_resume_that_adds_changes_or_drops_a_generator_setting_is_refused(tmp_path):
+    """task.dataset_config is one mapping: each of its entries is a setting of the run."""
+    gym = ["task.name=reasoning_gym", "task.dataset=products", "warmstart.steps=0", "model.vocab_size=259",
+           "model.max_seq_len=300", "task.dataset_config.max_digits=3", "task.dataset_config.min_digits=2"]
+    run(tmp_path, config(tmp_path, *gym), None, range(3))
+    for change, said in [(["task.dataset_config.max_digits=4"], "task.dataset_config.max_digits: 3 -> 4"),
+                         (["task.dataset_config.max_terms=3"], "task.dataset_config.max_terms: None -> 3"),
+                         (["task.dataset_config={max_digits: 3}"], "task.dataset_config.min_digits: 2 -> (unset)")]:
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            RunRecorder.open(tmp_path, config(tmp_path, *gym, *change), resume_step=2, log=print)
+    run(tmp_path, config(tmp_path, *gym), 2, [3])  # the same settings resume
 
 
 def test_an_allowed_change_is_accepted_logged_and_recorded(tmp_path):

@@ -76,7 +76,6 @@ def validate_task_config(c: Config) -> None:
             raise ConfigError(f"{key}: {why}")
 
     require(t.reward in REWARDS, "task.reward", f"{t.reward!r} is not one of {', '.join(sorted(REWARDS))}")
-    require(t.max_prompt_len > 0, "task.max_prompt_len", f"must be positive, got {t.max_prompt_len}")
     require(t.train_split != t.eval_split, "task.eval_split",
             f"{t.eval_split!r} is also task.train_split: the eval set must be held out")
     if t.name in ("jsonl", "parquet"):
@@ -88,6 +87,19 @@ def validate_task_config(c: Config) -> None:
                 f"or a directory in a Hub dataset's layout; got {t.path!r}")
         for key in ("data_dir", "tfds_name"):
             require(getattr(c.task, key) is None, f"task.{key}", "is for TFDS, but task.path reads local files")
+    validate_text_prompts(c)
+
+
+def validate_text_prompts(c: Config) -> None:
+    """What every task of text prompts and reference answers needs (datasets, reasoning_gym): no
+    warm start (no demonstrations) and a tokenizer the model's vocabulary holds."""
+    t = c.task
+
+    def require(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}: {why}")
+
+    require(t.max_prompt_len > 0, "task.max_prompt_len", f"must be positive, got {t.max_prompt_len}")
     require(c.warmstart.steps == 0, "warmstart.steps",
             f"the {t.name} task has no supervised demonstrations: set warmstart.steps=0")
     if c.model.hf_path is None:  # trained from scratch on bytes; an HF tokenizer is checked against its model on load

@@ -3,27 +3,37 @@
 from typing import Optional
 
 from jaxreplay.config import Config, ConfigError, TaskConfig, owner_check
-from jaxreplay.tasks import arithmetic
+from jaxreplay.tasks import arithmetic, procedural
 from jaxreplay.tasks.arithmetic import ArithmeticTask
 from jaxreplay.tasks.base import ByteTokenizer, Task, Tokenizer
 from jaxreplay.tasks.datasets import DatasetTask, validate_task_config
+from jaxreplay.tasks.procedural import ReasoningGymTask
 
 
 def make_task(config: TaskConfig, tokenizer: Optional[Tokenizer] = None, *, train: bool = True) -> Task:
-    """The task `config.name` selects. Dataset tasks tokenize with `tokenizer` (the model's,
-    when it comes from Hugging Face), else with bytes; arithmetic has its own. `train=False`:
-    evaluation only, a dataset's training split is never read."""
+    """The task `config.name` selects. Dataset and reasoning_gym tasks tokenize with `tokenizer`
+    (the model's, when it comes from Hugging Face), else with bytes; arithmetic has its own.
+    `train=False`: evaluation only, no training problem is read or drawn."""
     if config.name == "arithmetic":
         return ArithmeticTask(config)
-    return DatasetTask(config, tokenizer if tokenizer is not None else ByteTokenizer(), train=train)
+    tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+    if config.name == "reasoning_gym":
+        return ReasoningGymTask(config, tokenizer, train=train)
+    return DatasetTask(config, tokenizer, train=train)
 
 
 @owner_check
 def validate_task(c: Config) -> None:
     """The task keys' part of `config.validate`: the source's own rules, then room in the
     model's context for its prompts plus the sampled completion."""
+    if c.task.name != "reasoning_gym":
+        for key, unset in (("dataset", None), ("dataset_config", {})):
+            if getattr(c.task, key) != unset:
+                raise ConfigError(f"task.{key}: is for task.name=reasoning_gym only (task.name is {c.task.name})")
     if c.task.name == "arithmetic":
         arithmetic.validate_config(c)
+    elif c.task.name == "reasoning_gym":
+        procedural.validate_config(c)
     else:
         validate_task_config(c)
     m, new, p = c.model.max_seq_len, c.sampling.max_new_tokens, prompt_len(c.task)

@@ -196,7 +196,7 @@ def run_eval(config: Config, *, checkpoint: Optional[str] = None, hf: Optional[s
         scores = pass_at_k_eval(params, task, sampler, ks, config.run.seed, batch, progress=progress)
     results = {
         "task": config.task.name,
-        "split": config.task.eval_split if config.task.name != "arithmetic" else "held-out",
+        "split": {"arithmetic": "held-out", "reasoning_gym": "test"}.get(config.task.name, config.task.eval_split),
         **source,
         **scores,
         "max_new_tokens": s.max_new_tokens,

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
-from jaxreplay.config import Config, ConfigError, config_from_raw, flatten, read_yaml, show, to_dict
+from jaxreplay.config import Config, ConfigError, config_from_raw, flatten, mapping_keys, read_yaml, show, to_dict
 from jaxreplay.train.metrics import METRICS_FILE, MetricsWriter
 from jaxreplay.train.tracking import Tracker
 
@@ -115,6 +115,10 @@ def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None
             allowed.append(change)
         else:
             refused.append(change)
+    entries = tuple(f"{key}." for key in mapping_keys())
+    for key in sorted(set(old) - set(new)):  # an entry of a mapping (task.dataset_config) the run had and this lacks
+        if key.startswith(entries) and not may_change(key):
+            refused.append(f"{key}: {show(old[key])} -> (unset)")
     if refused:
         where = getattr(run_dir, "url", path.parent)  # a bucket run dir by its URL, not its local mirror
         raise ConfigError(f"{'; '.join(refused)}; these change the run in {where}, so a resume with them is "
