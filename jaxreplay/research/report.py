@@ -17,6 +17,12 @@ Compute is modelled as the paper does (cost per update B + mu R): trained rollou
 mu x generated rollouts, at the mu the runs measured (the median of each run's last
 logged `cost/mu`) and at every mu given with `--mu`. Claims declared in the sweep file
 (report_claims) get their verdicts from the same paired numbers.
+
+Two stages (docs/comparing.md): runs that come with a learning-rate rule (select.yaml beside
+them, or `--sweep` naming a stage-1 file) get the stage-1 report instead (`stage1_report`:
+the stage-1 table and OUT/selected.yaml, report_select). A stage-2 report given the stage-1
+runs with `--stage1 RUN_DIR...` copies them into OUT/stage1 and adds the frontier at the first
+`--mu` (report_frontier) and the stage-1 table; its Data line's command names `--stage1 stage1/*/*`.
 """
 
 from __future__ import annotations
