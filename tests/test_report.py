@@ -479,16 +479,22 @@ COMMITTED = sorted(p.parent for p in (ROOT / "results").glob("*/report.md"))
 
 @pytest.mark.parametrize("folder", COMMITTED, ids=lambda p: p.name)
 def test_every_committed_sweeps_report_rebuilds_byte_for_byte_from_its_runs(folder, tmp_path):
-    """What a reviewer does: copy the committed runs, run the command the report names, compare."""
+    """What a reviewer does: copy the committed runs (and a stage-2 report's stage-1 runs), run the command
+    the report names with its globs expanded as a shell would, compare (and a stage-1 report's selection)."""
     md = (folder / "report.md").read_text()
     command = re.search(r"`(jaxreplay report runs/\*/\* --out \.[^`]*)`", md).group(1)
-    shutil.copytree(folder / "runs", tmp_path / "runs")
-    args = command.split()[2:]  # after "jaxreplay report"
-    runs = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").glob("*/*") if p.is_dir())
-    out = subprocess.run([sys.executable, "-m", "jaxreplay.cli", "report", *runs, *args[1:]], cwd=tmp_path,
+    for sub in ("runs", "stage1"):
+        if (folder / sub).is_dir():
+            shutil.copytree(folder / sub, tmp_path / sub)
+    args = [a for arg in command.split()[2:]  # after "jaxreplay report"
+            for a in (sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob(arg) if p.is_dir()) if "*" in arg
+                      else [arg])]
+    out = subprocess.run([sys.executable, "-m", "jaxreplay.cli", "report", *args], cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "report.md").read_text() == md
+    if (folder / "selected.yaml").exists():
+        assert (tmp_path / "selected.yaml").read_bytes() == (folder / "selected.yaml").read_bytes()
 
 
 def test_coverage_compares_the_baselines_compute_with_the_most_any_other_run_reached(md):

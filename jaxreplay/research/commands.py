@@ -30,14 +30,20 @@ def add_parsers(sub: argparse._SubParsersAction, command_parser: Callable[..., a
         "Reads each run dir's metrics and summary; seeds of one setting share a parent folder. Writes\n"
         "report.md and PNGs into --out, and prints the table.",
         "  jaxreplay report runs/sweep_demo/*/seed* --out runs/sweep_demo/report\n"
-        "  jaxreplay report runs/sweep_demo/*/seed* --out runs/sweep_demo/report --mu 5.28,6.84 --baseline spi2")
+        "  jaxreplay report runs/sweep_demo/*/seed* --out runs/sweep_demo/report --mu 5.28,6.84 --baseline spi2\n"
+        "  jaxreplay report runs/stage1/*/seed* --out results/stage1        # stage 1: writes selected.yaml\n"
+        "  jaxreplay report runs/stage2/*/seed* --out results/stage2 --mu 5.28 --stage1 runs/stage1/*/seed*")
     report.add_argument("run_dirs", nargs="+", metavar="run_dir",
                         help="run directories (seeds of one setting share a parent folder)")
     report.add_argument("--out", required=True, metavar="DIR", help="directory for report.md and the PNGs (required)")
     report.add_argument("--baseline", metavar="SETTING", help="setting to compare against (default: the on-policy one)")
     add_mu_argument(report, "generation / training cost per rollout to model compute at, besides the measured one")
-    report.add_argument("--sweep", metavar="FILE", help="the sweep file whose claims to decide (default: the "
-                        "claims.yaml its sweep wrote beside the setting folders, if any)")
+    report.add_argument("--sweep", metavar="FILE", help="the sweep file whose claims to decide, or whose `select` rule "
+                        "picks each arm's learning rate in stage 1 (default: the claims.yaml or select.yaml its sweep "
+                        "wrote beside the setting folders, if any)")
+    report.add_argument("--stage1", nargs="+", default=[], metavar="RUN_DIR",
+                        help="stage 2: the stage-1 run dirs (every arm at every learning rate), for the frontier at "
+                             "the first --mu and the stage-1 table; copied into OUT/stage1")
     theory = command_parser(
         sub, "theory", "optimal staleness horizon and replay ratio of the cost model",
         "The paper's Theorem 4.5: x* = N/R and y* = B/R from the cost ratio mu, the batch-variance weight\n"
@@ -100,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "report":
         from jaxreplay.research.report import report
 
-        print(report(args.run_dirs, args.out, baseline=args.baseline, mus=tuple(args.mu or ()), sweep=args.sweep),
-              end="")
+        print(report(args.run_dirs, args.out, baseline=args.baseline, mus=tuple(args.mu or ()), sweep=args.sweep,
+                     stage1=args.stage1), end="")
         print(f"report: {args.out}/report.md")
         return 0
     if args.command == "theory":

@@ -17,6 +17,12 @@ Compute is modelled as the paper does (cost per update B + mu R): trained rollou
 mu x generated rollouts, at the mu the runs measured (the median of each run's last
 logged `cost/mu`) and at every mu given with `--mu`. Claims declared in the sweep file
 (report_claims) get their verdicts from the same paired numbers.
+
+Two stages (docs/comparing.md): runs that come with a learning-rate rule (select.yaml beside
+them, or `--sweep` naming a stage-1 file) get the stage-1 report instead (`stage1_report`:
+the stage-1 table and OUT/selected.yaml, report_select). A stage-2 report given the stage-1
+runs with `--stage1 RUN_DIR...` copies them into OUT/stage1 and adds the frontier at the first
+`--mu` (report_frontier) and the stage-1 table; its Data line's command names `--stage1 stage1/*/*`.
 """
 
 from __future__ import annotations
@@ -30,10 +36,13 @@ import yaml
 
 from jaxreplay import storage
 from jaxreplay.config import ConfigError, read_yaml
-from jaxreplay.research import report_plots
+from jaxreplay.research import report_frontier, report_plots
 from jaxreplay.research.report_claims import CLAIMS_FILE, TARGET_FRACTIONS, Claim, parse_claims, verdict
 from jaxreplay.research.report_data import (
     EVAL_FILE, SUMMARY_FILE, RunData, Setting, copy_run, group_settings, load_runs, measured_mu, pick_baseline)
+from jaxreplay.research.report_select import (
+    SELECT_FILE, SELECTED_FILE, Rule, arm_grid, choose, learning_rate, load_rule, lr_tag, stage1_rows,
+    validation_scores, write_selected)
 from jaxreplay.research.report_stats import (
     bootstrap_ci, cell, clean, first_reach, fmt, fmt_value, iqm, largest_fall, summary_cell)
 from jaxreplay.train.eval import PASS1_KEY, PASSK_KEY
@@ -103,6 +112,42 @@ def accuracy_measures(settings: Sequence[Setting]) -> list[tuple[str, Callable[[
     ks = sorted({int(k) for s in settings for r in s.runs for k in r.final_eval.get(PASSK_KEY, {})})
     return [("peak", lambda r: start_and_peak(r)[1]), ("final", lambda r: float(r.evals()[1][-1])),
             *[(f"pass@{k}", lambda r, k=str(k): _pass(r, k)) for k in ks]]
+
+
+def total_compute(run: RunData, mu: float) -> float:
+    """The run's modelled compute at µ at its last logged step."""
+    return float(run.x("compute", [int(run.records[-1]["step"])], mu)[0])
+
+
+def accuracy_at_compute(run: RunData, budget: float, mu: float) -> Optional[float]:
+    """Test accuracy at the run's latest evaluation at or before `budget` modelled compute at µ."""
+    steps, acc = run.evals()
+    keep = run.x("compute", steps, mu) <= budget
+    return float(acc[keep][-1]) if keep.any() else None
+
+
+def entropy_at_compute(run: RunData, budget: float, mu: float) -> Optional[float]:
+    """The mean logged `entropy` over the run's last END_WINDOW logged steps at or before `budget`."""
+    steps, values = run.series("entropy")
+    values = values[run.x("compute", steps, mu) <= budget][-END_WINDOW:]
+    return float(values.mean()) if len(values) else None
+
+
+AT_EQUAL_COMPUTE = {"final_at_compute": accuracy_at_compute, "entropy_at_compute": entropy_at_compute}
+RUN_MEASURES = {"largest_fall": lambda r: largest_fall(r.evals()[1])}  # claim measures beside accuracy_measures
+
+
+def paired_measure(measure: str, mu: Optional[float], run: RunData, ref: RunData,
+                   settings: Sequence[Setting]) -> Optional[tuple[float, float]]:
+    """(the run's value, the baseline run's) of an accuracy-like claim measure, for one seed pair; None if
+    either is missing. At equal compute, both are read at the smaller of the two runs' total compute at µ."""
+    if measure in AT_EQUAL_COMPUTE:
+        budget = min(total_compute(run, mu), total_compute(ref, mu))
+        get = lambda r: AT_EQUAL_COMPUTE[measure](r, budget, mu)  # noqa: E731
+    else:
+        get = RUN_MEASURES.get(measure) or dict(accuracy_measures(settings))[measure]
+    a, b = get(run), get(ref)
+    return None if a is None or b is None or math.isnan(a) or math.isnan(b) else (a, b)
 
 
 def differences(setting: Setting, base: Setting, get: Callable[[RunData], Optional[float]]) -> list[float]:
@@ -242,9 +287,21 @@ def claim_values(claim: Claim, settings: dict[str, Setting], base: Setting) -> l
             axis, fraction = claim.cost
             strata.append(cost_ratios(s, base, fraction, axis, claim.mu))
         else:
-            get = dict(accuracy_measures(list(settings.values())))[claim.measure]
-            strata.append(differences(s, base, get))
+            every = list(settings.values())
+            values = [paired_measure(claim.measure, claim.mu, r, ref, every) for r, ref in pairs(s, base)]
+            strata.append([a - b for a, b in filter(None, values)])
     return [v for v in strata if v]
+
+
+def baseline_values(claim: Claim, settings: Sequence[Setting], base: Setting) -> list[float]:
+    """The baseline's own values of an accuracy claim's measure, which its ceiling is read against: every
+    baseline run's, or at equal compute each pair's baseline side."""
+    if claim.measure in AT_EQUAL_COMPUTE:
+        by_name = {s.name: s for s in settings}
+        return [v[1] for n in claim.settings for r, ref in pairs(by_name[n], base)
+                if (v := paired_measure(claim.measure, claim.mu, r, ref, settings)) is not None]
+    get = dict(accuracy_measures(settings))[claim.measure]
+    return [v for r in base.runs if (v := get(r)) is not None]
 
 
 def claims_table(claims: Sequence[Claim], settings: Sequence[Setting], base: Setting) -> str:
@@ -267,8 +324,7 @@ def claims_table(claims: Sequence[Claim], settings: Sequence[Setting], base: Set
                                  f"above {base.name} in {sum(v > 0 for v in values)}/{len(values)}"))
         decided = verdict(c, (lo, hi))
         if c.ceiling is not None and c.cost is None:
-            get = dict(accuracy_measures(settings))[c.measure]
-            ref = [v for r in base.runs if (v := get(r)) is not None]
+            ref = baseline_values(c, settings, base)
             if ref and float(np.median(ref)) >= c.ceiling:
                 decided = (f"not testable here: {base.name}'s median {c.measure} is {fmt(float(np.median(ref)))}, "
                            f"at or above the ceiling {fmt(c.ceiling)}")
@@ -297,10 +353,11 @@ def runs_table(settings: Sequence[Setting], base: Setting) -> str:
     return _markdown(header, rows)
 
 
-def rebuild_command(baseline: Optional[str], mus: Sequence[float]) -> str:
-    """The command that rebuilds a report in its own folder from its copied runs."""
+def rebuild_command(baseline: Optional[str], mus: Sequence[float], stage1: bool = False) -> str:
+    """The command that rebuilds a report in its own folder from its copied runs (and stage-1 runs)."""
     return ("jaxreplay report runs/*/* --out ." + (f" --baseline {baseline}" if baseline else "")
-            + (f" --mu {','.join(repr(float(m)).removesuffix('.0') for m in mus)}" if mus else ""))
+            + (f" --mu {','.join(repr(float(m)).removesuffix('.0') for m in mus)}" if mus else "")
+            + (" --stage1 stage1/*/*" if stage1 else ""))
 
 
 def _how_to_read(settings: Sequence[Setting], base: Setting, mu: Optional[float], given: Sequence[float],
@@ -330,7 +387,8 @@ def _how_to_read(settings: Sequence[Setting], base: Setting, mu: Optional[float]
         f"out: {timed} of {len(runs)} runs logged the accounting's timed seconds (first generate and train call "
         f"of each process left out); the other {len(runs) - timed} count from their first learner step, "
         "which holds both first calls.",
-        f"- **Data:** every number and plot here is rebuilt from `runs/` alone ({size / 1e6:.2f} MB: each run's "
+        f"- **Data:** every number and plot here is rebuilt from "
+        f"{'`runs/` and `stage1/`' if '--stage1' in command else '`runs/`'} alone ({size / 1e6:.2f} MB: each run's "
         "config.yaml, summary.json, eval.json and metrics.jsonl trimmed to the keys read): "
         f"`{command}` in this folder writes this file again, byte for byte.",
     ]
@@ -351,21 +409,77 @@ def _size(folder: Path) -> int:
     return sum(p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file())
 
 
-def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[str] = None,
-           mus: Sequence[float] = (), sweep: Optional[str | Path] = None) -> str:
-    """Copies the runs into OUT/runs, then writes OUT/report.md and the PNGs from the copies;
-    returns the claims and 90%-target tables."""
-    out = Path(out)
+def _copy(settings: Sequence[Setting], dest: Path) -> list[Path]:
+    """Every run's trimmed copy at DEST/SETTING/RUN (report_data.copy_run); returns the copies."""
+    copies = []
+    for s in settings:
+        for run in s.runs:
+            copy_run(run, dest / s.name / run.dir.name)
+            copies.append(dest / s.name / run.dir.name)
+    return copies
+
+
+def _staged(run_dirs: Sequence[str | Path]) -> list:
     # A bucket run's records (not its checkpoints), copied to the cache; a local run dir as it is.
-    run_dirs = [storage.staged_files(d, ("config.yaml", "metrics.jsonl", SUMMARY_FILE, EVAL_FILE)) for d in run_dirs]
+    return [storage.staged_files(d, ("config.yaml", "metrics.jsonl", SUMMARY_FILE, EVAL_FILE)) for d in run_dirs]
+
+
+def _selection(settings: Sequence[Setting], rule: Rule) -> tuple[dict, dict[str, float]]:
+    """(arm -> learning rate -> setting, arm -> the chosen rate) of stage-1 settings."""
+    grid = arm_grid(settings)
+    return grid, choose(validation_scores(grid, rule), rule)
+
+
+def _stage1_section(grid, rule: Rule, chosen: dict[str, float], where: str) -> list[str]:
+    return [f"Rule (declared in the stage-1 sweep file before any run, `{where}`): {rule.describe()}. It reads "
+            f"`eval/validation_accuracy` only; the test split's columns are shown for information and never read by "
+            "it. Cells: `median [q25, q75]` over seeds.", "", _markdown(*stage1_rows(grid, rule, chosen))]
+
+
+def stage1_report(run_dirs: Sequence[str | Path], out: Path, rule: Rule) -> str:
+    """Stage 1 (runs of every arm at every learning rate): copies the runs into OUT/runs with the rule
+    (OUT/runs/select.yaml), writes OUT/report.md with the stage-1 table and OUT/selected.yaml (arm ->
+    learning rate); returns the table."""
+    grid, chosen = _selection(group_settings(load_runs(run_dirs)), rule)  # refuse bad runs before writing
+    copies = _copy([s for rates in grid.values() for s in rates.values()], out / "runs")
+    (out / "runs" / SELECT_FILE).write_text(yaml.safe_dump(rule.as_dict(), sort_keys=False))
+    grid, chosen = _selection(group_settings(load_runs(copies)), rule)
+    write_selected(chosen, out / SELECTED_FILE)
+    section = _stage1_section(grid, rule, chosen, f"runs/{SELECT_FILE}")
+    doc = ["# Stage 1: each arm's learning rate", "",
+           f"- **Selection:** `{SELECTED_FILE}` in this folder (arm: learning rate) is what a stage-2 sweep file's "
+           "`stage1:` names; `jaxreplay sweep` refuses a stage-2 arm at any other rate.",
+           f"- **Data:** every number here is rebuilt from `runs/` alone ({_size(out / 'runs') / 1e6:.2f} MB: each "
+           "run's config.yaml, summary.json, eval.json and metrics.jsonl trimmed to the keys read, and the rule): "
+           f"`{rebuild_command(None, ())}` in this folder writes this file and {SELECTED_FILE} again, byte for byte.",
+           "", "## Learning rates (validation split)", "", *section, "## Chosen", "",
+           _markdown(["arm", "learning rate"], [[arm, lr_tag(lr)] for arm, lr in chosen.items()])]
+    (out / "report.md").write_text("\n".join(doc))
+    return section[-1]
+
+
+def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[str] = None,
+           mus: Sequence[float] = (), sweep: Optional[str | Path] = None, stage1: Sequence[str | Path] = ()) -> str:
+    """Copies the runs into OUT/runs, then writes OUT/report.md and the PNGs from the copies;
+    returns the claims and 90%-target tables. Stage-1 runs (a selection rule in `sweep` or beside
+    them) get the stage-1 report instead (`stage1_report`); `stage1` (stage-1 run dirs, copied into
+    OUT/stage1) adds the frontier at the first of `mus` and the stage-1 table."""
+    out = Path(out)
+    run_dirs = _staged(run_dirs)
+    rule = load_rule(sweep, [Path(d) for d in run_dirs])
+    if rule is not None:
+        if stage1:
+            raise ConfigError("--stage1: these runs are stage 1 themselves (they come with a selection rule); "
+                              "--stage1 goes with stage-2 runs")
+        return stage1_report(run_dirs, out, rule)
     claims = load_claims(sweep, [Path(d) for d in run_dirs])
     originals = group_settings(load_runs(run_dirs))
     pick_baseline(originals, baseline)  # refuse a bad --baseline before writing anything
-    copies = []
-    for s in originals:
-        for run in s.runs:
-            copy_run(run, out / "runs" / s.name / run.dir.name)
-            copies.append(out / "runs" / s.name / run.dir.name)
+    stage1_dirs = _staged(stage1)
+    if stage1:
+        rule = _stage1_rule(stage1_dirs, mus)
+        _check_stage2(originals, _selection(group_settings(load_runs(stage1_dirs)), rule)[1])
+    copies = _copy(originals, out / "runs")
     if claims:
         (out / "runs" / CLAIMS_FILE).write_text(yaml.safe_dump(
             {c.name: {"text": c.text, "settings": list(c.settings), "measure": c.measure,
@@ -375,6 +489,14 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
             sort_keys=False, allow_unicode=True))
     settings = group_settings(load_runs(copies))
     base = pick_baseline(settings, baseline)
+    frontier_doc, stage1_doc = [], []
+    if stage1:
+        stage1_copies = _copy(group_settings(load_runs(stage1_dirs)), out / "stage1")
+        (out / "stage1" / SELECT_FILE).write_text(yaml.safe_dump(rule.as_dict(), sort_keys=False))
+        grid, chosen = _selection(group_settings(load_runs(stage1_copies)), rule)
+        frontier_doc = _frontier_section(settings, grid, mus[0], out)
+        stage1_doc = ["## Stage 1: learning rates (validation split)", "",
+                      *_stage1_section(grid, rule, chosen, f"stage1/{SELECT_FILE}")]
     mu = measured_mu([r for s in settings for r in s.runs])
     all_mus = ([(f"measured µ = {fmt(mu)}", mu)] if mu is not None else []) + [(f"µ = {fmt(m)}", m) for m in mus]
     plot_mus = []
@@ -388,9 +510,11 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
     verdicts = claims_table(claims, settings, base) if claims else None
     level = float(np.median([target(r, TARGET_FRACTIONS[-1]) for r in base.runs]))
     pngs = report_plots.write(settings, level, plot_mus, out)
-    doc = ["# Replay comparison", "", *_how_to_read(settings, base, mu, mus, _size(out / "runs"),
-                                                            rebuild_command(baseline, mus)), "",
+    size = _size(out / "runs") + (_size(out / "stage1") if stage1 else 0)
+    doc = ["# Replay comparison", "", *_how_to_read(settings, base, mu, mus, size,
+                                                            rebuild_command(baseline, mus, bool(stage1))), "",
            *(["## Claims and verdicts", "", verdicts] if verdicts else []),
+           *frontier_doc,
            "## Per setting", "", main,
            *([f"## Paired by seed: each run minus the {base.name} run of the same seed", "", paired]
              if paired else []),
@@ -401,7 +525,41 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
            *(["## Learning speed and stability", "", speed] if speed else []),
            *(["## pass@k of the final policy (`jaxreplay eval ... --out RUN_DIR/eval.json`)", "", passes]
              if passes else []),
+           *stage1_doc,
            "## Plots", "", *[f"### {title}\n\n![{title}]({p.name})\n" for p, title in pngs],
            "## Runs", "", runs_table(settings, base)]
     (out / "report.md").write_text("\n".join(doc))
     return (verdicts + "\n" if verdicts else "") + targets[TARGET_FRACTIONS[-1]]
+
+
+def _stage1_rule(stage1_dirs: Sequence[Path], mus: Sequence[float]) -> Rule:
+    if not mus:
+        raise ConfigError("--stage1: the frontier is drawn against modelled compute at the first --mu; give --mu")
+    rule = load_rule(None, [Path(d) for d in stage1_dirs])
+    if rule is None:
+        raise ConfigError(f"--stage1: no {SELECT_FILE} beside the stage-1 runs (their sweep writes the rule there "
+                          "before the first run)")
+    return rule
+
+
+def _check_stage2(settings: Sequence[Setting], chosen: dict[str, float]) -> None:
+    """Each stage-2 setting named after a stage-1 arm runs at the rate stage 1 chose for it."""
+    for s in settings:
+        lr = learning_rate(s)
+        if s.name in chosen and (lr is None or not math.isclose(lr, chosen[s.name], rel_tol=1e-9)):
+            raise ConfigError(f"{s.runs[0].dir}: learning rate {'none' if lr is None else lr_tag(lr)} is not "
+                              f"stage 1's choice for arm {s.name} ({lr_tag(chosen[s.name])})")
+
+
+def _frontier_section(settings: Sequence[Setting], grid, mu: float, out: Path) -> list[str]:
+    arms = report_frontier.frontier(settings, grid, mu)
+    common = report_frontier.budget(arms)
+    label = f"µ = {fmt(mu)}"
+    stem = f"frontier_mu{mu:g}".replace(".", "_")
+    title = report_plots.save(report_plots.frontier(arms, label, common), out / f"{stem}.png")
+    return [f"## Optimality frontier at {label}", "",
+            f"Test accuracy against modelled compute at {label} (the first --mu), each arm at the learning rate "
+            "stage 1 chose for it (median [q25, q75] over seeds, each seed's evaluations interpolated linearly) "
+            "and the best over the stage-1 grid (at each point the highest of the rates' median curves, and which "
+            f"rate that is). The common budget {fmt(common)} is the least modelled compute any run here reached at "
+            "its last evaluation.", "", _markdown(*report_frontier.rows(arms, common)), f"![{title}]({stem}.png)", ""]

@@ -8,16 +8,22 @@ baseline (the report's `--baseline`, on-policy by default):
         text: moderate reuse (spi 2) keeps the peak
         settings: [spi2_nr2, spi2_nr8]   # pooled: the bootstrap resamples seeds within each
         measure: peak                    # peak | final | pass@K | {tokens,rollouts,compute}_to_{50,75,90}
+                                         # | final_at_compute | entropy_at_compute | largest_fall
         above: -0.02                     # or below: 1.0
-        mu: 5.28                         # compute_to_* only: the µ of the modelled compute
-        ceiling: 0.98                    # optional: the baseline's median peak/final/pass@K at or above it
-                                         # leaves no room to show the claim: "not testable here"
+        mu: 5.28                         # the µ of the modelled compute: compute_to_*, *_at_compute
+        ceiling: 0.98                    # optional: the baseline's median peak/final/pass@K/final_at_compute
+                                         # at or above it leaves no room to show the claim: "not testable here"
 
 Accuracy measures are differences (setting minus the same seed's baseline run); cost
 measures are ratios to the same seed's baseline, +inf where the run never reached the
-target. The verdict reads the IQM's 95% stratified bootstrap interval against the
-threshold: wholly on the rule's side, "holds"; wholly on the other, "fails"; across
-it, "inconclusive".
+target. At equal compute (`final_at_compute`, `entropy_at_compute`), each seed pair is read
+at the smaller of the two runs' total modelled compute at µ: test accuracy at each run's
+latest evaluation at or before it, or the mean of the logged `entropy` over the last 10
+logged steps at or before it. `largest_fall` is the largest drop of test accuracy below an
+earlier evaluation (after the peak so far); "smaller with a buffer" is `below: 0`.
+
+The verdict reads the IQM's 95% stratified bootstrap interval against the threshold:
+wholly on the rule's side, "holds"; wholly on the other, "fails"; across it, "inconclusive".
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ TARGET_FRACTIONS = (0.5, 0.75, 0.9)  # targets: these shares of the same seed's 
 _COST = re.compile(r"(tokens|rollouts|compute)_to_(50|75|90)")
 _PASS = re.compile(r"pass@([1-9][0-9]*)")
 _KEYS = {"text", "settings", "measure", "above", "below", "mu", "ceiling"}
+AT_COMPUTE = ("final_at_compute", "entropy_at_compute")  # paired at the smaller of the two runs' compute at µ
+NO_CEILING = ("entropy_at_compute", "largest_fall")  # neither is an accuracy with a top to sit at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +62,9 @@ class Claim:
         return (m.group(1), int(m.group(2)) / 100) if m else None
 
     def describe(self, baseline: str) -> str:
-        what = (f"{self.measure} − {baseline}'s" if self.cost is None else
-                f"{self.measure} (× {baseline}'s{'' if self.mu is None else f', µ = {self.mu:g}'})")
+        at = "" if self.mu is None else f", µ = {self.mu:g}"
+        what = (f"{self.measure} − {baseline}'s" + (f" ({at[2:]})" if self.measure in AT_COMPUTE else "")
+                if self.cost is None else f"{self.measure} (× {baseline}'s{at})")
         side = ">" if self.above else "<"
         return f"paired IQM of {what} {side} {self.threshold:g}"
 
@@ -86,17 +95,21 @@ def parse_claims(raw: Any, where: str = "sweep.claims") -> tuple[Claim, ...]:
         if not (isinstance(settings, list) and settings and all(isinstance(s, str) for s in settings)):
             raise ConfigError(f"{key}.settings: expected a non-empty list of setting names, got {show(settings)}")
         measure = rule.get("measure")
-        if not isinstance(measure, str) or not (measure in ("peak", "final") or _PASS.fullmatch(measure)
-                                                or _COST.fullmatch(measure)):
-            raise ConfigError(f"{key}.measure: {show(measure)} is not peak, final, pass@K or "
-                              "{tokens,rollouts,compute}_to_{50,75,90}")
+        if not isinstance(measure, str) or not (measure in ("peak", "final", "largest_fall", *AT_COMPUTE)
+                                                or _PASS.fullmatch(measure) or _COST.fullmatch(measure)):
+            raise ConfigError(f"{key}.measure: {show(measure)} is not peak, final, pass@K, "
+                              "{tokens,rollouts,compute}_to_{50,75,90}, final_at_compute, entropy_at_compute "
+                              "or largest_fall")
         if ("above" in rule) == ("below" in rule):
             raise ConfigError(f"{key}: give exactly one of above and below (the rule's threshold)")
         side = "above" if "above" in rule else "below"
         mu = None if rule.get("mu") is None else _number(rule["mu"], f"{key}.mu")
-        if measure.startswith("compute_to_") and (mu is None or mu <= 0):
+        if (measure.startswith("compute_to_") or measure in AT_COMPUTE) and (mu is None or mu <= 0):
             raise ConfigError(f"{key}.mu: {measure} needs the positive µ its compute is modelled at")
         ceiling = None if rule.get("ceiling") is None else _number(rule["ceiling"], f"{key}.ceiling")
+        if ceiling is not None and measure in NO_CEILING:
+            raise ConfigError(f"{key}.ceiling: {measure} has no ceiling (a ceiling applies to peak, final, pass@K "
+                              "and final_at_compute)")
         claims.append(Claim(name=str(name), text=str(rule.get("text", name)), settings=tuple(settings),
                             measure=measure, threshold=_number(rule[side], f"{key}.{side}"), above=side == "above",
                             mu=mu, ceiling=ceiling))

@@ -32,16 +32,16 @@ import numpy as np
 import yaml
 
 from jaxreplay.config import ConfigError
-from jaxreplay.train.eval import PASSK_KEY
+from jaxreplay.train.eval import PASSK_KEY, TEST_KEY, VALIDATION_KEY
 from jaxreplay.train.metrics import read_metrics
 
 EVAL_FILE = "eval.json"  # `jaxreplay eval CONFIG --checkpoint RUN_DIR --k 1,8 --out RUN_DIR/eval.json`
 SUMMARY_FILE = "summary.json"
 # The metrics keys the report reads: a copied run keeps these (and every row holding one besides the step).
-READ_KEYS = ("step", "eval/accuracy", "tokens/generated", "rollouts/generated", "rollouts/trained", "replay/inserts",
-             "compute/flops", "cost/mu", "entropy", "approx_kl", "pg_clipfrac", "replay/ratio", "staleness/mean",
-             "staleness/hist", "time/generate_s", "time/train_s", "time/replay_s", "time/generate_timed_s",
-             "time/train_timed_s")
+READ_KEYS = ("step", TEST_KEY, VALIDATION_KEY, "tokens/generated", "rollouts/generated", "rollouts/trained",
+             "replay/inserts", "compute/flops", "cost/mu", "entropy", "approx_kl", "pg_clipfrac", "replay/ratio",
+             "staleness/mean", "staleness/hist", "time/generate_s", "time/train_s", "time/replay_s",
+             "time/generate_timed_s", "time/train_timed_s")
 _TIMES = ("time/generate_s", "time/train_s", "time/replay_s")
 _TIMED = ("time/generate_timed_s", "time/train_timed_s", "time/replay_s")
 
@@ -188,15 +188,15 @@ NOT_A_SETTING = ("run.seed", "run.dir", "run.progress_bar", "warmstart.cache_dir
                  "checkpoint.*")
 
 
-def _setting_key(config: dict, prefix: str = "") -> dict:
-    """`config` without the `NOT_A_SETTING` keys (dotted patterns)."""
+def setting_key(config: dict, ignore: Sequence[str] = NOT_A_SETTING, prefix: str = "") -> dict:
+    """`config` without the keys matching `ignore` (dotted patterns; `NOT_A_SETTING` by default)."""
     kept = {}
     for key, value in config.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict):
-            if inner := _setting_key(value, f"{dotted}."):
+            if inner := setting_key(value, ignore, f"{dotted}."):
                 kept[key] = inner
-        elif not any(fnmatch.fnmatchcase(dotted, pattern) for pattern in NOT_A_SETTING):
+        elif not any(fnmatch.fnmatchcase(dotted, pattern) for pattern in ignore):
             kept[key] = value
     return kept
 
@@ -205,7 +205,7 @@ def group_settings(runs: Sequence[RunData]) -> list[Setting]:
     """Groups runs whose configs differ only in `NOT_A_SETTING`; each group named after its run dirs' parent folder."""
     groups: dict[str, list[RunData]] = {}
     for run in runs:
-        groups.setdefault(yaml.safe_dump(_setting_key(run.config), sort_keys=True), []).append(run)
+        groups.setdefault(yaml.safe_dump(setting_key(run.config), sort_keys=True), []).append(run)
     settings, used = [], set()
     for members in groups.values():
         name = members[0].dir.resolve().parent.name or members[0].dir.name

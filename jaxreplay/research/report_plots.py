@@ -176,6 +176,30 @@ def figures(settings: Sequence[Setting], target: Optional[float],
         yield "pass_at_k", pass_at_k(settings)
 
 
+def frontier(arms, label: str, common: float):
+    """Test accuracy against modelled compute at µ: per arm (report_frontier.ArmFrontier) the median over
+    seeds at its chosen learning rate with the IQR band and, dashed, the best over the stage-1 grid."""
+    fig, ax = _figure()
+    for arm, color in zip(arms, _colors(len(arms))):
+        _plot_band(ax, arm.runs, color, f"{arm.name} at its chosen lr ({len(arm.runs)} seeds)")
+        envelope = arm.envelope()
+        if envelope is not None and len(envelope[0]):
+            ax.plot(*envelope, color=color, linestyle="--", linewidth=1.2,
+                    label=f"{arm.name}: best over the stage-1 grid ({len(arm.medians)} lrs)")
+    ax.axvline(common, color="gray", linestyle=":", linewidth=1, label="common budget (the frontier table's 100%)")
+    _finish(ax, f"Frontier at {label}: chosen lr (median, IQR band); dashed: best over stage-1 lrs",
+            f"trained rollouts + µ × generated rollouts (units of training one rollout), {label}",
+            "test accuracy (greedy)")
+    return fig
+
+
+def save(fig, path: Path) -> str:
+    """Saves one figure as PATH; returns its title."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return fig.axes[0].get_title()
+
+
 def write(settings: Sequence[Setting], target: Optional[float], mus: Sequence[tuple[str, float]],
           out: Path) -> list[tuple[Path, str]]:
     """Saves every figure as OUT/STEM.png; returns (path, title) pairs."""

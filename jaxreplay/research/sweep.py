@@ -13,6 +13,13 @@ list of dotted overrides) and the seeds:
     timeout_s: 3600            # per run
     claims: {...}              # rules deciding the claims, written before any run (report_claims)
 
+Two stages (docs/comparing.md, "Two stages"): a stage-1 file adds `learning_rates: [1e-4, 3e-4, 1e-3]`
+and `select: {measure: validation_peak, statistic: median}` (report_select): every setting (an arm)
+runs at each rate, in OUT/ARM.lrLR/seedS with train.learning_rate set by the sweep, and the rule is
+written to OUT/select.yaml before the first run. A stage-2 file names its stage 1 with `stage1: DIR`
+(the stage-1 report's folder holding selected.yaml, relative to the sweep file) and sets each arm's
+train.learning_rate explicitly; a rate other than stage 1's choice for that arm is refused.
+
 Each run is a `jaxreplay train` subprocess (its own Reverb server, native logs and
 memory), logging to RUN_DIR/train.log. A run whose summary.json reports all its steps
 is skipped; any other run is started, and `jaxreplay train` resumes it from its latest
@@ -34,14 +41,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import yaml
 
 from jaxreplay.config import Config, ConfigError, did_you_mean, load_config, read_yaml, show
 from jaxreplay.research.report_claims import CLAIMS_FILE, parse_claims
+from jaxreplay.research.report_select import (
+    SELECT_FILE, SELECTED_FILE, lr_tag, parse_learning_rate, parse_rule, read_selected, setting_name)
 
-_KEYS = {"base", "out", "seeds", "overrides", "settings", "timeout_s", "claims"}
+_KEYS = {"base", "out", "seeds", "overrides", "settings", "timeout_s", "claims", "learning_rates", "select", "stage1"}
+_LR = "train.learning_rate"
 _NAME = re.compile(r"[A-Za-z0-9_.+-]+")
 
 
@@ -52,6 +62,7 @@ class Run:
     base: Path
     overrides: tuple[str, ...]  # common, then the setting's, then seed and run dir
     config: Config
+    arm: str = ""  # the sweep file's setting; `setting` adds the learning rate in a stage-1 sweep (ARM.lrLR)
 
     @property
     def dir(self) -> Path:
@@ -76,6 +87,7 @@ class Sweep:
     timeout_s: float
     out: Path = Path(".")
     claims: Any = None  # the sweep file's claims, as written (validated by report_claims.parse_claims)
+    select: Any = None  # a stage-1 sweep's rule picking each arm's learning rate (report_select.parse_rule)
 
 
 def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequence[int] | None = None) -> Sweep:
@@ -119,6 +131,8 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequ
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ConfigError(f"sweep.settings: {show(name)} is not a usable directory name")
         own_overrides[name] = _override_list(overrides or [], f"sweep.settings.{name}")
+    learning_rates, rule = _stage1(raw, common, own_overrides)
+    selected = _stage2(raw, path, common, own_overrides, learning_rates)
     if only_seeds is not None:
         missing = [s for s in only_seeds if s not in seeds]
         if missing:
@@ -127,20 +141,81 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequ
     runs = []
     for seed in seeds:  # seed-major: a sweep stopped early has whole seeds, and claims pool seeds
         for name, own in own_overrides.items():
-            args = (*shared_warm_start, *common, *own, *extra, f"run.seed={seed}",
-                    f"run.dir={out / name / f'seed{seed}'}", "run.progress_bar=false")
-            try:
-                config = load_config(base, args)
-            except ConfigError as e:
-                raise ConfigError(f"sweep.settings.{name} (seed {seed}): {e}") from None
-            runs.append(Run(setting=name, seed=seed, base=base, overrides=args, config=config))
+            for lr in learning_rates or (None,):
+                setting = name if lr is None else setting_name(name, lr)
+                rate = () if lr is None else (f"{_LR}={lr!r}",)
+                args = (*shared_warm_start, *common, *own, *extra, *rate, f"run.seed={seed}",
+                        f"run.dir={out / setting / f'seed{seed}'}", "run.progress_bar=false")
+                try:
+                    config = load_config(base, args)
+                except ConfigError as e:
+                    raise ConfigError(f"sweep.settings.{name} (seed {seed}): {e}") from None
+                if selected is not None and not math.isclose(config.train.learning_rate, selected[name],
+                                                             rel_tol=1e-9):
+                    raise ConfigError(f"sweep.settings.{name}: train.learning_rate {lr_tag(config.train.learning_rate)}"
+                                      f" is not stage 1's choice for this arm ({lr_tag(selected[name])}, "
+                                      f"{raw['stage1']}/{SELECTED_FILE})")
+                runs.append(Run(setting=setting, seed=seed, base=base, overrides=args, config=config, arm=name))
     claims = raw.get("claims")
     names = set(settings)
     for claim in parse_claims(claims):
         unknown = [n for n in claim.settings if n not in names]
         if unknown:
             raise ConfigError(f"sweep.claims.{claim.name}.settings: {unknown[0]} is not one of the settings")
-    return Sweep(runs=tuple(runs), timeout_s=float(timeout_s), out=out, claims=claims)
+    return Sweep(runs=tuple(runs), timeout_s=float(timeout_s), out=out, claims=claims,
+                 select=None if rule is None else rule.as_dict())
+
+
+def _sets_lr(overrides: Sequence[str]) -> bool:
+    return any(v.split("=", 1)[0] == _LR for v in overrides)
+
+
+def _stage1(raw: dict, common: tuple[str, ...], own: dict[str, tuple[str, ...]]):
+    """(the learning rates, the rule) of a stage-1 file; (None, None) for any other."""
+    rates, rule = raw.get("learning_rates"), parse_rule(raw.get("select"))
+    if rates is None:
+        if rule is not None:
+            raise ConfigError("sweep.select: a selection rule needs sweep.learning_rates, the grid it chooses from")
+        return None, None
+    if not isinstance(rates, list) or not rates:
+        raise ConfigError(f"sweep.learning_rates: expected a non-empty list like [1e-4, 3e-4, 1e-3], got {show(rates)}")
+    rates = [parse_learning_rate(v, "sweep.learning_rates") for v in rates]
+    tags = [lr_tag(v) for v in rates]
+    if len(set(tags)) != len(tags):
+        raise ConfigError(f"sweep.learning_rates: repeated learning rate in {', '.join(tags)}")
+    if rule is None:
+        raise ConfigError("sweep.select: required with sweep.learning_rates: the rule that picks each arm's learning "
+                          "rate, declared before any run (e.g. {measure: validation_peak, statistic: median})")
+    if raw.get("claims") is not None:
+        raise ConfigError("sweep.claims: stage 1 (sweep.learning_rates) only chooses learning rates; declare the "
+                          "claims in the stage-2 file")
+    if raw.get("stage1") is not None:
+        raise ConfigError("sweep.stage1: a stage-1 file (sweep.learning_rates) cannot name a stage 1")
+    for where, overrides in (("sweep.overrides", common), *((f"sweep.settings.{n}", o) for n, o in own.items())):
+        if _sets_lr(overrides):
+            raise ConfigError(f"{where}: {_LR} is set by sweep.learning_rates")
+    for name in own:
+        if "." + "lr" in name:
+            raise ConfigError(f"sweep.settings: {name} holds '.lr', which separates an arm from its learning rate")
+    return sorted(rates), rule
+
+
+def _stage2(raw: dict, path: Path, common: tuple[str, ...], own: dict[str, tuple[str, ...]],
+            learning_rates) -> Optional[dict[str, float]]:
+    """arm -> learning rate stage 1 selected, for a stage-2 file (None for any other), after checking that
+    every setting sets its rate explicitly and is an arm stage 1 chose for."""
+    if raw.get("stage1") is None or learning_rates is not None:
+        return None
+    folder = Path(str(raw["stage1"]))
+    selected = read_selected(folder if folder.is_absolute() else path.parent / folder, "sweep.stage1")
+    for name, overrides in own.items():
+        if name not in selected:
+            raise ConfigError(f"sweep.settings.{name}: stage 1 selected no learning rate for this arm "
+                              f"(it selected: {', '.join(selected)})")
+        if not (_sets_lr(overrides) or _sets_lr(common)):
+            raise ConfigError(f"sweep.settings.{name}: set {_LR} explicitly, to stage 1's choice "
+                              f"{lr_tag(selected[name])}")
+    return selected
 
 
 def _override_list(value, key: str) -> tuple[str, ...]:
@@ -165,6 +240,9 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> dict[str, str
     if sweep.claims:
         sweep.out.mkdir(parents=True, exist_ok=True)
         (sweep.out / CLAIMS_FILE).write_text(yaml.safe_dump(sweep.claims, sort_keys=False, allow_unicode=True))
+    if sweep.select:
+        sweep.out.mkdir(parents=True, exist_ok=True)
+        (sweep.out / SELECT_FILE).write_text(yaml.safe_dump(sweep.select, sort_keys=False))
     results = {}
     for i, run in enumerate(sweep.runs, 1):
         tag = f"[{i}/{len(sweep.runs)}] {run.setting} seed {run.seed}"
