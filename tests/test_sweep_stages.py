@@ -31,9 +31,9 @@ def _write(tmp_path, body: str, name="sweep.yaml") -> Path:
     return path
 
 
-def _cli(*args):
+def _cli(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "jaxreplay.cli", "sweep", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=timeout)
 
 
 def test_stage1_runs_every_arm_at_every_learning_rate_named_arm_lr(tmp_path):
@@ -176,3 +176,49 @@ def test_the_two_sweep_files_docs_comparing_shows_load(tmp_path):
     stage2 = load_sweep(tmp_path / "configs" / "stage2.yaml")
     assert {r.setting: r.config.train.learning_rate for r in stage2.runs} == {"on_policy": 3e-4, "spi4_nr16": 1e-3}
     assert set(stage2.claims) == {"same_final_at_compute", "keeps_entropy", "falls_less"}
+
+
+@pytest.mark.slow
+def test_both_stages_run_end_to_end_on_the_multiplication_testbed(tmp_path):
+    """Real runs, shrunk: stage 1 (two arms x two rates) -> its report picks each arm's rate on the
+    validation split -> a stage-2 file at those rates -> its report with the frontier and the stage-1
+    table. The committed stage-1 file's base and task are the ones used."""
+    testbed = Path(__file__).resolve().parents[1] / "configs" / "testbed_mul.yaml"
+    tiny = ("[model.d_model=32, model.n_layers=1, model.n_heads=2, model.n_kv_heads=1, model.head_dim=16, "
+            "model.d_ff=64, warmstart.steps=20, task.eval_size=32, task.validation_size=32, task.train_size=64, "
+            "train.batch_size=16, train.prompts_per_step=4, train.group_size=4, replay.max_size=64, "
+            "replay.min_size_to_sample=32, train.steps=100, train.max_generated_tokens=2000, train.eval_every=100, "
+            "train.eval_every_tokens=700, checkpoint.every=100]")
+    arms = "settings:\n  on_policy: [replay.mode=on_policy{rate}]\n  spi2: [replay.mode=replay{rate}]\n"
+    stage1 = tmp_path / "stage1.yaml"
+    stage1.write_text(f"base: {testbed}\nout: {tmp_path / 'runs1'}\nseeds: [100]\noverrides: {tiny}\n"
+                      "learning_rates: [1e-4, 1e-3]\nselect: {measure: validation_mean, statistic: median}\n"
+                      + arms.format(rate=""))
+    first = _cli(stage1, timeout=900)
+    assert first.returncode == 0 and first.stdout.count("done in") == 4, first.stdout + first.stderr
+    report = [sys.executable, "-m", "jaxreplay.cli", "report"]
+    runs1 = sorted(str(p) for p in (tmp_path / "runs1").glob("*/seed100"))
+    out = subprocess.run([*report, *runs1, "--out", str(tmp_path / "stage1")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    chosen = yaml.safe_load((tmp_path / "stage1" / "selected.yaml").read_text())
+    assert set(chosen) == {"on_policy", "spi2"} and set(chosen.values()) <= {1e-4, 1e-3}
+
+    rate = {arm: f", train.learning_rate={lr:g}" for arm, lr in chosen.items()}
+    stage2 = tmp_path / "stage2.yaml"
+    stage2.write_text(f"base: {testbed}\nout: {tmp_path / 'runs2'}\nstage1: stage1\nseeds: [0]\noverrides: "
+                      f"{tiny}\nsettings:\n  on_policy: [replay.mode=on_policy{rate['on_policy']}]\n"
+                      f"  spi2: [replay.mode=replay{rate['spi2']}]\n")
+    second = _cli(stage2, timeout=900)
+    assert second.returncode == 0 and second.stdout.count("done in") == 2, second.stdout + second.stderr
+    runs2 = sorted(str(p) for p in (tmp_path / "runs2").glob("*/seed*"))
+    out = subprocess.run([*report, *runs2, "--out", str(tmp_path / "stage2"), "--mu", "5.28", "--stage1", *runs1],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    text = (tmp_path / "stage2" / "report.md").read_text()
+    assert "rontier" in text and "--stage1 stage1/*/*" in text
+    assert list((tmp_path / "stage2").glob("frontier_mu*.png"))
+    for run in runs2:  # every evaluation scored both held-out splits
+        rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+        evaluated = [r for r in rows if "eval/accuracy" in r]
+        assert len(evaluated) >= 3 and all("eval/validation_accuracy" in r for r in evaluated)
