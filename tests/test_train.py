@@ -83,13 +83,16 @@ def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path):
     changing), so any difference in restored params,
     optimizer state, limiter counters, table contents or waiting rollouts would show.
     The narrow limiter window admits only a few of each actor step's 16 rollouts at a
-    time, so the checkpoint at step 2 holds 9 generated rollouts still waiting.
+    time, so the checkpoint at step 2 holds 9 generated rollouts still waiting. Prompts
+    come from a pool of 8 (task.train_size) that 2 actor steps visit once, so the runs cross
+    an epoch; every evaluation scores the validation split beside the test split.
     """
     # AsymRE's advantage r - (V + dV) is never zero, so every step moves the params even when a
     # 4-row FIFO batch holds one group with equal rewards (GRPO's advantage is 0 there).
     deterministic = ["replay.selector=fifo", "train.batch_size=4", "replay.samples_per_insert=1",
                      "replay.error_buffer=3", "replay.max_size=16", "replay.min_size_to_sample=16", *LEARNING,
-                     "train.loss=asymre", "train.advantage=group_centered"]
+                     "train.loss=asymre", "train.advantage=group_centered", "task.train_size=8",
+                     "task.validation_size=8", "task.eval_size=8"]
     straight_config, straight = run(tmp_path, *deterministic, "train.steps=8", name="straight")
     run(tmp_path, *deterministic, "train.steps=2", name="resumed")
     resumed_config, resumed = run(tmp_path, *deterministic, "train.steps=8", name="resumed")
@@ -98,10 +101,14 @@ def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path):
     assert [r["step"] for r in b] == list(range(9))
     for ra, rb in zip(a, b):
         for key in ("loss", "grad_norm", "replay/size", "replay/inserts", "replay/samples", "staleness/mean",
-                    "tokens/generated", "tokens/trained", "eval/accuracy"):
+                    "tokens/generated", "tokens/trained", "eval/accuracy", "eval/validation_accuracy"):
             if key in ra and key in rb:  # the first leg also evaluated at its last step
                 assert ra[key] == pytest.approx(rb[key], rel=1e-6), (ra["step"], key)
     assert sum(r["grad_norm"] > 0 for r in a[1:]) >= 3, "the runs must actually learn for this to test anything"
+    assert a[-1]["rollouts/generated"] > 2 * 16  # past the pool's first epoch
+    evaluated = [r for r in a if "eval/accuracy" in r]
+    assert [r["step"] for r in evaluated] == [0, 4, 8] and all("eval/validation_accuracy" in r for r in evaluated)
+    assert not any("eval/validation_accuracy" in r for r in a if "eval/accuracy" not in r)
 
     task = make_task(straight_config.task)
     graphdef, params = init_params(straight_config.model, 0)
@@ -115,28 +122,6 @@ def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path):
     assert progress_a.actor_step == progress_b.actor_step
     for x, y in zip(jax_leaves(state_a), jax_leaves(state_b)):
         np.testing.assert_array_equal(x, y)
-
-
-@pytest.mark.slow
-def test_a_finite_pool_resumes_mid_epoch_and_every_evaluation_scores_both_held_out_splits(tmp_path):
-    """task.train_size: 2 actor steps of 4 prompts visit the 8-problem pool once; a run stopped at
-    step 2 and resumed to 8 crosses the epoch boundary exactly as the run straight to 8 does."""
-    pool = ["replay.selector=fifo", "train.batch_size=4", "replay.samples_per_insert=1", "replay.error_buffer=3",
-            "replay.max_size=16", "replay.min_size_to_sample=16", *LEARNING, "train.loss=asymre",
-            "train.advantage=group_centered", "task.train_size=8", "task.validation_size=8", "task.eval_size=8"]
-    straight_config, _ = run(tmp_path, *pool, "train.steps=8", name="straight")
-    run(tmp_path, *pool, "train.steps=2", name="resumed")
-    resumed_config, _ = run(tmp_path, *pool, "train.steps=8", name="resumed")
-    a, b = read_metrics(straight_config.run.dir), read_metrics(resumed_config.run.dir)
-    assert a[-1]["rollouts/generated"] > 2 * 16  # past the first epoch: 2 actor steps of 4 prompts x 4 samples
-    for ra, rb in zip(a, b):
-        for key in ("loss", "grad_norm", "tokens/generated", "eval/accuracy", "eval/validation_accuracy"):
-            if key in ra and key in rb:
-                assert ra[key] == pytest.approx(rb[key], rel=1e-6), (ra["step"], key)
-    evaluated = [r for r in a if "eval/accuracy" in r]
-    assert [r["step"] for r in evaluated] == [0, 4, 8]
-    assert all("eval/validation_accuracy" in r for r in evaluated)
-    assert not any("eval/validation_accuracy" in r for r in a if "eval/accuracy" not in r)
 
 
 def jax_leaves(tree):
