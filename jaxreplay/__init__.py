@@ -51,7 +51,6 @@ _MOVED = {
 }
 
 
-
 def _names(module: str, *names: str) -> dict[str, str]:
     return {name: module for name in names}
 
