@@ -5,7 +5,10 @@ rollout, learn, train, research, tools; config and compat sit below them all, cl
 Importing the package imports nothing else.
 
 Modules that lived at the package root before the layout by stage still import under their old
-names for one release, with a DeprecationWarning (`jaxreplay.driver` is `jaxreplay.train.driver`).
+names for one release, with a DeprecationWarning (`jaxreplay.driver` is `jaxreplay.train.driver`),
+and so do the names the stage packages exported then (`from jaxreplay.models import forward` is
+`jaxreplay.models.transformer.forward`): the packages' `__getattr__` imports them on first use, so
+importing a package still imports nothing. docs/reference/api.md lists the supported paths.
 """
 
 import importlib
@@ -48,6 +51,61 @@ _MOVED = {
 }
 
 
+def _names(module: str, *names: str) -> dict[str, str]:
+    return {name: module for name in names}
+
+
+# The names each package exported before the layout by stage (ae959cf), and the modules they live in now
+_MOVED_NAMES = {
+    "jaxreplay.models": _names(
+        "jaxreplay.models.transformer", "KV_CACHE_AXES", "KVCache", "REMAT_POLICIES", "Transformer", "abstract_model",
+        "abstract_params", "apply", "count_params", "dtype_of", "forward", "init_cache", "init_params",
+        "positions_from_mask", "score_hidden", "split"),
+    "jaxreplay.replay": {
+        **_names("jaxreplay.replay.tables", "POSITIVE_TABLE_NAME", "TABLE_NAME", "PositiveSplit", "RateLimit",
+                 "ReplayInterrupted", "ReplayTimeoutError", "TableDef", "TableSharedError", "Tables", "build_tables",
+                 "check_only_client", "positive_split", "resolve_backend", "table_defs"),
+        **_names("jaxreplay.replay.backend", "Backend", "Client", "SampleInfo"),
+        **_names("jaxreplay.replay.inprocess", "InProcessServer"),
+        **_names("jaxreplay.replay.reader", "IncrementalReader", "PositiveBiasReader", "RolloutReader", "reader_for"),
+        **_names("jaxreplay.replay.writer", "RolloutWriter", "writer_for"),
+        **_names("jaxreplay.replay.rows", "ItemSpec"),
+        **_names("jaxreplay.replay.limiter", "LimiterState"),
+        **_names("jaxreplay.replay.ports", "PortInUseError", "check_port"),
+        **_names("jaxreplay.replay.reverb_backend", "ReverbClient", "ReverbServer"),
+        **_names("jaxreplay.replay.server", "serve"),
+        **_names("jaxreplay.compat", "set_tf_cpu_only"),
+    },
+    "jaxreplay.tasks": {
+        **_names("jaxreplay.tasks.arithmetic", "ArithmeticTask", "CharTokenizer", "Problem"),
+        **_names("jaxreplay.tasks.base", "ByteTokenizer", "Task", "Tokenizer", "score"),
+        **_names("jaxreplay.tasks.datasets", "DatasetError", "DatasetTask"),
+        **_names("jaxreplay.tasks.registry", "make_task", "prompt_len", "validate_task"),
+    },
+    "jaxreplay.rl": {
+        **_names("jaxreplay.learn.losses", "AGGREGATIONS", "LOSSES", "asymre_loss", "grpo_clip_loss", "kl_penalty",
+                 "make_aggregate", "make_loss", "make_weights", "masked_mean", "token_mean_weights",
+                 "truncated_is_loss", "weighted"),
+        **_names("jaxreplay.rollout.advantages", "ADVANTAGES", "group_centered", "group_normalized", "leave_one_out"),
+    },
+}
+
+
+def moved_name(package: str, name: str):
+    """A stage package's module `__getattr__`: a name it exported before the layout by stage, taken
+    from the module it lives in now (imported on this first use), with a DeprecationWarning
+    naming the new path (once a process: the package keeps it). Any other name is an
+    AttributeError, so `from package import submodule` still imports the submodule."""
+    module = _MOVED_NAMES.get(package, {}).get(name)
+    if module is None:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    warnings.warn(f"{package}.{name} moved to {module}.{name}: import it from there", DeprecationWarning,
+                  stacklevel=3)
+    value = getattr(importlib.import_module(module), name)
+    setattr(sys.modules[package], name, value)  # once: `from package import name` looks it up twice
+    return value
+
+
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports an old module name as the module it moved to (the same module object)."""
 
@@ -65,7 +123,8 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.import_module(_MOVED[spec.name])
 
     def exec_module(self, module):
-        pass
+        if module.__name__ == "jaxreplay.rl":
+            module.__getattr__ = lambda name: moved_name("jaxreplay.rl", name)
 
 
 if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):

@@ -31,6 +31,28 @@ def test_the_readme_demo_line_is_the_one_the_demo_page_records():
     assert len(line) == 1 and line[0] in (DOCS / "demo.md").read_text()
 
 
+def test_the_demo_pass_rule_is_the_demo_pages_and_every_figure_quoted_meets_it():
+    """The README states the demo's range and pass rule as docs/demo.md measures them: the rule is
+    the page's word for word, the range is the page's table's, and every run quoted passes."""
+    readme, page = README.read_text(), (DOCS / "demo.md").read_text()
+    rule = re.findall(r"^\*\*Pass rule:\*\* .*$", readme, re.MULTILINE)
+    assert len(rule) == 1 and rule[0] in page.splitlines()
+    floor, slack = map(float, re.search(r"eval/accuracy ends at ([\d.]+) or above, and replay/ratio is within "
+                                        r"([\d.]+) of its target", rule[0]).groups())
+    runs = [tuple(map(float, pair)) for row in re.findall(r"^\| \d+ \|.*\|$", page, re.MULTILINE)
+            for pair in re.findall(r"([\d.]+) -> ([\d.]+)", row)]
+    assert len(runs) >= 6  # at least 3 seeds on 2 instruction sets
+    starts, ends = [s for s, _ in runs], [e for _, e in runs]
+    stated = re.search(r"ended at ([\d.]+)-([\d.]+) from ([\d.]+)-([\d.]+)", " ".join(readme.split()))
+    assert tuple(map(float, stated.groups())) == tuple(round(x, 2) for x in (min(ends), max(ends), min(starts),
+                                                                             max(starts)))
+    assert min(ends) >= floor
+    for line in re.findall(r"^done: .*$", readme + page, re.MULTILINE):
+        end, ratio, target = map(float, re.search(r"eval/accuracy [\d.]+ -> ([\d.]+) \| replay/ratio ([\d.]+) "
+                                                  r"\(target ([\d.]+)\)", line).groups())
+        assert end >= floor and abs(ratio - target) <= slack, line
+
+
 def test_the_readme_links_only_pages_that_exist():
     links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", README.read_text())
     assert links

@@ -9,7 +9,7 @@ import yaml
 
 from jaxreplay.config import ConfigError, load_config
 from jaxreplay.train.metrics import read_metrics
-from jaxreplay.train.recorder import MAY_CHANGE_ON_RESUME, RunRecorder, last_summary, may_change
+from jaxreplay.train.recorder import MAY_CHANGE_ON_RESUME, RunRecorder, last_summary, may_change, run_settings
 
 
 def config(run_dir, *overrides):
@@ -144,6 +144,51 @@ def test_a_key_missing_from_an_older_config_compares_with_its_default(tmp_path):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(stored))
     with pytest.raises(ConfigError, match="replay.max_times_sampled: 0 -> 3"):
         RunRecorder.open(tmp_path, config(tmp_path, "replay.max_times_sampled=3"), 0, log=print)
+
+
+def edit_config_yaml(run_dir, section, key, value):
+    """What a user does by hand in the run dir."""
+    stored = yaml.safe_load((run_dir / "config.yaml").read_text())
+    stored[section][key] = value
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(stored, sort_keys=False))
+
+
+def test_a_hand_edit_the_checkpoint_overrules_is_named_in_one_line_and_the_file_says_what_runs(tmp_path):
+    run(tmp_path, config(tmp_path), None, range(5))
+    trained_with = run_settings(config(tmp_path))  # what the checkpoint at step 4 recorded
+    edit_config_yaml(tmp_path, "replay", "samples_per_insert", 4.0)
+    lines = []
+    recorder = RunRecorder.open(tmp_path, config(tmp_path), 4, log=lines.append, trained_with=trained_with)
+    recorder.close()
+    assert lines == [f"warning: {tmp_path / 'config.yaml'} was edited: it says replay.samples_per_insert: 4.0, "
+                     "but the run goes on with replay.samples_per_insert: 2.0, as its checkpoint was trained, and the "
+                     "file is rewritten to that (a resume cannot change these: use a new run.dir)"]
+    assert recorder.config.replay.samples_per_insert == 2.0
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["replay"]["samples_per_insert"] == 2.0
+    lines.clear()  # written back: the next resume has nothing to say
+    RunRecorder.open(tmp_path, config(tmp_path), 4, log=lines.append, trained_with=trained_with).close()
+    assert lines == []
+
+
+def test_the_edit_with_the_same_value_on_the_command_line_is_a_change_of_the_run_refused(tmp_path):
+    run(tmp_path, config(tmp_path), None, range(5))
+    trained_with = run_settings(config(tmp_path))
+    edit_config_yaml(tmp_path, "replay", "samples_per_insert", 4.0)
+    before = files(tmp_path)
+    lines = []
+    with pytest.raises(ConfigError) as refused:
+        RunRecorder.open(tmp_path, config(tmp_path, "replay.samples_per_insert=4"), 4, log=lines.append,
+                         trained_with=trained_with)
+    assert "replay.samples_per_insert: 2.0 -> 4.0" in str(refused.value) and "\n" not in str(refused.value)
+    assert files(tmp_path) == before and lines == []  # nothing written, the edit left as it was, no second line
+
+
+def test_an_edit_of_a_key_a_resume_may_change_with_the_same_value_on_the_command_line_runs_and_is_recorded(tmp_path):
+    run(tmp_path, config(tmp_path), None, range(5))
+    edit_config_yaml(tmp_path, "train", "steps", 80)
+    recorder, lines = run(tmp_path, config(tmp_path, "train.steps=80"), 4, [5])
+    assert recorder.config.train.steps == 80 and lines == []
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["steps"] == 80
 
 
 def test_summary_is_written_whole_and_read_back(tmp_path):

@@ -218,6 +218,29 @@ def test_a_resume_with_a_changed_seed_is_refused_and_leaves_the_records_untouche
     assert checkpoint_steps(run) == [2]
 
 
+def test_a_hand_edit_of_config_yaml_that_the_checkpoint_overrules_is_said_and_written_back(tmp_path):
+    run = tmp_path / "run"
+    common = [*SMALL, "replay.backend=inprocess", "checkpoint.every=2"]
+    subprocess.run(cli(run, *common, "train.steps=2"), cwd=ROOT, check=True, capture_output=True, timeout=600)
+    edited = (run / "config.yaml").read_text().replace("samples_per_insert: 2.0", "samples_per_insert: 4.0")
+    (run / "config.yaml").write_text(edited)
+    result = subprocess.run(cli(run, *common, "train.steps=4"), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in result.stdout.splitlines() if "was edited" in line]
+    assert len(said) == 1 and "it says replay.samples_per_insert: 4.0" in said[0], result.stdout[-3000:]
+    assert "goes on with replay.samples_per_insert: 2.0" in said[0]
+    assert "samples_per_insert: 2.0" in (run / "config.yaml").read_text() and checkpoint_steps(run) == [2, 4]
+    # The same edit with the same value on the command line: a change of the run, refused in one line
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("samples_per_insert: 2.0",
+                                                                              "samples_per_insert: 4.0"))
+    before = {name: (run / name).read_bytes() for name in ("config.yaml", "metrics.jsonl", "summary.json")}
+    result = subprocess.run(cli(run, *common, "train.steps=6", "replay.samples_per_insert=4"), cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2
+    assert "replay.samples_per_insert: 2.0 -> 4.0" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert {name: (run / name).read_bytes() for name in before} == before and checkpoint_steps(run) == [2, 4]
+
+
 def test_checkpoints_follow_the_clock_as_well_as_the_step_count(tmp_path):
     run = tmp_path / "run"
     subprocess.run(cli(run, *SMALL, "replay.backend=inprocess", "train.steps=4", "checkpoint.every=1000",

@@ -10,7 +10,7 @@ from jaxreplay.config import load_config
 from jaxreplay.models.transformer import init_params
 from jaxreplay.tasks.registry import make_task
 from jaxreplay.train.warmstart import (
-    _publish, cache_key, cache_root, supervised_warm_start, warm_start, warmstart_settings)
+    _identity, _publish, cache_key, cache_root, supervised_warm_start, warm_start, warmstart_settings)
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
         "model.d_ff=64", "task.eval_size=32", "warmstart.steps=3", "warmstart.batch_size=8", "run.progress_bar=false"]
@@ -86,6 +86,54 @@ def test_a_damaged_entry_is_recomputed_with_a_warning(tmp_path):
         again, cached = start(cfg)  # the recomputed entry replaced the damaged one
         assert cached and same(again, fresh)
     assert entries(tmp_path / "cache") == [cache_key(cfg)]
+
+
+def largest_data_file(entry: Path) -> Path:
+    """Where the array chunks are: the largest file of the entry's OCDBT params."""
+    return max((f for f in (entry / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_an_entry_whose_array_bytes_changed_or_were_cut_short_is_recomputed_and_replaced(tmp_path):
+    """Orbax reads a changed byte inside an array chunk back without a word: the entry's checksums catch it."""
+    cfg = config(tmp_path / "a", f"warmstart.cache_dir={tmp_path / 'cache'}")
+    fresh, _ = start(cfg)
+    entry = tmp_path / "cache" / cache_key(cfg)
+    for damage, why in [(flip_a_byte, "does not match the checksum saved with it"), (truncate, "OUT_OF_RANGE")]:
+        damage(largest_data_file(entry))
+        lines = []
+        params, cached = start(cfg, lines)
+        assert not cached and same(params, fresh), damage.__name__
+        assert len(lines) == 1, lines
+        assert lines[0].startswith(f"warning: the cached warm start {entry} is damaged (") and why in lines[0]
+        assert lines[0].endswith("recomputing it and replacing the entry") and "\n" not in lines[0]
+        again, cached = start(cfg)  # the recomputed entry replaced the damaged one
+        assert cached and same(again, fresh)
+    assert entries(tmp_path / "cache") == [cache_key(cfg)]  # nothing set aside or half-written left over
+
+
+def test_of_two_runs_replacing_a_damaged_entry_the_first_rename_wins(tmp_path):
+    cfg = config(tmp_path / "a")
+    params, _ = start(cfg)
+    entry = Path(cache_root(cfg)) / cache_key(cfg)
+    flip_a_byte(largest_data_file(entry))
+    damaged = _identity(str(entry))  # both runs found this entry damaged and recomputed it
+    _publish(entry, warmstart_settings(cfg), params, replace=damaged)  # the first to finish replaces it
+    (entry / "marker").write_text("first writer")
+    _publish(entry, warmstart_settings(cfg), params, replace=damaged)  # the second keeps the first's
+    assert (entry / "marker").read_text() == "first writer"
+    assert entries(entry.parent) == [entry.name]
+    lines = []
+    assert start(cfg, lines)[1] and lines == []
 
 
 def test_a_second_writer_keeps_the_entry_that_appeared_meanwhile(tmp_path):

@@ -20,3 +20,9 @@ handlers run; readers and writers given `interrupted` end their waits in
 limiter.py holds the rate limiter's arithmetic (what a table admits, the next move of a turn, the
 deadlock-window rule); theory.py the cost model that chooses a replay ratio and window.
 """
+
+
+def __getattr__(name: str):
+    """The names this package exported before the layout by stage, imported only when used (jaxreplay.moved_name)."""
+    from jaxreplay import moved_name
+    return moved_name(__name__, name)

@@ -97,6 +97,12 @@ def _damage_in(error: BaseException) -> Optional[BaseException]:
     return found
 
 
+def read_error_line(error: BaseException) -> str:
+    """`error` in one line: the read error behind it that names the damaged file, where one does."""
+    shown = _damage_in(error) or error
+    return f"{type(shown).__name__}: {_first_line(shown)}"
+
+
 @contextlib.contextmanager
 def _unreadable(directory: str | Path, step: int, item: str = ""):
     """Orbax's many (often multi-line) errors for a damaged or mismatched step, as one line."""
@@ -196,7 +202,7 @@ class Checkpointer:
                           failure.filename or storage.join(str(self.directory), str(step))) from e
 
     def _save(self, step: int, state: Any, progress: Progress) -> None:
-        sums = {"algorithm": CHECKSUM_ALGORITHM, "leaves": digests(state)}  # of the arrays saved, on device
+        sums = checksums(state)  # of the arrays saved, on device
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -267,11 +273,8 @@ def check_sums(state: Any, meta: dict, step: int, where: str) -> None:
     sums = meta.get(CHECKSUMS)
     if not sums or sums.get("algorithm") != CHECKSUM_ALGORITHM:
         return
-    bad = mismatches(state, sums["leaves"])
-    if bad:
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise DamagedStep(step, f"{where}: array {bad[0]}{more} does not match the checksum saved with it "
-                                "(changed since it was written)")
+    if why := unmatched(state, sums, where):
+        raise DamagedStep(step, why)
 
 
 def save_params(path: str | Path, params: Any) -> None:
@@ -402,6 +405,22 @@ def digests(tree: Any) -> dict[str, str]:
 def _local(value: jax.Array) -> Any:
     """A replicated result's value as this process holds it (all of it, on any of its devices)."""
     return value.addressable_data(0) if isinstance(value, jax.Array) else value
+
+
+def checksums(tree: Any) -> dict:
+    """What is saved beside `tree` (a checkpoint's meta, the warm-start cache's entry) for
+    `unmatched` to check it against when it is read back."""
+    return {"algorithm": CHECKSUM_ALGORITHM, "leaves": digests(tree)}
+
+
+def unmatched(tree: Any, sums: dict, where: str) -> Optional[str]:
+    """The line naming the first array of `tree` (read back from `where`) whose checksum is not in
+    `checksums`' record `sums`; None where every one matches."""
+    bad = mismatches(tree, sums["leaves"])
+    if not bad:
+        return None
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    return f"{where}: array {bad[0]}{more} does not match the checksum saved with it (changed since it was written)"
 
 
 def mismatches(tree: Any, expected: dict[str, str]) -> list[str]:

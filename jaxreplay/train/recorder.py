@@ -4,7 +4,10 @@ The records must say what the run did:
 - config.yaml holds exactly the settings the run used (the driver hands over the resolved
   config: the HF architecture, the backend `auto` chose, the calibrated ratio). A resume
   whose config would change the run is refused before anything is written, naming every such
-  key (`resume_config`); keys in `MAY_CHANGE_ON_RESUME` may change, and are recorded.
+  key (`resume_config`); keys in `MAY_CHANGE_ON_RESUME` may change, and are recorded. A hand
+  edit of config.yaml that the checkpoint's record overrules is named in one line and written
+  back to what runs: the file is the run's record, not an input (as the saved config of a
+  MaxText or Tunix run).
 - After a resume from step k, metrics.jsonl and TensorBoard hold each step once: rows past k
   (and a torn last line) are dropped, and TensorBoard hides its events from step k + 1 on.
   A fresh start in a run dir with no checkpoint drops every row of the attempt before it.
@@ -22,6 +25,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
+from jaxreplay import storage
 from jaxreplay.config import Config, ConfigError, config_from_raw, flatten, mapping_keys, read_yaml, show, to_dict
 from jaxreplay.train.metrics import METRICS_FILE, MetricsWriter
 from jaxreplay.train.tracking import Tracker
@@ -82,7 +86,8 @@ def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None
     the run; logs the allowed changes. `replay.backend: auto` matches the backend stored. With
     `replay.calibrate_steps` > 0 the stored `samples_per_insert` (the calibrated one) is kept.
     A value taken from config.yaml is validated like the command line's: an edited config.yaml
-    is refused (`ConfigError`, exit code 2 from the CLI), never trained on unchecked.
+    is refused (`ConfigError`, exit code 2 from the CLI), never trained on unchecked. A value of
+    config.yaml that `trained_with` overrules (a hand edit) is logged in one warning line.
     Only reads: every process of a multi-host run can call it. Neither config.yaml nor
     `trained_with`: `config` itself."""
     path = Path(run_dir) / CONFIG_FILE
@@ -95,6 +100,7 @@ def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None
         old = flatten(stored)
     elif trained_with is None:
         return config
+    in_file = dict(old)
     old.update(trained_with or {})  # the checkpoint's record of what the run computed with
     new, default = flatten(to_dict(config)), flatten(to_dict(Config()))
     refused, allowed, adopted = [], [], []
@@ -119,10 +125,18 @@ def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None
     for key in sorted(set(old) - set(new)):  # an entry of a mapping (task.dataset_config) the run had and this lacks
         if key.startswith(entries) and not may_change(key):
             refused.append(f"{key}: {show(old[key])} -> (unset)")
+    where = getattr(run_dir, "url", path.parent)  # a bucket run dir by its URL, not its local mirror
     if refused:
-        where = getattr(run_dir, "url", path.parent)  # a bucket run dir by its URL, not its local mirror
         raise ConfigError(f"{'; '.join(refused)}; these change the run in {where}, so a resume with them is "
                           "refused: use a new run.dir, or restore the old values")
+    final = flatten(to_dict(config))
+    overruled = [key for key, value in (trained_with or {}).items()
+                 if key in in_file and in_file[key] != value and final.get(key) == value]
+    if overruled:
+        log(f"warning: {storage.join(str(where), CONFIG_FILE)} was edited: it says "
+            f"{', '.join(f'{k}: {show(in_file[k])}' for k in overruled)}, but the run goes on with "
+            f"{', '.join(f'{k}: {show(final[k])}' for k in overruled)}, as its checkpoint was trained, and the file "
+            "is rewritten to that (a resume cannot change these: use a new run.dir)")
     if adopted:
         try:
             config_from_raw(to_dict(config), local=False)

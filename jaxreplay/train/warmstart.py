@@ -4,14 +4,18 @@ Cached by the settings that produce it (`warmstart_settings`), under `warmstart.
 (default: `.warmstart-cache` beside the run dir), so the runs of a sweep that share those
 settings compute it once. An entry is written whole into a temporary directory and renamed
 into place: a reader never sees half of one, and of two concurrent writers the first rename
-wins and the second keeps it. An entry that cannot be read back is recomputed with a warning.
+wins and the second keeps it. An entry carries the checksum of every array, as checkpoints do
+(Orbax does not check the bytes of its array chunks): one that cannot be read back, or whose
+arrays changed since, is recomputed with a warning and replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 import uuid
@@ -28,12 +32,15 @@ from jaxreplay.learn.losses import masked_mean
 from jaxreplay.models.transformer import forward
 from jaxreplay.rollout.sampling import token_logprobs
 from jaxreplay.tasks.arithmetic import ArithmeticTask
-from jaxreplay.train.checkpoint import restore_params, save_params
+from jaxreplay.train.checkpoint import (CHECKSUM_ALGORITHM, checksums, read_error_line, restore_params, save_params,
+                                        unmatched)
 from jaxreplay.train.guards import Preempted, describe
 
-# Raise when `supervised_warm_start` computes something else from the same settings: old entries then miss.
-CACHE_FORMAT = 1
+# Raise when `supervised_warm_start` computes something else from the same settings, or an entry's
+# files change: old entries then miss. 2: entries carry their arrays' checksums.
+CACHE_FORMAT = 2
 SETTINGS_FILE = "settings.json"
+CHECKSUMS_FILE = "checksums.json"
 PARAMS_DIR = "params"
 
 
@@ -99,20 +106,20 @@ def warm_start(graphdef, params, task: ArithmeticTask, config: Config, cache_dir
     root = str(cache_dir) if cache_dir is not None else cache_root(config)
     settings = warmstart_settings(config)
     entry = storage.join(root, cache_key(config))
-    stale = storage.exists(entry)
-    if stale:
+    damaged = None
+    if storage.exists(entry):
         try:
             return _read(entry, settings, params), True
         except Exception as e:  # noqa: BLE001 - any damage to the entry means recomputing it
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            log(f"warning: the cached warm start {entry} cannot be read ({type(e).__name__}: {first}); "
-                "recomputing it")
+            log(f"warning: the cached warm start {entry} is damaged ({read_error_line(e)}); "
+                "recomputing it and replacing the entry")
+            damaged = _identity(entry)
     params = supervised_warm_start(graphdef, params, task, config, stopping)
     try:
         if storage.is_url(entry):
             _publish_to_bucket(entry, settings, params)
         else:
-            _publish(Path(entry), settings, params, replace=stale)
+            _publish(Path(entry), settings, params, replace=damaged)
     except Exception as e:  # noqa: BLE001 - the run has its warm start; only the next one loses the cache
         log(f"warning: cannot cache the warm start in {entry}: {getattr(e, 'strerror', None) or e}")
     return params, False
@@ -122,32 +129,58 @@ def _read(entry: str, settings: dict[str, Any], params_like):
     stored = json.loads(storage.read_text(storage.join(entry, SETTINGS_FILE)))
     if stored != json.loads(json.dumps(settings)):
         raise ValueError(f"its {SETTINGS_FILE} holds other settings than those its name hashes")
-    return restore_params(storage.join(entry, PARAMS_DIR), params_like)
+    sums = json.loads(storage.read_text(storage.join(entry, CHECKSUMS_FILE)))
+    if sums.get("algorithm") != CHECKSUM_ALGORITHM:
+        raise ValueError(f"its {CHECKSUMS_FILE} was made by {sums.get('algorithm')!r}, not {CHECKSUM_ALGORITHM!r}")
+    params = restore_params(storage.join(entry, PARAMS_DIR), params_like)
+    if why := unmatched(params, sums, storage.join(entry, PARAMS_DIR)):
+        raise ValueError(why)
+    return params
 
 
-def _publish_to_bucket(entry: str, settings: dict[str, Any], params) -> None:
-    """A bucket has no rename: the params first, then the settings file, which marks the entry
-    complete (`_read` fails without it, and the entry is written again)."""
-    storage.rmtree(entry)
+def _write_files(entry: str, settings: dict[str, Any], params) -> None:
+    """The params, their checksums, then the settings file, which marks the entry complete where
+    there is no rename (a bucket: `_read` fails without it, and the entry is written again)."""
     save_params(storage.join(entry, PARAMS_DIR), params)
+    storage.write_text(storage.join(entry, CHECKSUMS_FILE), json.dumps(checksums(params), indent=2) + "\n")
     storage.write_text(storage.join(entry, SETTINGS_FILE), json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
-def _publish(entry: Path, settings: dict[str, Any], params, replace: bool) -> None:
+def _publish_to_bucket(entry: str, settings: dict[str, Any], params) -> None:
+    """A bucket has no rename: the entry is deleted and written where it is (`_write_files`)."""
+    storage.rmtree(entry)
+    _write_files(entry, settings, params)
+
+
+def _identity(entry: str) -> Optional[tuple[int, int]]:
+    """Which directory holds the entry now (device, inode), to tell the damaged one from its replacement."""
+    if storage.is_url(entry):
+        return None
+    try:
+        st = os.stat(entry)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _publish(entry: Path, settings: dict[str, Any], params, replace: Optional[tuple[int, int]] = None) -> None:
     """Writes the entry in a temporary directory beside it, then renames it into place. If another
-    writer's entry appeared meanwhile, that one is kept (the same settings give the same params);
-    `replace`: an unreadable entry is there, moved aside first."""
+    writer's entry appeared meanwhile, that one is kept (the same settings give the same params).
+    `replace`: the `_identity` of the damaged entry found there, moved aside first; if another
+    writer has already replaced it, the replacement is kept (the first rename wins)."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
     try:
-        save_params(tmp / PARAMS_DIR, params)
-        (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
-        if replace:
+        _write_files(str(tmp), settings, params)
+        if replace is not None:
             aside = entry.parent / f".stale-{entry.name}-{uuid.uuid4().hex[:8]}"
             try:
                 entry.rename(aside)
             except FileNotFoundError:  # another writer moved it already
                 pass
+            if aside.exists() and _identity(str(aside)) != replace:  # another writer's replacement: put back
+                with contextlib.suppress(OSError):  # unless a third one's is there already
+                    aside.rename(entry)
             shutil.rmtree(aside, ignore_errors=True)
         try:
             tmp.rename(entry)
