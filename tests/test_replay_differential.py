@@ -22,7 +22,7 @@ from jaxreplay.replay.server import serve
 from jaxreplay.replay.tables import ReplayTimeoutError, TableDef, build_tables
 from jaxreplay.replay.tables import Tables, min_size_limit  # noqa: E402
 from jaxreplay.replay.writer import RolloutWriter
-from test_replay import SPEC, rollouts  # noqa: E402
+from replay_rows import SPEC, rollouts  # noqa: E402
 
 pytestmark = [pytest.mark.needs_reverb, pytest.mark.timeout(120, method="thread")]
 
