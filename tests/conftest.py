@@ -26,6 +26,9 @@ what differs between the tiers). The default lane runs every test; the Reverb la
 (`-m "needs_reverb or needs_tf or needs_torch or tier"`) only those, so no tier-independent test
 runs twice. `--lane-check` (CI's default lane) fails a test that skips for want of Reverb,
 TensorFlow or torch without the marker that sends it to the Reverb lane: it would run nowhere.
+`needs_sidecar` tests run Reverb in its sidecar process (jaxreplay/replay/sidecar.py) and skip
+where no Python for it is found; CI builds one (`make venv-sidecar`) for the default lane, whose
+`--lane-check` therefore fails such a skip.
 """
 
 import importlib.util
@@ -58,7 +61,8 @@ NEEDS = {
     "needs_tf": (("tensorflow", "tensorflow_datasets"), ("tensorflow", "tfds")),
     "needs_torch": (("torch",), ("torch",)),
 }
-LANE_MARKS = (*NEEDS, "tier")  # the Reverb lane's selection: CI's -m is these joined by "or"
+LANE_MARKS = (*NEEDS, "tier")
+SIDECAR = "needs_sidecar"  # the default lane's, with the sidecar's Python built  # the Reverb lane's selection: CI's -m is these joined by "or"
 
 
 def _missing(marker: str) -> bool:
@@ -83,8 +87,23 @@ def pytest_collection_modifyitems(items) -> None:
             if missing[marker] and item.get_closest_marker(marker):
                 item.add_marker(pytest.mark.skip(reason=f"{marker}: {' or '.join(NEEDS[marker][0])} "
                                                         "is not installed here"))
+    if any(item.get_closest_marker(SIDECAR) for item in items) and (why := _no_sidecar()):
+        for item in items:
+            if item.get_closest_marker(SIDECAR):
+                item.add_marker(pytest.mark.skip(reason=f"{SIDECAR}: {why}"))
     slow_runs = Counter(item.path for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow_runs[item.path])  # stable: keeps each file's order
+
+
+def _no_sidecar() -> str:
+    """Why Reverb's sidecar cannot run here ("" where it can)."""
+    from jaxreplay.config import ConfigError
+    from jaxreplay.replay.sidecar import find_python
+    try:
+        find_python()
+    except ConfigError as e:
+        return str(e)
+    return ""
 
 
 def _unmarked_needs(reason: str, has_marker) -> list[str]:
@@ -100,6 +119,10 @@ def _unmarked_needs(reason: str, has_marker) -> list[str]:
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
     if report.skipped and item.config.getoption("lane_check") and isinstance(report.longrepr, tuple):
+        if report.longrepr[2].startswith(f"Skipped: {SIDECAR}:") or report.longrepr[2].startswith(f"{SIDECAR}:"):
+            report.outcome = "failed"
+            report.longrepr = f"--lane-check: skipped ({report.longrepr[2]}): CI's default lane builds its Python"
+            return
         if unmarked := _unmarked_needs(report.longrepr[2], item.get_closest_marker):
             report.outcome = "failed"
             report.longrepr = (f"--lane-check: skipped ({report.longrepr[2]}) without @pytest.mark."
