@@ -48,8 +48,24 @@ def reverb_importable() -> bool:
     return importlib.util.find_spec("reverb") is not None
 
 
+def describe_reverb(reverb_python: str = "") -> str:
+    """Which Reverb `serve` runs, and where, in one line."""
+    if reverb_importable():
+        from importlib.metadata import version
+        return f"Reverb: dm-reverb {version('dm-reverb')} in this process"
+    python, version = find_python(reverb_python)
+    return f"Reverb: dm-reverb {version} in a sidecar process ({python})"
+
+
 @machine_check
 def check_reverb_runs(config: Config) -> None:
-    """replay.backend=reverb: Reverb importable here, or a Python found to run its sidecar."""
-    if resolve_backend(config.replay.backend) == "reverb" and not reverb_importable():
-        find_python(config.replay.reverb_python)
+    """replay.backend=reverb: Reverb importable here, or a Python found to run its sidecar (one process)."""
+    if resolve_backend(config.replay.backend) != "reverb" or reverb_importable():
+        return
+    if config.distributed.enabled:
+        raise ConfigError(
+            "replay.backend: reverb on a multi-host job needs Reverb importable in every process (the Reverb lane): "
+            "through the sidecar each other process would need a sidecar of its own as Reverb's client, reaching "
+            "process 0's Reverb port, which listens on all interfaces without authentication; use "
+            "replay.backend=inprocess (sharded) on this tier")
+    find_python(config.replay.reverb_python)

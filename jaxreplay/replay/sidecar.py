@@ -48,7 +48,7 @@ from jaxreplay.replay.tables import (
 SIDECAR_VENV = ".venv-sidecar"  # `make venv-sidecar`
 INSTALL = ("run `make venv-sidecar` in the jaxreplay checkout (it needs a Python 3.11: `uv python install 3.11`), "
            "or set replay.reverb_python to a Python 3.10/3.11 with dm-reverb==0.14.0 and tensorflow-cpu==2.15.1")
-_GRACE_S = 10.0  # past a call's own timeout, for the sidecar to answer it
+_GRACE_S = 5.0  # past a call's own timeout, for the sidecar to answer it
 _START_S = 120.0  # importing TensorFlow and starting Reverb, on a busy machine
 _PROBE = ("import sys, importlib.util as u, importlib.metadata as m\n"
           "ok = sys.version_info[:2] in ((3, 10), (3, 11)) and all(u.find_spec(x) for x in ('reverb', 'tensorflow', 'yaml'))\n"
