@@ -212,3 +212,71 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# --- a run through the sidecar --------------------------------------------------------
+
+def _sidecar_of(pid: int) -> int:
+    """The pid of the sidecar process `pid` started."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat_line = Path(f"/proc/{entry}/stat").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat_line.split(")")[-1].split()[1]) == pid and b"jaxreplay.replay.sidecar_main" in cmdline:
+                return int(entry)
+    raise AssertionError(f"process {pid} has no sidecar")
+
+
+@pytest.mark.needs_sidecar
+@pytest.mark.slow
+@pytest.mark.timeout(1200, method="thread")
+def test_a_run_through_the_sidecar_survives_its_sidecar_killed_its_trainer_killed_and_sigterm(tmp_path):
+    """The colocated loop on Reverb through the sidecar. Its sidecar SIGKILLed: the run ends in one
+    line naming it, exit 2. Its trainer SIGKILLed: the sidecar goes too. SIGTERM: a final
+    checkpoint, exit 143. Each time the same command resumes from the last checkpoint, and the
+    finished run records each step once and has sampled exactly steps x batch rows."""
+    from test_crash import STEPS, checkpoint_steps, cli, logged_step, wait_for_step
+    from jaxreplay.train.metrics import read_metrics
+
+    run_dir = tmp_path / "run"
+    command = cli(run_dir, "replay.backend=reverb")
+
+    def leg(target: int):
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for_step(proc, run_dir, max(target, logged_step(run_dir) + 2), timeout_s=400)
+        return proc, _sidecar_of(proc.pid)
+
+    proc, sidecar = leg(4)
+    os.kill(sidecar, signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert err.strip().splitlines()[-1].startswith(f"jaxreplay: error: the Reverb sidecar (pid {sidecar}"), err
+    assert "signal SIGKILL" in err.strip().splitlines()[-1]
+    first = max(checkpoint_steps(run_dir))
+
+    proc, sidecar = leg(first + 3)  # resumed and trained past it
+    proc.kill()
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 15
+    while _alive(sidecar) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(sidecar), "the sidecar outlived its SIGKILLed trainer"
+
+    proc, sidecar = leg(max(checkpoint_steps(run_dir)) + 3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 143, err
+    assert max(checkpoint_steps(run_dir)) == logged_step(run_dir)  # the final checkpoint, through the sidecar
+
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "replay backend: reverb" in result.stdout + result.stderr
+    assert "dm-reverb 0.14.0 in a sidecar process" in result.stdout + result.stderr
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(STEPS + 1))  # each step once, in order
+    summary = json.loads((run_dir / "summary.json").read_text())
+    config = load_config(run_dir / "config.yaml")
+    assert summary["replay/backend"] == "reverb"
+    assert summary["replay/samples"] == STEPS * config.train.batch_size
