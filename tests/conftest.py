@@ -28,7 +28,8 @@ runs twice. `--lane-check` (CI's default lane) fails a test that skips for want 
 TensorFlow or torch without the marker that sends it to the Reverb lane: it would run nowhere.
 `needs_sidecar` tests run Reverb in its sidecar process (jaxreplay/replay/sidecar.py) and skip
 where no Python for it is found; CI builds one (`make venv-sidecar`) for the default lane, whose
-`--lane-check` therefore fails such a skip.
+`--lane-check` therefore fails such a skip. `reverb` tests run on both lanes: in process on the
+Reverb lane, through the sidecar on the default lane.
 """
 
 import importlib.util
@@ -61,8 +62,9 @@ NEEDS = {
     "needs_tf": (("tensorflow", "tensorflow_datasets"), ("tensorflow", "tfds")),
     "needs_torch": (("torch",), ("torch",)),
 }
-LANE_MARKS = (*NEEDS, "tier")
-SIDECAR = "needs_sidecar"  # the default lane's, with the sidecar's Python built  # the Reverb lane's selection: CI's -m is these joined by "or"
+REVERB_ANYWHERE = "reverb"  # Reverb in process (the Reverb lane) or through its sidecar (the default lane): both
+LANE_MARKS = (*NEEDS, "tier", REVERB_ANYWHERE)  # the Reverb lane's selection: CI's -m is these joined by "or"
+SIDECAR = "needs_sidecar"  # the default lane's, with the sidecar's Python built
 
 
 def _missing(marker: str) -> bool:
@@ -87,10 +89,11 @@ def pytest_collection_modifyitems(items) -> None:
             if missing[marker] and item.get_closest_marker(marker):
                 item.add_marker(pytest.mark.skip(reason=f"{marker}: {' or '.join(NEEDS[marker][0])} "
                                                         "is not installed here"))
-    if any(item.get_closest_marker(SIDECAR) for item in items) and (why := _no_sidecar()):
-        for item in items:
-            if item.get_closest_marker(SIDECAR):
-                item.add_marker(pytest.mark.skip(reason=f"{SIDECAR}: {why}"))
+    sidecar_tests = [item for item in items if item.get_closest_marker(SIDECAR) or
+                     (item.get_closest_marker(REVERB_ANYWHERE) and missing["needs_reverb"])]
+    if sidecar_tests and (why := _no_sidecar()):
+        for item in sidecar_tests:
+            item.add_marker(pytest.mark.skip(reason=f"{SIDECAR}: {why}"))
     slow_runs = Counter(item.path for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow_runs[item.path])  # stable: keeps each file's order
 
