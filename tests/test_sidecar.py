@@ -6,6 +6,7 @@ Python of `make venv-sidecar`) and skip where none is found (needs_sidecar).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -280,3 +281,11 @@ def test_a_run_through_the_sidecar_survives_its_sidecar_killed_its_trainer_kille
     config = load_config(run_dir / "config.yaml")
     assert summary["replay/backend"] == "reverb"
     assert summary["replay/samples"] == STEPS * config.train.batch_size
+
+
+def test_a_multi_host_job_on_reverb_through_the_sidecar_is_refused_in_one_line_with_why():
+    if importlib.util.find_spec("reverb") is not None:
+        pytest.skip("Reverb is importable here: a multi-host job serves it from process 0 (CentralReplay)")
+    with pytest.raises(ConfigError, match="multi-host job needs Reverb importable in every process.*sidecar of its own"):
+        load_config(None, ["replay.backend=reverb", "distributed.enabled=true", "distributed.num_processes=2",
+                           "distributed.process_id=0", "distributed.coordinator_address=127.0.0.1:1234"])

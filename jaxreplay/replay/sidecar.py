@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import glob
 import os
+import select
 import shutil
 import signal
 import socket
@@ -250,7 +251,7 @@ class SidecarServer:
         deadline = time.monotonic() + _START_S
         out = self._proc.stdout
         while time.monotonic() < deadline:
-            if wire.select.select([out], [], [], WAIT_SLICE_S)[0]:
+            if select.select([out], [], [], WAIT_SLICE_S)[0]:
                 line = out.readline().decode(errors="replace").strip()
                 if line == "ready":
                     return
@@ -265,8 +266,6 @@ class SidecarServer:
         """This thread's connection (each thread has its own; the first made is the control one)."""
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            if self._stopped and not self._connections:
-                raise SidecarError("the Reverb sidecar was stopped")
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             conn.settimeout(self._timeout_s)
             try:
