@@ -43,6 +43,7 @@ from jaxreplay.config import ConfigError
 from jaxreplay.replay import wire
 from jaxreplay.replay.backend import SampleInfo
 from jaxreplay.replay.ports import PortInUseError
+from jaxreplay.replay.rows import RowLayout
 from jaxreplay.replay.tables import (
     WAIT_SLICE_S, Interrupted, LimiterState, ReplayInterrupted, ReplayTimeoutError, Tables, TableSharedError)
 
@@ -124,6 +125,7 @@ class SidecarServer:
         """As `ReverbServer`; python: the sidecar's interpreter ("": `find_python`)."""
         self.python, self.reverb_version = find_python(python)
         self._timeout_s = timeout_s
+        self._layout = RowLayout(tables.item_spec)
         self._local = threading.local()
         self._lock = threading.Lock()
         self._connections: list[socket.socket] = []
@@ -177,7 +179,7 @@ class SidecarServer:
     def insert(self, table: str, rows: Mapping[str, np.ndarray], priorities: np.ndarray, *,
                also: Optional[Mapping[str, np.ndarray]] = None, timeout_s: float,
                interrupted: Interrupted = None) -> None:
-        arrays = {f"row/{k}": np.asarray(v) for k, v in rows.items()}
+        arrays = {"packed": self._layout.pack(rows)} if len(priorities) else {}  # one array, as Reverb stores it
         arrays["priorities"] = np.asarray(priorities, np.float64)
         arrays.update({f"also/{t}": np.asarray(m, bool) for t, m in (also or {}).items()})
         self._call("insert", {"table": table, "timeout_s": timeout_s}, arrays, timeout_s=timeout_s,
@@ -188,7 +190,7 @@ class SidecarServer:
         header = {"table": table, "n": int(n), "timeout_s": timeout_s,
                   "known": None if known is None else dataclasses.asdict(known)}
         _, arrays = self._call("sample", header, timeout_s=timeout_s, interrupted=interrupted)
-        batch = {k[4:]: v for k, v in arrays.items() if k.startswith("row/")}
+        batch = self._layout.unpack(arrays["packed"])
         info = SampleInfo(**{f: arrays[f"info/{f}"] for f in SampleInfo._fields})
         return batch, info
 

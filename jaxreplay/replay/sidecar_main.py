@@ -47,18 +47,16 @@ class Sidecar:
             raise RuntimeError(f"{op} before serve")
         if op == "states":
             return {"states": {k: dataclasses.asdict(v) for k, v in s.states(interrupted).items()}}, {}
-        if op == "insert":
-            rows = {k[4:]: v for k, v in arrays.items() if k.startswith("row/")}
+        if op == "insert":  # rows packed by the trainer (rows.py), as Reverb stores them
             also = {k[5:]: v for k, v in arrays.items() if k.startswith("also/")}
-            s.insert(h["table"], rows, arrays["priorities"], also=also or None, timeout_s=h["timeout_s"],
-                     interrupted=interrupted)
+            s.insert_packed(h["table"], arrays.get("packed"), arrays["priorities"], also=also or None,
+                            timeout_s=h["timeout_s"], interrupted=interrupted)
             return {}, {}
-        if op == "sample":
+        if op == "sample":  # rows left packed, for the trainer to unpack
             known = h.get("known")
-            batch, info = s.sample(h["table"], h["n"], timeout_s=h["timeout_s"], interrupted=interrupted,
-                                   known=None if known is None else LimiterState(**known))
-            out = {f"row/{k}": v for k, v in batch.items()}
-            out.update({f"info/{k}": np.asarray(v) for k, v in info._asdict().items()})
+            packed, info = s.sample_packed(h["table"], h["n"], timeout_s=h["timeout_s"], interrupted=interrupted,
+                                           known=None if known is None else LimiterState(**known))
+            out = {"packed": packed, **{f"info/{k}": np.asarray(v) for k, v in info._asdict().items()}}
             return {}, out
         if op == "delete":
             s.delete(h["table"], arrays["keys"])
