@@ -109,5 +109,19 @@ SKYPILOT_PYTHON ?= $(call find_python,3.12 3.13)
 .PHONY: venv-skypilot
 venv-skypilot: .venv-skypilot/.installed-$(SKYPILOT)
 
+## make venv-sidecar: the Reverb sidecar's environment in .venv-sidecar (Python 3.11: dm-reverb 0.14.0, TensorFlow
+## 2.15 CPU, numpy < 2, PyYAML; no JAX). `replay.backend=reverb` on the default tier runs Reverb in it, beside the
+## trainer (jaxreplay/replay/sidecar.py); the sidecar imports the trainer's own jaxreplay modules, so none is installed
+SIDECAR_PYTHON ?= $(call find_python,3.11)
+SIDECAR_PINS := constraints/reverb-py311.txt
+.venv-sidecar/.installed-$(shell cat $(SIDECAR_PINS) | cksum | cut -d' ' -f1):
+	@test -n "$(SIDECAR_PYTHON)" || { echo "jaxreplay: error: no Python 3.11 for .venv-sidecar on PATH, in pyenv's versions or uv's; install one (uv python install 3.11) or set SIDECAR_PYTHON=/path/to/python3.11" >&2; exit 2; }
+	@test -x .venv-sidecar/bin/python || $(SIDECAR_PYTHON) -m venv .venv-sidecar
+	.venv-sidecar/bin/python -m pip install --quiet --upgrade pip uv
+	.venv-sidecar/bin/python -m uv pip install --python .venv-sidecar/bin/python $(addprefix --find-links ,$(PIP_FIND_LINKS)) --quiet -c $(SIDECAR_PINS) dm-reverb tensorflow-cpu pyyaml
+	@rm -f .venv-sidecar/.installed-* && touch '$@'
+.PHONY: venv-sidecar
+venv-sidecar: .venv-sidecar/.installed-$(shell cat $(SIDECAR_PINS) | cksum | cut -d' ' -f1)
+
 clean:
 	rm -rf .venv .venv-* runs .pytest_cache .jax-cache

@@ -282,8 +282,13 @@ class ReplayConfig:
     port: int = 0
     # `reverb` (a Reverb server; multi-host: one on process 0), `inprocess` (the same table semantics in this
     # process, no Reverb/TensorFlow: Python 3.12, Colab; multi-host: one shard per process), or `auto`: reverb where
-    # it is installed, else inprocess
+    # it is installed, else inprocess. Where Reverb is not importable (Python 3.12+), `reverb` runs it in a sidecar
+    # process under a Python 3.11 that has it (`make venv-sidecar`; see `reverb_python`)
     backend: Literal["auto", "reverb", "inprocess"] = "auto"
+    # the Python 3.10/3.11 interpreter (with dm-reverb, TensorFlow 2.15, PyYAML) that runs Reverb's sidecar where
+    # Reverb is not importable here; "": the checkout's `.venv-sidecar` (`make venv-sidecar`) or `.venv-reverb`,
+    # else a Python 3.11 found as the Makefile finds one
+    reverb_python: str = ""
 
 
 @dataclass(frozen=True)
@@ -886,6 +891,7 @@ OWNERS = (
     "jaxreplay.rollout.actor",
 )
 _OWNER_CHECKS: dict[str, Callable[[Config], None]] = {}
+_MACHINE_CHECKS: dict[str, Callable[[Config], None]] = {}
 
 
 def owner_check(check: Callable[[Config], None]) -> Callable[[Config], None]:
@@ -897,10 +903,24 @@ def owner_check(check: Callable[[Config], None]) -> Callable[[Config], None]:
     return check
 
 
+def machine_check(check: Callable[[Config], None]) -> Callable[[Config], None]:
+    """Registers `check(config)`, of whether this machine can run `config`, with `_validate_machine`
+    (configs checked for other machines skip it); as `owner_check`, from one of `OWNERS`."""
+    if check.__module__ not in OWNERS:
+        raise RuntimeError(f"{check.__module__} registers a machine check but is not in config.OWNERS")
+    _MACHINE_CHECKS[f"{check.__module__}.{check.__qualname__}"] = check
+    return check
+
+
 def _owner_checks() -> list[Callable[[Config], None]]:
     for module in OWNERS:
         importlib.import_module(module)
     return sorted(_OWNER_CHECKS.values(), key=lambda check: OWNERS.index(check.__module__))
+
+
+def _machine_checks() -> list[Callable[[Config], None]]:
+    _owner_checks()
+    return sorted(_MACHINE_CHECKS.values(), key=lambda check: OWNERS.index(check.__module__))
 
 
 def validate(c: Config, local: bool = True) -> None:
@@ -942,8 +962,8 @@ def _validate_locations(c: Config) -> None:
 
 def _validate_machine(c: Config) -> None:
     """What this machine must have to run `c`: Reverb installed, the model directory on disk or in a bucket."""
-    _require(c.replay.backend != "reverb" or importlib.util.find_spec("reverb") is not None, "replay.backend",
-             "reverb is not installed (pip install 'jaxreplay[reverb]', Python 3.10/3.11), or use inprocess")
+    for check in _machine_checks():
+        check(c)
     for key, value in (("run.dir", c.run.dir), ("warmstart.cache_dir", c.warmstart.cache_dir)):
         # With TensorFlow installed (the Reverb lane), Orbax reaches buckets through tf.io.gfile, untested here.
         _require(not storage.is_url(value) or importlib.util.find_spec("tensorflow") is None, key,

@@ -28,6 +28,10 @@ runs twice. `--lane-check` (CI's default lane) fails a test that skips for want 
 TensorFlow or torch without the marker that sends it to the Reverb lane: it would run nowhere.
 `needs_reasoning_gym` (the reasoning_gym extra, whose pycosat builds only with a C compiler) is the
 default lane's own: CI installs it there, tests skip without it, and `--lane-check` fails such a skip.
+`needs_sidecar` tests run Reverb in its sidecar process (jaxreplay/replay/sidecar.py) and skip
+where no Python for it is found; CI builds one (`make venv-sidecar`) for the default lane, whose
+`--lane-check` therefore fails such a skip. `reverb` tests run on both lanes: in process on the
+Reverb lane, through the sidecar on the default lane.
 """
 
 import importlib.util
@@ -60,12 +64,14 @@ NEEDS = {
     "needs_tf": (("tensorflow", "tensorflow_datasets"), ("tensorflow", "tfds")),
     "needs_torch": (("torch",), ("torch",)),
 }
-LANE_MARKS = (*NEEDS, "tier")  # the Reverb lane's selection: CI's -m is these joined by "or"
 # Needs CI's default lane installs beside the `test` extra (.ci/run: EXTRAS), that a fresh machine may lack:
 # skipped where missing, and under --lane-check such a skip fails (that lane should have it).
 DEFAULT_LANE_NEEDS = {
     "needs_reasoning_gym": (("reasoning_gym",), "pip install 'jaxreplay[reasoning_gym]'; pycosat needs a C compiler"),
 }
+REVERB_ANYWHERE = "reverb"  # Reverb in process (the Reverb lane) or through its sidecar (the default lane): both
+LANE_MARKS = (*NEEDS, "tier", REVERB_ANYWHERE)  # the Reverb lane's selection: CI's -m is these joined by "or"
+SIDECAR = "needs_sidecar"  # the default lane's, with the sidecar's Python built
 
 
 def _missing(marker: str) -> bool:
@@ -96,8 +102,24 @@ def pytest_collection_modifyitems(items) -> None:
                 if item.get_closest_marker(marker):
                     item.add_marker(pytest.mark.skip(reason=f"{marker}: {' or '.join(modules)} is not installed "
                                                             f"here ({how}: docs/install.md)"))
+    sidecar_tests = [item for item in items if item.get_closest_marker(SIDECAR) or
+                     (item.get_closest_marker(REVERB_ANYWHERE) and missing["needs_reverb"])]
+    if sidecar_tests and (why := _no_sidecar()):
+        for item in sidecar_tests:
+            item.add_marker(pytest.mark.skip(reason=f"{SIDECAR}: {why}"))
     slow_runs = Counter(item.path for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow_runs[item.path])  # stable: keeps each file's order
+
+
+def _no_sidecar() -> str:
+    """Why Reverb's sidecar cannot run here ("" where it can)."""
+    from jaxreplay.config import ConfigError
+    from jaxreplay.replay.sidecar import find_python
+    try:
+        find_python()
+    except ConfigError as e:
+        return str(e)
+    return ""
 
 
 def _unmarked_needs(reason: str, has_marker) -> list[str]:
@@ -113,6 +135,10 @@ def _unmarked_needs(reason: str, has_marker) -> list[str]:
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
     if report.skipped and item.config.getoption("lane_check") and isinstance(report.longrepr, tuple):
+        if report.longrepr[2].startswith(f"Skipped: {SIDECAR}:") or report.longrepr[2].startswith(f"{SIDECAR}:"):
+            report.outcome = "failed"
+            report.longrepr = f"--lane-check: skipped ({report.longrepr[2]}): CI's default lane builds its Python"
+            return
         if unmarked := _unmarked_needs(report.longrepr[2], item.get_closest_marker):
             report.outcome = "failed"
             report.longrepr = (f"--lane-check: skipped ({report.longrepr[2]}) without @pytest.mark."

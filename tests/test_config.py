@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -131,9 +132,9 @@ def test_a_config_for_other_machines_is_not_checked_against_this_one(tmp_path):
     assert load_config(None, elsewhere, local=False).model.hf_path == str(tmp_path / "on-the-workers")
     with pytest.raises(ConfigError, match="train.batch_size"):
         load_config(None, [*elsewhere, "train.batch_size=0"], local=False)
-    if importlib.util.find_spec("reverb") is None:
-        with pytest.raises(ConfigError, match="reverb is not installed"):
-            load_config(None, ["replay.backend=reverb"])
+    if importlib.util.find_spec("reverb") is None:  # nor a Python to run its sidecar (tests/test_sidecar.py)
+        with pytest.raises(ConfigError, match="cannot run the Reverb sidecar.*make venv-sidecar"):
+            load_config(None, ["replay.backend=reverb", f"replay.reverb_python={sys.executable}"])
 
 
 _FIELDS = [

@@ -157,12 +157,13 @@ def test_two_streaming_runs_with_the_same_seed_are_identical_and_waiting_rollout
     assert any(r["batch/version_min"] < r["batch/version_max"] for r in a[1:])
 
 
-@pytest.mark.needs_reverb
+@pytest.mark.reverb
 @pytest.mark.slow
 def test_a_streaming_run_on_the_reverb_server_keeps_the_limiters_window(tmp_path):
     """The engine's groups enter a real Reverb table as they complete, carrying both version
     fields; Reverb's rate limiter decides every insert and sample, so the table never runs
-    ahead of the window, and the learner samples rows drawn under more than one version."""
+    ahead of the window, and the learner samples rows drawn under more than one version.
+    In process on the Reverb lane, through Reverb's sidecar on the default lane."""
     config, _ = run(tmp_path, *STREAM, "replay.backend=reverb", "replay.selector=uniform", "train.steps=8")
     records = read_metrics(config.run.dir)
     assert [r["step"] for r in records] == list(range(9))

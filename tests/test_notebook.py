@@ -166,11 +166,16 @@ def _kernel(venv):
 
 
 @pytest.mark.slow
+@pytest.mark.needs_sidecar
 def test_colab_notebook_runs_on_a_colab_like_runtime_and_keeps_its_numpy_and_jax(runtime, tmp_path):
+    """Part 4 runs Reverb through its sidecar under the Python `make venv-sidecar` built (the notebook's
+    own uv install of Python 3.11 needs the network)."""
+    from jaxreplay.replay.sidecar import find_python
+
     cells, install = _notebook_from_checkout(tmp_path)
     done, executed = _execute(runtime, [_kernel(runtime), *cells, VERSIONS_KEPT], tmp_path, {
         "JAXREPLAY_NOTEBOOK_TINY": "1", "JAXREPLAY_NOTEBOOK_RUNS": str(tmp_path / "runs"),
-        "PIP_CONSTRAINT": str(runtime.parent / "rest.txt")})
+        "PIP_CONSTRAINT": str(runtime.parent / "rest.txt"), "JAXREPLAY_NOTEBOOK_REVERB_PYTHON": find_python()[0]})
     assert done.returncode == 0, _errors(executed) or done.stderr[-6000:]
 
     before = json.loads(_text(executed[0]).split("KERNEL_BEFORE ")[1])
@@ -183,10 +188,13 @@ def test_colab_notebook_runs_on_a_colab_like_runtime_and_keeps_its_numpy_and_jax
     outputs = [o for cell in executed for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o["output_type"] == "error"]
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 2  # learning curve, ratio comparison
-    final = _text(executed[-2])
+    final = _text(next(c for c in executed if "# Final figures of each run." in "".join(c["source"])))
     assert [line.split(" {")[0] for line in final.splitlines()] == ["spi 1", "spi 2", "spi 4"]
     for spi in (1, 2, 4):
         assert (tmp_path / "runs" / f"spi{spi}" / "summary.json").exists()
+    reverb = json.loads((tmp_path / "runs" / "reverb" / "summary.json").read_text())
+    assert reverb["replay/backend"] == "reverb" and reverb["steps"] > 0
+    assert "REPLAY Reverb (sidecar): {'replay/backend': 'reverb'" in _text(executed[-2])
 
 
 @pytest.mark.slow

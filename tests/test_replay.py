@@ -26,41 +26,11 @@ from jaxreplay.replay.tables import (
     TABLE_NAME, ReplayInterrupted, ReplayTimeoutError, TableSharedError, build_tables)
 from jaxreplay.replay.writer import RolloutWriter
 from jaxreplay.train.guards import PreemptionNotice
+from replay_rows import SPEC, T, rollouts  # noqa: F401 - T: the rows' token count
 
 # A regression here tends to hang inside Reverb's C++ (no Python signal gets in):
 # the thread method ends the run instead of waiting for the global timeout.
 pytestmark = [pytest.mark.needs_reverb, pytest.mark.timeout(60, method="thread")]
-
-T = 5
-SPEC = {
-    "tokens": ((T,), np.int32),
-    "attention_mask": ((T,), np.bool_),
-    "completion_mask": ((T,), np.int32),
-    "logprobs": ((T,), np.float32),
-    "advantage": ((), np.float32),
-    "reward": ((), np.float32),
-    "policy_version": ((), np.int32),  # doubles as the row id in these tests
-}
-
-
-def rollouts(ids) -> dict[str, np.ndarray]:
-    """Rows whose contents are a pure function of their id."""
-    rows = [_row(int(i)) for i in ids]
-    return {k: np.stack([row[k] for row in rows]) for k in SPEC}
-
-
-def _row(i: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(i)
-    return {
-        "tokens": rng.integers(0, 1000, T, dtype=np.int32),
-        "attention_mask": rng.random(T) < 0.5,
-        "completion_mask": rng.integers(0, 2, T, dtype=np.int32),
-        "logprobs": -rng.random(T, dtype=np.float32),
-        "advantage": np.float32(rng.standard_normal()),
-        "reward": np.float32(rng.random()),
-        "policy_version": np.int32(i),
-    }
-
 
 def config(*overrides: str):
     return load_config(None, list(overrides))

@@ -8,6 +8,8 @@ wherever in that stage the signal lands.
 
 from __future__ import annotations
 
+import functools
+import os
 import queue
 import signal
 import subprocess
@@ -24,6 +26,11 @@ from test_resume import _finish, _job, needs_multiprocess_checkpoints, resumed_f
 from test_train import DEMO, ROOT, TINY
 
 TIMEOUT_S = 240
+
+
+def _cli(run_dir, *overrides: str, backend: str) -> list[str]:
+    return cli(run_dir, *overrides, f"replay.backend={backend}")
+
 SIGINT_LINE = "jaxreplay: interrupted: SIGINT (Ctrl-C)"
 
 
@@ -197,11 +204,15 @@ def test_ctrl_c_during_the_start_up_evaluation_exits_130_and_the_rerun_keeps_the
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_training_and_in_the_final_save_each_leave_a_checkpoint_the_same_command_resumes(tmp_path):
+@pytest.mark.parametrize("backend", ["inprocess", pytest.param("reverb", marks=pytest.mark.reverb)])
+def test_ctrl_c_in_training_and_in_the_final_save_each_leave_a_checkpoint_the_same_command_resumes(tmp_path, backend):
+    """Ctrl-C as a terminal sends it, to the run's whole process group. On the default tier Reverb
+    runs in a sidecar process, which keeps serving the final save."""
     run = tmp_path / "run"
-    command = Command(cli(run, "checkpoint.every=1000"))
+    cli = functools.partial(_cli, backend=backend)
+    command = Command(cli(run, "checkpoint.every=1000"), start_new_session=True)
     wait_for_step(command.proc, run, 3)
-    command.proc.send_signal(signal.SIGINT)
+    os.killpg(command.proc.pid, signal.SIGINT)
     status, stdout, stderr = command.finish()
     assert status == 130, stderr[-2000:]
     step = logged_step(run)
@@ -210,10 +221,10 @@ def test_ctrl_c_in_training_and_in_the_final_save_each_leave_a_checkpoint_the_sa
     assert assert_every_checkpoint_restores(run) == [step]
 
     # The resumed run ends at step + 2: Ctrl-C once its last step is recorded, while it saves.
-    command = Command(cli(run, "checkpoint.every=1000", f"train.steps={step + 2}"))
+    command = Command(cli(run, "checkpoint.every=1000", f"train.steps={step + 2}"), start_new_session=True)
     assert command.wait_for_line("resumed from step ") == f"resumed from step {step} (policy version {step})\n"
     wait_for_step(command.proc, run, step + 2)
-    command.proc.send_signal(signal.SIGINT)
+    os.killpg(command.proc.pid, signal.SIGINT)
     status, _, stderr = command.finish()
     assert status == 130, stderr[-2000:]
     assert_one_line(stderr, SIGINT_LINE)

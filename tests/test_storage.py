@@ -156,10 +156,15 @@ def metric_steps(url: str) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placement", [[], ["mesh.actor_devices=1"]], ids=["colocated", "disaggregated"])
+@pytest.mark.parametrize("placement", [
+    [], ["mesh.actor_devices=1"],
+    # Reverb through its sidecar (the default tier), its actor and learner threads each on a connection of their
+    # own: Reverb writes its checkpoints locally, the storage layer uploads them
+    pytest.param(["mesh.actor_devices=1", "replay.backend=reverb"], marks=pytest.mark.needs_sidecar)],
+    ids=["colocated", "disaggregated", "disaggregated-reverb-sidecar"])
 def test_a_bucket_run_killed_after_its_second_checkpoint_resumes_from_the_bucket(bucket, tmp_path, placement):
     from conftest import cpu_devices_env
-    env = cpu_devices_env(2) if placement else dict(os.environ)
+    env = cpu_devices_env(2) if "mesh.actor_devices=1" in placement else dict(os.environ)
     run_url = storage.join(bucket, "run")
     # Trained far past STEPS, so that it cannot finish before it is killed, however fast the machine.
     first = train_cli(run_url, *placement, f"train.steps={100 * STEPS}", cwd=tmp_path, env=env)

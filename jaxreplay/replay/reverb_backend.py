@@ -249,8 +249,14 @@ class ReverbClient:
                interrupted: Interrupted = None) -> None:
         """As `Client.insert`; rows sent before a timeout stay queued in Reverb and land
         once the limiter admits them."""
+        self.insert_packed(table, self._layout.pack(rows) if len(priorities) else None, priorities, also=also,
+                           timeout_s=timeout_s, interrupted=interrupted)
+
+    def insert_packed(self, table: str, packed: Optional[np.ndarray], priorities: np.ndarray, *,
+                      also: Optional[Mapping[str, np.ndarray]] = None, timeout_s: float,
+                      interrupted: Interrupted = None) -> None:
+        """As `insert`, the rows already packed [n, nbytes] (rows.py), as Reverb's sidecar receives them."""
         deadline, n = time.monotonic() + timeout_s, len(priorities)
-        packed = self._layout.pack(rows) if n else None
         also = {t: np.asarray(mask, bool) for t, mask in (also or {}).items()}
         while not self._insert_lock.acquire(timeout=WAIT_SLICE_S):
             check_interrupted(interrupted, f"an insert into table {table!r} was waiting for another insert")
@@ -273,6 +279,12 @@ class ReverbClient:
 
     def sample(self, table: str, n: int, *, timeout_s: float, interrupted: Interrupted = None,
                known: Optional[LimiterState] = None) -> tuple[dict[str, np.ndarray], SampleInfo]:
+        packed, info = self.sample_packed(table, n, timeout_s=timeout_s, interrupted=interrupted, known=known)
+        return self._layout.unpack(packed), info
+
+    def sample_packed(self, table: str, n: int, *, timeout_s: float, interrupted: Interrupted = None,
+                      known: Optional[LimiterState] = None) -> tuple[np.ndarray, SampleInfo]:
+        """As `sample`, the rows left packed [n, nbytes], as Reverb's sidecar sends them."""
         call = _Call(table, n, time.monotonic(), timeout_s, interrupted)
         if known is None or not known.can_sample_at_once(n):
             known, state = None, self._wait(call, 0)
@@ -284,13 +296,13 @@ class ReverbClient:
             rows = []
             for i in range(n):
                 rows.extend(self._take(call, 1, self._wait(call, i) if i else state, None))
-        batch = self._layout.unpack(np.stack([r[_INFO] for r in rows]))
+        packed = np.stack([r[_INFO] for r in rows])
         info = SampleInfo(
             keys=np.array([r[0] for r in rows], np.uint64),
             probabilities=np.array([r[1] for r in rows], np.float64),
             table_size=np.array([r[2] for r in rows], np.int64),
             times_sampled=np.array([r[4] for r in rows], np.int32))
-        return batch, info
+        return packed, info
 
     def delete(self, table: str, keys: np.ndarray) -> None:
         """As `Client.delete`: Reverb's MutatePriorities with deletes (unknown keys are skipped)."""

@@ -28,7 +28,7 @@ from jaxreplay.replay import inprocess
 from jaxreplay.replay.multiprocess import open_replay, shard_dir
 from jaxreplay.replay.ports import check_port
 from jaxreplay.replay.reader import reader_for
-from jaxreplay.replay.server import serve
+from jaxreplay.replay.server import describe_reverb, serve
 from jaxreplay.replay.tables import build_tables, resolve_backend
 from jaxreplay.replay.writer import writer_for
 from jaxreplay.rollout import rollouts
@@ -183,6 +183,8 @@ def _with_backend(config: Config, placement: Placement, log: Callable[[str], Non
     """`config` with the replay backend `auto` resolved, said and checked before any work."""
     backend = resolve_backend(config.replay.backend)
     log(f"replay backend: {backend}" + (" (replay.backend=auto)" if config.replay.backend == "auto" else ""))
+    if backend == "reverb":
+        log(describe_reverb(config.replay.reverb_python))
     if backend == "reverb" and placement.kind != "multihost":
         check_port(config.replay.port)
     return dataclasses.replace(config, replay=dataclasses.replace(config.replay, backend=backend))
@@ -425,7 +427,8 @@ def _tables(run: Run, placement: Placement, run_dir: rundir.RunDir,
             replay.stop()
         return
     server = serve(build_tables(c, spec), checkpoint_root=root, restore_from=progress.replay_checkpoint,
-                   port=c.replay.port, timeout_s=c.replay.timeout_s, seed=c.run.seed)
+                   port=c.replay.port, timeout_s=c.replay.timeout_s, seed=c.run.seed,
+                   reverb_python=c.replay.reverb_python)
     try:
         _check_restored(run, lambda: server.states()[server.table])
         interrupted = run.notice.is_set

@@ -1,0 +1,172 @@
+"""The Reverb sidecar process: Reverb's own server and client (reverb_backend.py) serving one
+trainer the Backend protocol over a Unix socket, in a Python 3.10/3.11 environment with
+dm-reverb and no JAX (`make venv-sidecar`). sidecar.py starts it and is its only client:
+
+    python -m jaxreplay.replay.sidecar_main SOCKET_PATH PARENT_PID
+
+The socket is bound with mode 0600 in the trainer's private (0700) directory. Each of the
+trainer's threads holds a connection of its own (requests on one are answered in order);
+the first is the control connection, whose close ends the sidecar. So does the trainer's
+death (its parent pid changes: `kill -9` leaves no orphan server or port), and `stop`.
+A call waits in Reverb's slices; a byte arriving on its connection meanwhile (the trainer's
+`cancel`, or its close) is its `interrupted()`. Terminal signals go to the trainer alone
+(own session); SIGTERM sent here stops the server cleanly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+
+from jaxreplay.replay import wire
+from jaxreplay.replay.rows import RowLayout
+from jaxreplay.replay.tables import LimiterState, RateLimit, TableDef, Tables
+
+_PARENT_POLL_S = 0.2
+
+
+class Sidecar:
+    """The one ReverbServer this process hosts, and the calls that reach it."""
+
+    def __init__(self):
+        self.server = None
+        self.done = threading.Event()
+
+    def call(self, op: str, h: dict, arrays: dict, interrupted) -> tuple[dict, dict]:
+        if op == "serve":
+            return self._serve(h)
+        s = self.server
+        if s is None:
+            raise RuntimeError(f"{op} before serve")
+        if op == "states":
+            return {"states": {k: dataclasses.asdict(v) for k, v in s.states(interrupted).items()}}, {}
+        if op == "insert":  # rows packed by the trainer (rows.py), as Reverb stores them
+            also = {k[5:]: v for k, v in arrays.items() if k.startswith("also/")}
+            s.insert_packed(h["table"], arrays.get("packed"), arrays["priorities"], also=also or None,
+                            timeout_s=h["timeout_s"], interrupted=interrupted)
+            return {}, {}
+        if op == "sample":  # rows left packed, for the trainer to unpack
+            known = h.get("known")
+            packed, info = s.sample_packed(h["table"], h["n"], timeout_s=h["timeout_s"], interrupted=interrupted,
+                                           known=None if known is None else LimiterState(**known))
+            out = {"packed": packed, **{f"info/{k}": np.asarray(v) for k, v in info._asdict().items()}}
+            return {}, out
+        if op == "delete":
+            s.delete(h["table"], arrays["keys"])
+            return {}, {}
+        if op == "describe":
+            return {"text": s.describe()}, {}
+        if op == "checkpoint":
+            return {"name": s.checkpoint()}, {}
+        if op == "prune":
+            return {"removed": s.prune(set(h["keep"]))}, {}
+        if op == "admits":  # Reverb's own C++ limiter on the live table (the differential tests)
+            table = next(t for t in s.reverb_tables if t.name == h["table"])
+            can = table.can_insert if h["what"] == "insert" else table.can_sample
+            return {"admits": bool(can(h["k"]))}, {}
+        if op == "stop":
+            self.stop()
+            return {}, {}
+        raise ValueError(f"unknown sidecar call {op!r}")
+
+    def _serve(self, h: dict) -> tuple[dict, dict]:
+        from importlib.metadata import version
+
+        from jaxreplay.replay.reverb_backend import ReverbServer
+        if self.server is not None:
+            raise RuntimeError("serve called twice")
+        defs = tuple(TableDef(**{**d, "rate_limit": RateLimit(**d["rate_limit"])}) for d in h["defs"])
+        spec = {name: (tuple(shape), np.dtype(dtype)) for name, shape, dtype in h["item_spec"]}
+        RowLayout(spec)  # a spec that cannot be laid out is refused here, before Reverb starts
+        self.server = ReverbServer(Tables("reverb", defs, spec), port=h["port"], timeout_s=h["timeout_s"],
+                                   checkpoint_root=h["checkpoint_root"], restore_from=h["restore_from"])
+        return {"port": self.server.port, "table": self.server.table, "reverb": version("dm-reverb"),
+                "python": sys.version.split()[0]}, {}
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        self.done.set()
+
+
+def serve_connection(sidecar: Sidecar, conn: socket.socket, control: bool) -> None:
+    """Answers `conn`'s requests in order until it closes; the control connection's close ends the sidecar."""
+    try:
+        while not sidecar.done.is_set():
+            try:
+                header, arrays = wire.recv(conn, waiting=lambda: sidecar.done.is_set() and _raise_closed())
+            except (wire.WireError, OSError):
+                return
+            op = header.get("op")
+            if op == "cancel":  # arrived after its call had ended
+                continue
+            try:
+                reply, out = sidecar.call(op, header, arrays, interrupted=lambda: wire.readable(conn))
+                wire.send(conn, {"ok": True, **reply}, out)
+            except Exception as e:  # noqa: BLE001 - the trainer raises it again
+                try:
+                    wire.send(conn, {"ok": False, "error": type(e).__name__, "message": str(e)})
+                except OSError:
+                    return
+    finally:
+        conn.close()
+        if control:
+            sidecar.done.set()
+
+
+def _raise_closed():
+    raise wire.WireError("the sidecar is stopping")
+
+
+def main(argv: list[str]) -> int:
+    path, parent = argv[0], int(argv[1])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sidecar.done.set())
+    sidecar = Sidecar()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mask = os.umask(0o177)
+    try:
+        listener.bind(path)  # mode 0600
+    finally:
+        os.umask(mask)
+    listener.listen(8)
+    listener.settimeout(_PARENT_POLL_S)
+    print("ready", flush=True)
+    connections = 0
+    try:
+        while not sidecar.done.is_set() and os.getppid() == parent:
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                continue
+            conn.setblocking(True)
+            threading.Thread(target=serve_connection, args=(sidecar, conn, connections == 0),
+                             name=f"sidecar-conn-{connections}", daemon=True).start()
+            connections += 1
+    finally:
+        listener.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        sidecar.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    # A Python whose numpy cannot run Reverb fails on import above; anything else is said on stdout's one line.
+    try:
+        code = main(sys.argv[1:])
+    except BaseException as e:  # noqa: BLE001 - the trainer reads this line
+        print(f"error {type(e).__name__}: {e}", flush=True)
+        code = 2
+    sys.stdout.flush()
+    os._exit(code)  # daemon threads may still sit in Reverb's C++ calls
