@@ -26,6 +26,7 @@ from jaxreplay.research import report_plots
 from jaxreplay.research.report import report
 from jaxreplay.research.report_data import RunData, group_settings, load_runs, pick_baseline
 from jaxreplay.research.report_stats import band, bootstrap_ci, iqm, parse_mus
+from report_tables import markdown_tables
 
 EVAL_STEPS = (0, 10, 20, 30)
 SETTINGS = {  # name: (mode, samples_per_insert, max_size, rollouts generated per learner step)
@@ -83,21 +84,6 @@ def sweep_dirs(tmp_path_factory):
     return dirs
 
 
-def _tables(md):
-    """{section heading: {row label: {column header: cell}}} of report.md's tables."""
-    tables, heading, header = {}, None, None
-    for line in md.splitlines():
-        if line.startswith("## "):
-            heading, header = line[3:], None
-        elif line.startswith("|") and not line.startswith("|---"):
-            cells = [c.strip() for c in line.strip("|").split(" | ")]
-            if header is None:
-                header = cells
-            else:
-                tables.setdefault(heading, {})[cells[0]] = dict(zip(header, cells))
-    return tables
-
-
 def _numbers(text):
     """'0.375 [0.312, 0.438] (2/3)' -> [0.375, 0.312, 0.438, 2, 3] (three significant digits: rel=5e-3)."""
     return [float(x) for x in re.findall(r"-?\d+(?:\.\d+)?(?:e[+-]?\d+)?", text)]
@@ -151,7 +137,7 @@ def test_seeds_kept_differently_are_one_setting_and_a_changed_setting_is_another
 
 
 def test_accuracy_is_the_median_and_iqr_over_seeds_and_entropy_the_mean_of_the_last_ten_steps(md):
-    rows = _tables(md)["Per setting"]
+    rows = markdown_tables(md)["Per setting"]
     on, spi8 = rows["on_policy (baseline)"], rows["spi8"]
     assert _numbers(on["start eval accuracy"]) == pytest.approx([0.2] * 3)
     assert _numbers(on["peak eval accuracy"]) == pytest.approx([0.6, 0.6, 0.65])
@@ -168,7 +154,7 @@ TARGET_90 = "Cost to 90% of the seed's on_policy gain, × the same seed's on_pol
 
 
 def test_tokens_to_a_target_are_paired_censored_ratios_to_the_same_seeds_baseline(md):
-    rows = _tables(md)[TARGET_90]
+    rows = markdown_tables(md)[TARGET_90]
     # spi2 reaches its seed's 0.56, 0.56, 0.65 at steps 10, 20, never: 200 and 400 tokens (20 a step)
     # against on_policy's 800 and 1200 (40 a step, steps 20 and 30); seed 2 is censored: +inf.
     ratios = [200 / 800, 400 / 1200, np.inf]
@@ -183,7 +169,7 @@ def test_tokens_to_a_target_are_paired_censored_ratios_to_the_same_seeds_baselin
 
 
 def test_lower_targets_are_lower_shares_of_the_same_seeds_gain(md):
-    rows = _tables(md)["Cost to 50% of the seed's on_policy gain, × the same seed's on_policy run"]
+    rows = markdown_tables(md)["Cost to 50% of the seed's on_policy gain, × the same seed's on_policy run"]
     # 50% targets: 0.4, 0.4, 0.45. spi8 (5 tokens a step) reaches 0.4 at step 20: 100 tokens against
     # on_policy's 400 (step 10) on seeds 0 and 1.
     assert rows["spi8"]["seeds that reach it"] == "2/2"
@@ -192,7 +178,7 @@ def test_lower_targets_are_lower_shares_of_the_same_seeds_gain(md):
 
 @pytest.mark.parametrize("mu", [MEASURED_MU, 5.28, 6.84])
 def test_compute_at_mu_is_trained_plus_mu_generated_rollouts_over_the_same_seeds_baseline(md, mu):
-    row = _tables(md)[TARGET_90]["spi2"]
+    row = markdown_tables(md)[TARGET_90]["spi2"]
     label = f"compute at measured µ = {mu:g}" if mu == MEASURED_MU else f"compute at µ = {mu:g}"
     # spi2 trains 4 and generates 2 a step; on_policy 4 and 4: seed 0 at steps 10 vs 20, seed 1 at 20 vs 30.
     ratios = [(40 + mu * 20) / (80 + mu * 80), (80 + mu * 40) / (120 + mu * 120)]
@@ -201,7 +187,7 @@ def test_compute_at_mu_is_trained_plus_mu_generated_rollouts_over_the_same_seeds
 
 
 def test_paired_differences_subtract_the_baseline_run_of_the_same_seed(md):
-    rows = _tables(md)["Paired by seed: each run minus the on_policy run of the same seed"]
+    rows = markdown_tables(md)["Paired by seed: each run minus the on_policy run of the same seed"]
     assert set(rows) == {"spi2", "spi8"}  # the baseline is not paired with itself
     peaks = {"on_policy": [0.6, 0.6, 0.7], "spi2": [0.7, 0.65, 0.55], "spi8": [0.5, 0.45]}
     spi2 = np.subtract(peaks["spi2"], peaks["on_policy"])  # 0.1, 0.05, -0.15
@@ -252,7 +238,7 @@ def test_the_report_prints_the_iqm_and_interval_of_paired_differences_on_made_up
         dirs.append(_run_dir(tmp_path, "on_policy", seed, [0.2, 0.3, b, b], 0.5, 1.0))
         dirs.append(_run_dir(tmp_path, "spi2", seed, [0.2, 0.3, r, r], 0.5, 1.0))
     report(dirs, tmp_path / "out")
-    row = _tables((tmp_path / "out" / "report.md").read_text())[
+    row = markdown_tables((tmp_path / "out" / "report.md").read_text())[
         "Paired by seed: each run minus the on_policy run of the same seed"]["spi2"]
     diffs = list(np.subtract(spi, base))  # -0.05, 0.02, -0.05, 0.05
     lo, hi = _ci_by_hand([diffs])
@@ -263,7 +249,7 @@ def test_the_report_prints_the_iqm_and_interval_of_paired_differences_on_made_up
 
 
 def test_pass_at_k_comes_from_eval_json(md):
-    table = _tables(md)["pass@k of the final policy (`jaxreplay eval ... --out RUN_DIR/eval.json`)"]
+    table = markdown_tables(md)["pass@k of the final policy (`jaxreplay eval ... --out RUN_DIR/eval.json`)"]
     on = table["on_policy (baseline)"]
     assert on["runs with eval.json"] == "2"
     assert _numbers(on["pass@4 (T 1.0)"]) == pytest.approx(_iqr([0.5, 0.55]), rel=5e-3)
@@ -339,7 +325,7 @@ def test_runs_that_never_measured_mu_are_modelled_at_the_given_mu_only(tmp_path)
     assert "No run logged cost/mu" in md and "compute at" not in md
     assert not list((tmp_path / "none").glob("accuracy_vs_compute*"))
     report(dirs, tmp_path / "given", mus=(5.28,))
-    row = _tables((tmp_path / "given" / "report.md").read_text())[TARGET_90]["spi2"]
+    row = markdown_tables((tmp_path / "given" / "report.md").read_text())[TARGET_90]["spi2"]
     # spi2 reaches seed 0's 0.56 at step 10, on_policy at step 20.
     assert _numbers(row["compute at µ = 5.28"]) == pytest.approx([(40 + 5.28 * 20) / (80 + 5.28 * 80)], rel=5e-3)
     assert sorted(p.name for p in (tmp_path / "given").glob("accuracy_vs_compute*")) == \
@@ -401,7 +387,7 @@ def _sweep_file(tmp_path, root):
 
 def test_claims_get_verdicts_from_the_rules_the_sweep_file_declared(sweep_dirs, tmp_path):
     report(sweep_dirs, tmp_path / "out", sweep=_sweep_file(tmp_path, tmp_path / "runs"))
-    rows = _tables((tmp_path / "out" / "report.md").read_text())["Claims and verdicts"]
+    rows = markdown_tables((tmp_path / "out" / "report.md").read_text())["Claims and verdicts"]
     keeps = rows["spi 2 keeps the peak"]
     # Paired peak differences 0.1, 0.05, -0.15: IQM (three seeds: nothing cut) 0; a replicate of
     # three -0.15 (1 in 27) puts the 2.5% point at -0.15, three 0.1 the 97.5% point at 0.1.
@@ -498,7 +484,7 @@ def test_every_committed_sweeps_report_rebuilds_byte_for_byte_from_its_runs(fold
 
 
 def test_coverage_compares_the_baselines_compute_with_the_most_any_other_run_reached(md):
-    rows = _tables(md)["Compute budget coverage"]
+    rows = markdown_tables(md)["Compute budget coverage"]
     # At µ = 5.28 on_policy ends at 120 trained + 5.28 x 120 generated rollouts, spi2 (the most) at
     # 120 + 5.28 x 60; to cover spi8 at equal tokens it would need (8 + 5.28)/(1 + 5.28) their tokens.
     row = rows["µ = 5.28"]

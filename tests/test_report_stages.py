@@ -26,6 +26,7 @@ from jaxreplay.research.report_claims import parse_claims
 from jaxreplay.research.report_data import RunData, Setting, group_settings, load_runs
 from jaxreplay.research.report_select import Rule, arm_grid, choose, lr_tag, parse_rule, validation_scores
 from jaxreplay.research.report_stats import bootstrap_ci, iqm
+from report_tables import markdown_tables
 
 EVAL_STEPS = (0, 10, 20, 30)
 GENERATED = {"on_policy": 4.0, "spi2": 2.0}  # rollouts generated per learner step; 4 trained
@@ -64,20 +65,8 @@ def make_run(root, folder, arm, seed, lr, test, validation=None, entropy0=1.0):
 STAGE1_TABLES = ("Learning rates (validation split)", "Stage 1: learning rates (validation split)")
 
 
-def _tables(md):
-    """{section heading: {row label: {column header: cell}}}; a stage-1 table's rows are labelled (arm, lr)."""
-    tables, heading, header = {}, None, None
-    for line in md.splitlines():
-        if line.startswith("## "):
-            heading, header = line[3:], None
-        elif line.startswith("|") and not line.startswith("|---"):
-            cells = [c.strip() for c in line.strip("|").split(" | ")]
-            if header is None:
-                header = cells
-            else:
-                key = (cells[0], cells[1]) if heading in STAGE1_TABLES else cells[0]
-                tables.setdefault(heading, {})[key] = dict(zip(header, cells))
-    return tables
+def tables(md):
+    return markdown_tables(md, STAGE1_TABLES)
 
 
 def _numbers(text):
@@ -127,7 +116,7 @@ def test_stage1_picks_each_arms_rate_by_validation_where_the_test_split_disagree
     # on_policy validation peaks (median of two seeds): 0.41, 0.61, 0.51 -> 3e-4 (test peaks: 0.425, 0.525, 0.675).
     # spi2: 0.325, 0.475, 0.625 -> 1e-3.
     assert yaml.safe_load((out / "selected.yaml").read_text()) == {"on_policy": 3e-4, "spi2": 1e-3}
-    rows = _tables((out / "report.md").read_text())["Learning rates (validation split)"]
+    rows = tables((out / "report.md").read_text())["Learning rates (validation split)"]
     assert set(rows) == {(arm, lr_tag(lr)) for arm, lr in STAGE1}
     on = {lr: rows[("on_policy", lr)] for lr in ("1e-4", "3e-4", "1e-3")}
     assert [_numbers(on[lr]["validation_peak (validation)"]) for lr in on] == \
@@ -243,7 +232,7 @@ def stage2(tmp_path_factory, stage1):
 def test_the_frontier_table_reads_each_arm_at_shares_of_the_common_budget(stage2):
     _, out = stage2
     md = (out / "report.md").read_text()
-    rows = _tables(md)["Optimality frontier at µ = 1"]
+    rows = tables(md)["Optimality frontier at µ = 1"]
     budget = 180.0  # the least last-evaluation compute: spi2's
     for arm, (lr, seeds) in STAGE2.items():
         row = rows[arm]
@@ -267,7 +256,7 @@ def test_the_frontier_table_reads_each_arm_at_shares_of_the_common_budget(stage2
 
 def test_the_stage2_report_holds_the_stage1_table_and_refuses_a_rate_stage1_did_not_choose(stage1, stage2, tmp_path):
     _, out = stage2
-    rows = _tables((out / "report.md").read_text())["Stage 1: learning rates (validation split)"]
+    rows = tables((out / "report.md").read_text())["Stage 1: learning rates (validation split)"]
     assert rows[("on_policy", "3e-4")]["chosen"] == "**chosen**" and len(rows) == 6
     dirs = stage2_dirs(tmp_path / "runs")
     for d in dirs[3:]:  # spi2 at 3e-4, stage 1 chose 1e-3
@@ -336,7 +325,7 @@ def claims_report(tmp_path, entropy0=1.0):
             for s, seeds in CLAIM_RUNS.items() for seed, acc in enumerate(seeds)]
     (tmp_path / "runs" / "claims.yaml").write_text(yaml.safe_dump(CLAIMS))
     report(dirs, tmp_path / "out")
-    return _tables((tmp_path / "out" / "report.md").read_text())["Claims and verdicts"]
+    return tables((tmp_path / "out" / "report.md").read_text())["Claims and verdicts"]
 
 
 def _numbers_of(diffs):
