@@ -88,7 +88,9 @@ SHARDED = [] if not HAVE_REVERB else ["replay.backend=inprocess"]
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, overrides", [
     ("inprocess", SHARDED),  # ShardedReplay
-    pytest.param("reverb", ["replay.backend=reverb"], marks=needs_reverb),  # CentralReplay
+    # CentralReplay: in process on the Reverb lane; through sidecars on the default tier (process 0's
+    # serves the table, process 1's holds only a Reverb client to its port)
+    pytest.param("reverb", ["replay.backend=reverb"], marks=pytest.mark.reverb),
 ])
 def test_two_processes_train_the_same_params_at_the_target_replay_ratio(tmp_path, backend, overrides):
     results = _launch(tmp_path, num_processes=2, timeout_s=400,

@@ -247,6 +247,10 @@ class SidecarServer:
             self._connections.clear()
         shutil.rmtree(self._dir, ignore_errors=True)
 
+    def close(self) -> None:
+        """As `ReverbClient.close` (a sidecar in client mode): ends the sidecar."""
+        self.stop()
+
     def __enter__(self) -> "SidecarServer":
         return self
 
