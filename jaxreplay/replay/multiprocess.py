@@ -33,7 +33,10 @@ A shard is checkpointed on its own (`ShardedReplay.checkpoint`), each process it
 multi-host checkpoint names every process's.
 
 `CentralReplay` (replay.backend reverb): one Reverb table on process 0 for every process;
-the view is process 0's reading of it, taken once every process's calls have landed.
+the view is process 0's reading of it, taken once every process's calls have landed. Where
+Reverb is not importable (the default tier) process 0's sidecar serves it and every other
+process's sidecar holds only a Reverb client to its port (server.reverb_client), which costs
+about what the Reverb lane's in-process clients pay (docs/benchmarks.md, replay-remote).
 """
 
 from __future__ import annotations
