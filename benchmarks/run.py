@@ -1,12 +1,14 @@
 """All CPU benchmarks in one process, side by side: prints a table of ratios, writes JSON.
 
-    .venv/bin/python -m benchmarks.run [rollout | rollout-chunks | replay-sidecar] [--quick] [--out results.json]
+    .venv/bin/python -m benchmarks.run [rollout | rollout-chunks | replay-sidecar | replay-remote] [--quick] [--out results.json]
         [--torch-python PATH]
 
 `rollout` runs only the rollout-engine benchmark (benchmarks/rollout.py): one line a workload;
 `rollout-chunks` the engine's demo-long and full-batch at several chunk lengths, side by side;
 `replay-sidecar` Reverb through its sidecar beside Reverb in process and the in-process backend
 (benchmarks/replay_sidecar.py).
+`replay-remote` a multi-host job's central Reverb table reached through sidecars, against the
+Reverb lane's clients (benchmarks/replay_remote.py).
 
 `--quick` shrinks every benchmark to seconds (tests/test_benchmarks.py runs it so it cannot
 rot); its figures mean nothing. The full run takes a few minutes on 2 CPU cores. Absolute
@@ -23,7 +25,7 @@ import os
 import platform
 import time
 
-from benchmarks import learner, replay, replay_sidecar, rollout, sampler, scaling
+from benchmarks import learner, replay, replay_remote, replay_sidecar, rollout, sampler, scaling
 from jaxreplay.tools.xla_cpu import tune_cpu_compiler
 
 TARGETS = {"sampler_ratio_b16_b64": 2.0, "replay_share_of_loop": 0.02}
@@ -31,7 +33,7 @@ TARGETS = {"sampler_ratio_b16_b64": 2.0, "replay_share_of_loop": 0.02}
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("only", nargs="?", choices=["rollout", "rollout-chunks", "replay-sidecar"],
+    parser.add_argument("only", nargs="?", choices=["rollout", "rollout-chunks", "replay-sidecar", "replay-remote"],
                         help="run only this benchmark")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the code runs, measures nothing")
     parser.add_argument("--out", help="write the results here as JSON")
@@ -45,9 +47,10 @@ def main(argv=None) -> dict:
                            "loadavg_start": os.getloadavg()}, "quick": args.quick}
     if args.only:
         results[args.only] = {"rollout": rollout.run, "rollout-chunks": rollout.chunk_lengths,
-                              "replay-sidecar": replay_sidecar.run}[args.only](args.quick)
-        if args.only == "replay-sidecar":
-            print("\n".join(replay_sidecar.lines(results[args.only])), flush=True)
+                              "replay-sidecar": replay_sidecar.run, "replay-remote": replay_remote.run}[args.only](args.quick)
+        if args.only in ("replay-sidecar", "replay-remote"):
+            lines = (replay_sidecar if args.only == "replay-sidecar" else replay_remote).lines
+            print("\n".join(lines(results[args.only])), flush=True)
         results["machine"]["loadavg_end"] = os.getloadavg()
         results["seconds"] = time.perf_counter() - start
         print(f"[{args.only}: {results['seconds']:.0f}s, load average {results['machine']['loadavg_start'][0]:.1f} | "

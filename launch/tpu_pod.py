@@ -10,15 +10,19 @@
 
 `up` = `create`, `install`, `train` (each also runs alone). `create` asks for the slice as a
 queued resource (`--spot`: Spot capacity) and waits until it is ACTIVE; `delete` deletes the
-queued resource and its slice. The config's `replay.backend`
-picks the dependency tier the workers get: `reverb` the Reverb lane (Python 3.11, the
-`reverb` extra, constraints/reverb-py311.txt, its jax[tpu]); anything else the default
-tier (Python 3.12, constraints/default.txt, the current jax[tpu]; `auto` is `inprocess`
-there). TPU runtime images ship an older Python, so `install` gives every worker its
-tier's Python through uv, ships the committed tree (`git archive HEAD`), installs it with
-the tier's constraints and checks the result. `train` starts `jaxreplay train` on all
-workers with `distributed.enabled=true` and the resolved backend (for Reverb, worker 0's
-internal IP as the server address); JAX finds the coordinator in the TPU metadata.
+queued resource and its slice. Every worker gets the default tier (Python 3.12,
+constraints/default.txt, the current jax[tpu]); a config naming `replay.backend: reverb`
+adds Reverb's sidecar environment beside it (`.venv-sidecar`: Python 3.11, dm-reverb
+0.14.0, TensorFlow 2.15 CPU, PyYAML, as `make venv-sidecar` builds it), on single-host and
+multi-host slices alike: worker 0's sidecar serves the table, every other worker's holds a
+Reverb client to it (jaxreplay/replay/sidecar.py). `auto` is `inprocess` there. TPU
+runtime images ship an older Python (3.10), so `install` gives every worker its Pythons
+through uv, ships the committed tree (`git archive HEAD`), installs it with the tier's
+constraints and checks the result. `train` starts `jaxreplay train` on all workers with
+`distributed.enabled=true` and the resolved backend (for Reverb, worker 0's internal IP as
+the server address); JAX finds the coordinator in the TPU metadata. (The Reverb lane,
+Python 3.11 with jax 0.4.34, is what `reverb` installed before; `resume` still reinstalls it
+for a launch recorded with it.)
 
 With `--bucket gs://BUCKET`, the run dir is `gs://BUCKET/runs/NAME` (else each worker's own
 `~/jaxreplay-runs/NAME`, lost with the VM), every worker's log is copied to its `logs/` every
@@ -73,14 +77,15 @@ class Slice(NamedTuple):
     accelerator_type: str
     runtime_version: str  # the documented TPU software version for JAX on this generation
     generation: str
+    hosts: int  # TPU VM workers, one jaxreplay process each
 
 
 TPUS = {
-    "v5e-8": Slice("v5litepod-8", "v2-alpha-tpuv5-lite", "v5e"),  # 8 chips, one host
-    "v5e-16": Slice("v5litepod-16", "v2-alpha-tpuv5-lite", "v5e"),  # 16 chips, 4 hosts
-    "v6e-8": Slice("v6e-8", "v2-alpha-tpuv6e", "v6e"),  # 8 chips, one host
-    "v4-8": Slice("v4-8", "tpu-ubuntu2204-base", "v4"),  # 4 chips, one host
-    "v4-16": Slice("v4-16", "tpu-ubuntu2204-base", "v4"),  # 8 chips, 2 hosts
+    "v5e-8": Slice("v5litepod-8", "v2-alpha-tpuv5-lite", "v5e", 1),  # 8 chips, one host
+    "v5e-16": Slice("v5litepod-16", "v2-alpha-tpuv5-lite", "v5e", 4),  # 16 chips, 4 hosts
+    "v6e-8": Slice("v6e-8", "v2-alpha-tpuv6e", "v6e", 1),  # 8 chips, one host
+    "v4-8": Slice("v4-8", "tpu-ubuntu2204-base", "v4", 1),  # 4 chips, one host
+    "v4-16": Slice("v4-16", "tpu-ubuntu2204-base", "v4", 2),  # 8 chips, 2 hosts
 }
 
 
@@ -94,13 +99,23 @@ class Tier(NamedTuple):
     find_links: Optional[str]  # where jax[tpu]'s libtpu comes from when it is not on PyPI
     backend: str  # what replay.backend is on this tier (auto resolves to it)
     generations: frozenset  # the TPU generations its jax and libtpu were released for
+    sidecar: bool = False  # Reverb's sidecar environment beside it (.venv-sidecar)
 
 
 DEFAULT = Tier("default", "3.12", "constraints/default.txt", "", None, "inprocess",
                frozenset({"v4", "v5e", "v6e"}))
 # jax 0.4.34 pins libtpu-nightly 0.1.dev20241002, which is not on PyPI; it predates TPU v6e's release.
+# The default tier with Reverb's sidecar environment: replay.backend=reverb on the current jax.
+SIDECAR = Tier("sidecar", "3.12", "constraints/default.txt", "", None, "reverb", frozenset({"v4", "v5e", "v6e"}),
+               sidecar=True)
+# The Reverb lane: what `reverb` configs installed before the sidecar; kept for `resume` of launches recorded with it.
 REVERB = Tier("reverb", "3.11", "constraints/reverb-py311.txt", "reverb", LIBTPU_RELEASES, "reverb",
               frozenset({"v4", "v5e"}))
+TIERS = {t.name: t for t in (DEFAULT, SIDECAR, REVERB)}
+# `make venv-sidecar` (Makefile): its Python, the pins it installs with and what it installs
+SIDECAR_PYTHON = "3.11"
+SIDECAR_PINS = "constraints/reverb-py311.txt"
+SIDECAR_PACKAGES = ("dm-reverb", "tensorflow-cpu", "pyyaml")
 
 
 class LaunchError(Exception):
@@ -108,7 +123,7 @@ class LaunchError(Exception):
 
 
 def tier_for(backend: str) -> Tier:
-    return REVERB if backend == "reverb" else DEFAULT
+    return SIDECAR if backend == "reverb" else DEFAULT
 
 
 def pinned_jax_version(tier: Tier) -> str:
@@ -127,7 +142,7 @@ def worker_setup(tier: Tier) -> list[str]:
            f"jax[tpu]=={jax_version}", *(["-f", tier.find_links] if tier.find_links else [])]
     major, minor = tier.python.split(".")
     check = "; ".join([
-        "import sys, jax, jaxreplay" + (", reverb" if tier.backend == "reverb" else ""),
+        "import sys, jax, jaxreplay" + (", reverb" if "reverb" in tier.extras else ""),  # the Reverb lane
         f"assert sys.version_info[:2] == ({major}, {minor}), sys.version",
         f'assert jax.__version__ == "{jax_version}", jax.__version__',
         'assert jax.local_devices()[0].platform == "tpu", jax.local_devices()',
@@ -145,7 +160,21 @@ def worker_setup(tier: Tier) -> list[str]:
         f"{UV_VENV}/bin/uv venv --seed --python {tier.python} .venv",  # uv fetches that CPython if missing
         shlex.join(pip),
         shlex.join([".venv/bin/python", "-c", check]),
+        *(sidecar_setup() if tier.sidecar else []),
         f"echo {tier.name} > {TIER_FILE}",
+    ]
+
+
+def sidecar_setup() -> list[str]:
+    """`make venv-sidecar` on a worker, in the tree's directory: Python 3.11 from uv (the image's
+    is 3.10), dm-reverb and TensorFlow under the Reverb lane's pins; then the trainer's own check
+    that it finds that Python and its dm-reverb, as `replay.backend=reverb` will."""
+    find = 'from jaxreplay.replay.sidecar import find_python; print("reverb sidecar:", *find_python())'
+    return [
+        f"{UV_VENV}/bin/uv venv --seed --python {SIDECAR_PYTHON} .venv-sidecar",
+        shlex.join([".venv-sidecar/bin/python", "-m", "pip", "install", "--quiet", "-c", SIDECAR_PINS,
+                    *SIDECAR_PACKAGES]),
+        shlex.join([".venv/bin/python", "-c", find]),
     ]
 
 
@@ -419,7 +448,7 @@ def resume(args: argparse.Namespace) -> None:
     args.spot = record["spot"]
     if _git("cat-file", "-e", f"{record['commit']}^{{commit}}").returncode:
         raise LaunchError(f"commit {record['commit']} of the stored launch is not in this repository: fetch it")
-    tier = {DEFAULT.name: DEFAULT, REVERB.name: REVERB}[record["tier"]]
+    tier = TIERS[record["tier"]]
     probe = _probe(queued_state(args))
     if not _gone(probe):
         if probe.stdout.strip() == "ACTIVE":

@@ -67,6 +67,7 @@ def _expected_setup(tier: str) -> list[str]:
     """Every command a worker runs to install the tier, in order: the specification of `install`."""
     python, constraints, package, reverb = {
         "default": ("3.12", "constraints/default.txt", ".", False),
+        "sidecar": ("3.12", "constraints/default.txt", ".", False),  # the default tier, and Reverb's sidecar
         "reverb": ("3.11", "constraints/reverb-py311.txt", ".[reverb]", True),
     }[tier]
     jax = _jax_pin(constraints)
@@ -92,8 +93,18 @@ def _expected_setup(tier: str) -> list[str]:
         f"~/.jaxreplay-uv/bin/uv venv --seed --python {python} .venv",
         shlex.join(pip),
         shlex.join([".venv/bin/python", "-c", check]),
+        *(SIDECAR_SETUP if tier == "sidecar" else []),
         f"echo {tier} > .venv/jaxreplay-tier",
     ]
+
+
+# `make venv-sidecar` on a worker: Python 3.11 from uv (TPU images ship 3.10), the Makefile's pins and packages, then
+# the trainer's own search for the sidecar's Python, which fails the install where it finds none.
+SIDECAR_SETUP = [
+    "~/.jaxreplay-uv/bin/uv venv --seed --python 3.11 .venv-sidecar",
+    ".venv-sidecar/bin/python -m pip install --quiet -c constraints/reverb-py311.txt dm-reverb tensorflow-cpu pyyaml",
+    """.venv/bin/python -c 'from jaxreplay.replay.sidecar import find_python; print("reverb sidecar:", *find_python())'""",
+]
 
 
 def _launcher_module():
@@ -107,17 +118,29 @@ def test_each_tier_installs_its_python_constraints_and_jax_tpu():
     launcher = _launcher_module()
     assert launcher.worker_setup(launcher.DEFAULT) == _expected_setup("default")
     assert launcher.worker_setup(launcher.REVERB) == _expected_setup("reverb")
+    assert launcher.worker_setup(launcher.SIDECAR) == _expected_setup("sidecar")
+
+
+def test_the_workers_sidecar_environment_is_the_makefiles():
+    """What `make venv-sidecar` installs, and with which pins, is what the workers get (tpu_pod.sidecar_setup)."""
+    launcher = _launcher_module()
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^SIDECAR_PINS := (\S+)$", makefile, re.MULTILINE).group(1) == launcher.SIDECAR_PINS
+    assert "$(call find_python,3.11)" in re.search(r"^SIDECAR_PYTHON \?= (.*)$", makefile, re.MULTILINE).group(1)
+    assert launcher.SIDECAR_PYTHON == "3.11"
+    (install,) = [line for line in makefile.splitlines() if line.strip().startswith(".venv-sidecar/bin/python -m uv pip")]
+    assert install.split("$(SIDECAR_PINS)")[1].split() == list(launcher.SIDECAR_PACKAGES)
     assert _jax_pin("constraints/default.txt").split(".")[:2] >= ["0", "12"]  # the current jax, not the Reverb pin
 
 
 @pytest.mark.parametrize("backend_override, tier", [
     ([], "default"),  # replay.backend: auto, which is inprocess where Reverb is not installed
     (["replay.backend=inprocess"], "default"),
-    (["replay.backend=reverb"], "reverb"),
+    (["replay.backend=reverb"], "sidecar"),  # the default tier, Reverb in sidecars
 ])
 def test_dry_run_of_up_installs_the_tier_of_the_configs_backend(bin_dir, backend_override, tier):
     result = _dry_run(bin_dir, *UP, "train.steps=50", *backend_override)
-    backend = {"default": "inprocess", "reverb": "reverb"}[tier]
+    backend = {"default": "inprocess", "sidecar": "reverb"}[tier]
     try:  # the workers run the config with multi-host on and the backend resolved for their tier
         load_config(ROOT / CONFIG, ["train.steps=50", "distributed.enabled=true", f"replay.backend={backend}"],
                     local=False)
@@ -147,7 +170,7 @@ def test_dry_run_of_up_installs_the_tier_of_the_configs_backend(bin_dir, backend
     overrides = command[3:]
     assert "train.steps=50" in overrides and "distributed.enabled=true" in overrides
     assert [o for o in overrides if o.startswith("replay.backend=")][-1] == f"replay.backend={backend}"
-    if tier == "reverb":  # Reverb lives on worker 0, whose address all get
+    if tier == "sidecar":  # Reverb lives on worker 0, whose address all get
         (describe,) = describe
         assert "describe" in describe and "--format=value(networkEndpoints[0].ipAddress)" in describe
         assert overrides[-2:] == ["replay.port=9890", "distributed.replay_address=<worker0-ip>:9890"]
@@ -178,10 +201,18 @@ def test_a_bad_override_fails_before_any_command(bin_dir):
     _refused(_dry_run(bin_dir, *UP, "replay.backend=reverb", "train.batch_size=0"), "train.batch_size")
 
 
-def test_reverb_on_a_slice_newer_than_the_reverb_lanes_jax_is_refused(bin_dir):
-    result = _dry_run(bin_dir, "up", "--name", "rl", "--tpu", "v6e-8", "--zone", "us-east5-b", "--config", CONFIG,
-                      "replay.backend=reverb", "mesh.topology=v6e-8")
-    _refused(result, "reverb", "v6e")
+@pytest.mark.parametrize("tpu", ["v6e-8", "v5e-16"])
+def test_reverb_on_any_slice_gets_the_current_jax_and_the_sidecar(bin_dir, tpu):
+    """v6e, newer than the Reverb lane's jax 0.4.34, and a multi-host slice, whose other workers' sidecars reach
+    worker 0's: the default tier and the sidecar environment, never the Reverb lane."""
+    result = _dry_run(bin_dir, "up", "--name", "rl", "--tpu", tpu, "--zone", "us-east5-b", "--config", CONFIG,
+                      "replay.backend=reverb", f"mesh.topology={tpu}")
+    assert result.returncode == 0, result.stderr
+    *_, install, describe, train = _commands(result)
+    assert _remote(install).split(" && ") == _expected_setup("sidecar")
+    assert "--format=value(networkEndpoints[0].ipAddress)" in describe
+    _, command = _worker_command(_remote(train))
+    assert command[-3:] == ["replay.backend=reverb", "replay.port=9890", "distributed.replay_address=<worker0-ip>:9890"]
 
 
 @pytest.mark.parametrize("action", ["up", "install", "train"])

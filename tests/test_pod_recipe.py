@@ -150,33 +150,62 @@ def test_the_recipes_launcher_commands_pass_its_checks():
 
 
 def test_the_task_files_setup_installs_what_the_launcher_installs():
-    """The default tier, as launch/tpu_pod.py's install gives it, minus shipping the tree (SkyPilot syncs it)."""
-    setup = [line for line in _task_file()["setup"].splitlines() if line]
+    """The default tier, as launch/tpu_pod.py's install gives it, minus shipping the tree (SkyPilot syncs it); then
+    the sidecar environment, exactly as the launcher installs it, only where the config names Reverb."""
+    setup = [line.strip() for line in _task_file()["setup"].splitlines() if line]
     shipping = ("rm -rf ~/jaxreplay", "mkdir -p", "tar -xzf", "cd ~/jaxreplay", "echo default")
     expected = [line for line in LAUNCHER.worker_setup(LAUNCHER.DEFAULT) if not line.startswith(shipping)]
-    assert setup == ["set -euo pipefail", "rm -rf .venv", *expected]
+    assert setup == ["set -euo pipefail", "rm -rf .venv .venv-sidecar", *expected, _backend_line("setup"),
+                     'if [ "$backend" = reverb ]; then', *LAUNCHER.sidecar_setup(), "fi"]
+    assert _backend_line("setup") == _backend_line("run")  # both decide alike
 
 
-def test_the_task_files_run_starts_the_launchers_train_command_on_each_host(tmp_path):
-    """`run` executed by bash as SkyPilot runs it on a host, with a stand-in jaxreplay that records its arguments."""
+def _backend_line(part: str) -> str:
+    (line,) = [line.strip() for line in _task_file()[part].splitlines() if line.strip().startswith("backend=")]
+    return line
+
+
+def _run_on_a_host(tmp_path: Path, args: str = "") -> tuple[str, list[str]]:
+    """`run` executed by bash as SkyPilot runs it on a host, with a stand-in jaxreplay that records its
+    arguments and this Python as the host's .venv/bin/python: its banner line and jaxreplay's arguments."""
     task = _task_file(BUCKET)
-    (tmp_path / ".venv" / "bin").mkdir(parents=True)
-    stand_in = tmp_path / ".venv" / "bin" / "jaxreplay"
-    stand_in.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "
-                        '"$@"\n')
-    stand_in.chmod(0o755)
-    env = {"PATH": os.environ["PATH"], **task["envs"], "SKYPILOT_NODE_RANK": "2", "SKYPILOT_NUM_NODES": "4"}
+    (tmp_path / ".venv" / "bin").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "configs").mkdir(exist_ok=True)
+    shutil.copyfile(ROOT / task["envs"]["CONFIG"], tmp_path / task["envs"]["CONFIG"])
+    for name, body in (("jaxreplay", f"{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "),
+                       ("python", f"{sys.executable} ")):
+        stand_in = tmp_path / ".venv" / "bin" / name
+        stand_in.write_text(f'#!/bin/sh\nexec {body}"$@"\n')
+        stand_in.chmod(0o755)
+    env = {"PATH": os.environ["PATH"], **task["envs"], "ARGS": args, "SKYPILOT_NODE_RANK": "2",
+           "SKYPILOT_NUM_NODES": "4"}
     result = subprocess.run(["bash", "-c", task["run"]], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
     banner, argv = result.stdout.splitlines()
+    return banner, json.loads(argv)
+
+
+def test_the_task_files_run_starts_the_launchers_train_command_on_each_host(tmp_path):
+    task = _task_file(BUCKET)
+    banner, argv = _run_on_a_host(tmp_path)
     assert banner.startswith("host 2 of 4: jaxreplay train")
     args = argparse.Namespace(name=task["envs"]["RUN"], bucket=BUCKET,
                               overrides=recipe_paths(BUCKET, "Qwen2.5-0.5B-Instruct"))
     expected = LAUNCHER.train_command(args, LAUNCHER.DEFAULT, task["envs"]["CONFIG"], "")
-    assert json.loads(argv) == expected[1:]
+    assert argv == expected[1:]
     assert task["envs"]["MODEL"] == "models/Qwen2.5-0.5B-Instruct"
     assert task["envs"]["DATA"] == "data/gsm8k/main/{split}-*.parquet"
+
+
+def test_the_task_file_runs_a_config_naming_reverb_on_reverb_through_host_0s_port(tmp_path):
+    """ARGS (or CONFIG) naming replay.backend=reverb: the host trains on Reverb, which the setup gave a sidecar,
+    at the launcher's port; the address is left to the coordinator's host (JAX finds it in the TPU metadata)."""
+    _, argv = _run_on_a_host(tmp_path, "replay.backend=reverb train.steps=50")
+    assert argv[-3:] == ["distributed.enabled=true", "replay.backend=reverb", f"replay.port={LAUNCHER.REPLAY_PORT}"]
+    assert "train.steps=50" in argv and not any(a.startswith("distributed.replay_address") for a in argv)
+    _, argv = _run_on_a_host(tmp_path, "replay.backend=auto")
+    assert argv[-2:] == ["distributed.enabled=true", "replay.backend=inprocess"]
 
 
 def test_the_task_files_slice_is_its_configs_slice():

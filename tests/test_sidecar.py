@@ -283,9 +283,54 @@ def test_a_run_through_the_sidecar_survives_its_sidecar_killed_its_trainer_kille
     assert summary["replay/samples"] == STEPS * config.train.batch_size
 
 
-def test_a_multi_host_job_on_reverb_through_the_sidecar_is_refused_in_one_line_with_why():
+def _tcp_listeners(pid: int) -> list[str]:
+    """The TCP ports process `pid` listens on (its socket fds' inodes in /proc/net/tcp{,6}, state LISTEN)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:
+                    ports.append(str(int(fields[1].rsplit(":", 1)[1], 16)))
+    return ports
+
+
+@pytest.mark.needs_sidecar
+def test_a_client_sidecar_reaches_another_sidecars_reverb_table_and_listens_on_no_port():
+    """A multi-host job's other processes (CentralReplay): a sidecar holding only a Reverb client
+    to process 0's port. Rows it inserts land in that table, its samples come from it, and its
+    only listener is its private Unix socket."""
+    with SidecarServer(tables(), timeout_s=5) as central:
+        with SidecarServer(tables(), timeout_s=5, connect=f"localhost:{central.port}") as client:
+            assert client.port is None and client.table == central.table
+            mode = os.stat(client._socket).st_mode
+            assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+            assert _tcp_listeners(client.pid) == []
+            assert str(central.port) in _tcp_listeners(central.pid)  # Reverb's own port, process 0's alone
+            RolloutWriter(client, SPEC, timeout_s=5).insert(rollouts(range(6)))
+            state = central.states()[central.table]
+            assert (state.size, state.inserts) == (6, 6)  # in process 0's table
+            batch, info = RolloutReader(client, timeout_s=5).sample(4)
+            np.testing.assert_array_equal(batch["tokens"], rollouts(batch["policy_version"])["tokens"])
+            assert client.states()[client.table].samples == central.states()[central.table].samples == 4
+            pid = client.pid
+        assert not _alive(pid)  # closing the client ends its sidecar
+        RolloutWriter(central, SPEC, timeout_s=5).insert(rollouts(range(6, 8)))  # the server serves on
+        assert central.states()[central.table].size == 8
+
+
+@pytest.mark.needs_sidecar
+def test_a_multi_host_job_on_reverb_through_the_sidecar_passes_validation():
     if importlib.util.find_spec("reverb") is not None:
-        pytest.skip("Reverb is importable here: a multi-host job serves it from process 0 (CentralReplay)")
-    with pytest.raises(ConfigError, match="multi-host job needs Reverb importable in every process.*sidecar of its own"):
-        load_config(None, ["replay.backend=reverb", "distributed.enabled=true", "distributed.num_processes=2",
-                           "distributed.process_id=0", "distributed.coordinator_address=127.0.0.1:1234"])
+        pytest.skip("Reverb is importable here: the processes hold it in process (the Reverb lane)")
+    config = load_config(None, ["replay.backend=reverb", "distributed.enabled=true", "distributed.num_processes=2",
+                                "distributed.process_id=1", "distributed.coordinator_address=127.0.0.1:1234"])
+    assert config.replay.backend == "reverb"

@@ -33,7 +33,10 @@ A shard is checkpointed on its own (`ShardedReplay.checkpoint`), each process it
 multi-host checkpoint names every process's.
 
 `CentralReplay` (replay.backend reverb): one Reverb table on process 0 for every process;
-the view is process 0's reading of it, taken once every process's calls have landed.
+the view is process 0's reading of it, taken once every process's calls have landed. Where
+Reverb is not importable (the default tier) process 0's sidecar serves it and every other
+process's sidecar holds only a Reverb client to its port (server.reverb_client), which costs
+about what the Reverb lane's in-process clients pay (docs/benchmarks.md, replay-remote).
 """
 
 from __future__ import annotations
@@ -47,8 +50,7 @@ import numpy as np
 
 from jaxreplay.config import Config, ConfigError, owner_check
 from jaxreplay.replay.reader import RolloutReader
-from jaxreplay.replay.reverb_backend import ReverbClient
-from jaxreplay.replay.server import serve
+from jaxreplay.replay.server import reverb_client, serve
 from jaxreplay.replay.tables import (
     ItemSpec, LimiterState, TableDef, Tables, build_tables, min_size_limit, resolve_backend, table_defs)
 from jaxreplay.replay.writer import writer_for
@@ -241,13 +243,13 @@ class CentralReplay:
         if coordinator.process_id == 0:
             self._server = serve(build_tables(c, item_spec, "reverb"), port=c.replay.port,
                                  timeout_s=c.replay.timeout_s, checkpoint_root=checkpoint_root,
-                                 restore_from=restore_from)
+                                 restore_from=restore_from, reverb_python=c.replay.reverb_python)
         self._client = self._server
         try:
             port = coordinator.broadcast("replay_port", None if self._server is None else str(self._server.port))
             if self._client is None:
-                self._client = ReverbClient(c.distributed.replay_address or f"{coordinator.coordinator_host}:{port}",
-                                            item_spec, timeout_s=c.replay.timeout_s)
+                self._client = reverb_client(c, item_spec,
+                                             c.distributed.replay_address or f"{coordinator.coordinator_host}:{port}")
             self._writer = writer_for(self._client, c, item_spec)
             self._reader = RolloutReader(self._client, timeout_s=c.replay.timeout_s)
         except BaseException:

@@ -12,9 +12,9 @@ import importlib.util
 from jaxreplay.config import Config, ConfigError, machine_check, owner_check
 from jaxreplay.replay.backend import Backend
 from jaxreplay.replay.inprocess import InProcessServer
-from jaxreplay.replay.reverb_backend import ReverbServer
+from jaxreplay.replay.reverb_backend import ReverbClient, ReverbServer
 from jaxreplay.replay.sidecar import SidecarServer, find_python
-from jaxreplay.replay.tables import Tables, resolve_backend
+from jaxreplay.replay.tables import ItemSpec, Tables, build_tables, resolve_backend
 
 
 def serve(tables: Tables, *, seed: Optional[int] = None, port: int = 0, reverb_python: str = "",
@@ -33,6 +33,15 @@ def serve(tables: Tables, *, seed: Optional[int] = None, port: int = 0, reverb_p
             return ReverbServer(tables, port=port, **kwargs)
         return SidecarServer(tables, python=reverb_python, port=port, **kwargs)
     raise ValueError(f"replay.backend: unknown backend {tables.backend!r} (reverb or inprocess)")
+
+
+def reverb_client(config: Config, item_spec: ItemSpec, address: str) -> "ReverbClient | SidecarServer":
+    """A Reverb client to the server at `address` (process 0's, for `CentralReplay`): in this
+    process where Reverb is importable, else in a sidecar of its own holding only that client."""
+    if reverb_importable():
+        return ReverbClient(address, item_spec, timeout_s=config.replay.timeout_s)
+    return SidecarServer(build_tables(config, item_spec, "reverb"), python=config.replay.reverb_python,
+                         timeout_s=config.replay.timeout_s, connect=address)
 
 
 @owner_check
@@ -59,13 +68,9 @@ def describe_reverb(reverb_python: str = "") -> str:
 
 @machine_check
 def check_reverb_runs(config: Config) -> None:
-    """replay.backend=reverb: Reverb importable here, or a Python found to run its sidecar (one process)."""
+    """replay.backend=reverb: Reverb importable here, or a Python found to run its sidecar. On a
+    multi-host job every process runs one: process 0's serves the table, each other's holds only
+    a Reverb client to it (`reverb_client`), as the Reverb lane's processes do in process."""
     if resolve_backend(config.replay.backend) != "reverb" or reverb_importable():
         return
-    if config.distributed.enabled:
-        raise ConfigError(
-            "replay.backend: reverb on a multi-host job needs Reverb importable in every process (the Reverb lane): "
-            "through the sidecar each other process would need a sidecar of its own as Reverb's client, reaching "
-            "process 0's Reverb port, which listens on all interfaces without authentication; use "
-            "replay.backend=inprocess (sharded) on this tier")
     find_python(config.replay.reverb_python)

@@ -121,8 +121,11 @@ class SidecarServer:
 
     def __init__(self, tables: Tables, *, python: str = "", port: int = 0,
                  checkpoint_root: Optional[str | os.PathLike] = None,
-                 restore_from: Optional[str | os.PathLike] = None, timeout_s: float = 60.0):
-        """As `ReverbServer`; python: the sidecar's interpreter ("": `find_python`)."""
+                 restore_from: Optional[str | os.PathLike] = None, timeout_s: float = 60.0,
+                 connect: str = ""):
+        """As `ReverbServer`; python: the sidecar's interpreter ("": `find_python`). connect: a
+        Reverb server's host:port; the sidecar then holds only a Reverb client to it (the
+        `Client` protocol: states, insert, sample, delete; `port` is None)."""
         self.python, self.reverb_version = find_python(python)
         self._timeout_s = timeout_s
         self._layout = RowLayout(tables.item_spec)
@@ -145,12 +148,16 @@ class SidecarServer:
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, cwd=self._dir,
                 start_new_session=True)  # Ctrl-C reaches the trainer, which then checkpoints through the sidecar
             self._await_ready()
-            reply, _ = self._call("serve", {
-                "defs": [dataclasses.asdict(d) for d in tables.defs],
-                "item_spec": [[k, list(shape), np.dtype(dtype).str] for k, (shape, dtype) in tables.item_spec.items()],
-                "port": port, "checkpoint_root": None if checkpoint_root is None else os.path.abspath(checkpoint_root),
-                "restore_from": None if restore_from is None else os.fspath(restore_from), "timeout_s": timeout_s,
-            }, timeout_s=_START_S)
+            spec = [[k, list(shape), np.dtype(dtype).str] for k, (shape, dtype) in tables.item_spec.items()]
+            if connect:
+                reply, _ = self._call("connect", {"address": connect, "item_spec": spec, "table": tables.defs[0].name,
+                                                  "timeout_s": timeout_s}, timeout_s=_START_S)
+            else:
+                reply, _ = self._call("serve", {
+                    "defs": [dataclasses.asdict(d) for d in tables.defs], "item_spec": spec, "port": port,
+                    "checkpoint_root": None if checkpoint_root is None else os.path.abspath(checkpoint_root),
+                    "restore_from": None if restore_from is None else os.fspath(restore_from), "timeout_s": timeout_s,
+                }, timeout_s=_START_S)
             self.port, self._table = reply["port"], reply["table"]
             self.sidecar_python = reply["python"]
         except BaseException:
@@ -239,6 +246,10 @@ class SidecarServer:
                 conn.close()
             self._connections.clear()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def close(self) -> None:
+        """As `ReverbClient.close` (a sidecar in client mode): ends the sidecar."""
+        self.stop()
 
     def __enter__(self) -> "SidecarServer":
         return self

@@ -42,6 +42,8 @@ class Sidecar:
     def call(self, op: str, h: dict, arrays: dict, interrupted) -> tuple[dict, dict]:
         if op == "serve":
             return self._serve(h)
+        if op == "connect":
+            return self._connect(h)
         s = self.server
         if s is None:
             raise RuntimeError(f"{op} before serve")
@@ -90,9 +92,22 @@ class Sidecar:
         return {"port": self.server.port, "table": self.server.table, "reverb": version("dm-reverb"),
                 "python": sys.version.split()[0]}, {}
 
+    def _connect(self, h: dict) -> tuple[dict, dict]:
+        """Only a Reverb client, to a server elsewhere (`h["address"]`): the sidecar's client mode,
+        measured for multi-host jobs (benchmarks/replay_remote.py)."""
+        from importlib.metadata import version
+
+        from jaxreplay.replay.reverb_backend import ReverbClient
+        if self.server is not None:
+            raise RuntimeError("connect after serve or connect")
+        spec = {name: (tuple(shape), np.dtype(dtype)) for name, shape, dtype in h["item_spec"]}
+        self.server = ReverbClient(h["address"], spec, timeout_s=h["timeout_s"])
+        return {"port": None, "table": h["table"], "reverb": version("dm-reverb"),
+                "python": sys.version.split()[0]}, {}
+
     def stop(self) -> None:
         if self.server is not None:
-            self.server.stop()
+            getattr(self.server, "stop", self.server.close)()  # a server stops; a client closes
             self.server = None
         self.done.set()
 
