@@ -125,10 +125,12 @@ class TaskConfig:
     operations: tuple[str, ...] = ("+",)
     # write answers least significant digit first: the order in which carries flow
     reverse_answer: bool = True
-    # arithmetic, `+` only: the completion first works every column, least significant first (`a+b+carry=two-digit
-    # sum`, comma-separated), then `:` and the answer; the reward reads the answer after the last `:`, the warm
-    # start teaches the format (its sloppy teacher writes every carry in as 0). 10·max_digits + 2 tokens:
-    # `sampling.max_new_tokens` must hold them
+    # arithmetic, `+` or `*` alone: the completion first works the problem, then `:` and the answer; the reward reads
+    # the answer after the last `:`, the warm start teaches the format. A sum works every column, least significant
+    # first (`a+b+carry=two-digit sum`, comma-separated; its sloppy teacher writes every carry in as 0): 10·w + 2
+    # tokens for w = max_digits. A product writes, for each digit d of b, `d*P=S` with a·d and the running sum of
+    # the shifted partial products, reversed and zero-padded (its sloppy teacher drops each digit product's carry):
+    # w·(3w + 5) + 2w + 1 tokens. `sampling.max_new_tokens` must hold them
     scratchpad: bool = False
     # held-out problems of the test split (`eval/accuracy`, `jaxreplay eval`), never drawn for training: every
     # reported number comes from it

@@ -47,8 +47,8 @@ def validate_config(c: Config) -> None:
                 "task.operations to [\"+\"] or [\"*\"]")
         need = completion_length(t)
         require(c.sampling.max_new_tokens >= need, "sampling.max_new_tokens",
-                f"{c.sampling.max_new_tokens} cannot hold a worked {t.max_digits}-digit addition: task.scratchpad "
-                f"needs {need} tokens")
+                f"{c.sampling.max_new_tokens} cannot hold a worked {t.max_digits}-digit "
+                f"{'multiplication' if '*' in t.operations else 'addition'}: task.scratchpad needs {need} tokens")
     n = problem_count(t)
     held_out = t.eval_size + t.validation_size
     require(held_out < n, "task.eval_size",
@@ -70,7 +70,7 @@ def problem_count(config: TaskConfig) -> int:
 
 def completion_length(config: TaskConfig) -> int:
     """Tokens of the longest correct completion, EOS included: the (reversed) answer with its
-    sign, after the worked columns with `scratchpad` (9 tokens a column, the last one's ':')."""
+    sign, after the scratchpad (a sum's columns of 9 tokens, a product's rows of 3w + 5)."""
     ops, width = config.operations, config.max_digits
     digits = 2 * width if "*" in ops else width + 1
     worked = 0
