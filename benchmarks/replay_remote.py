@@ -13,29 +13,24 @@ loopback) and four ways to call it, each a real process, for 64 rows of 256 and 
   sidecar-remote  this Python to a second sidecar holding only a Reverb client to the server's
                   port (`SidecarServer(connect=...)`): what every other process would pay
 
-ms per call, medians of `ROUNDS` rounds of 8 calls (2 with --quick).
+ms per call, medians of rounds of 8 calls (2 with --quick): replay_sidecar.timed.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.replay import random_items
-from benchmarks.replay_sidecar import BATCH, ROOT, TOKENS
-from jaxreplay.replay.reader import reader_for
+from benchmarks.replay_sidecar import BATCH, ROOT, TOKENS, timed
 from jaxreplay.replay.tables import build_tables
-from jaxreplay.replay.writer import writer_for
 
-ROUNDS = 3
 COLUMNS = ("lane-local", "lane-remote", "sidecar-local", "sidecar-remote")
 
 
@@ -52,24 +47,6 @@ def setup(tokens: int, quick: bool):
     config = unlimited(config, max_size=4 * BATCH * (2 if quick else 8))
     spec = row_spec(config, prompt_len=tokens // 2)
     return config, spec, random_items(spec, BATCH, np.random.default_rng(0))
-
-
-def timed(client, config, spec, items, quick: bool) -> dict:
-    """Insert and sample of `BATCH` rows through `client`: ms per call, medians of rounds."""
-    writer, reader = writer_for(client, config, spec), reader_for(client, config)
-    writer.insert(items)  # the first call opens streams and threads
-    reader.sample(BATCH)
-    n, insert_ms, sample_ms = (2 if quick else 8), [], []
-    for _ in range(1 if quick else ROUNDS):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            writer.insert(items)
-        insert_ms.append(1e3 * (time.perf_counter() - t0) / n)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            reader.sample(BATCH)
-        sample_ms.append(1e3 * (time.perf_counter() - t0) / n)
-    return {"insert_ms": statistics.median(insert_ms), "sample_ms": statistics.median(sample_ms)}
 
 
 def lane(mode: str, tokens: int, quick: bool, address: str = "") -> dict:

@@ -48,24 +48,30 @@ def calls(backend: str, tokens: int, quick: bool) -> dict:
     config = unlimited(config, max_size=4 * BATCH * (2 if quick else 8))
     spec = row_spec(config, prompt_len=tokens // 2)
     items = random_items(spec, BATCH, np.random.default_rng(0))
-    n = 2 if quick else 8
-    insert_ms, sample_ms = [], []
     with serve(build_tables(config, spec, backend), timeout_s=60.0) as server:
-        writer, reader = writer_for(server, config, spec), reader_for(server, config)
-        writer.insert(items)  # the first call opens streams and threads
-        reader.sample(BATCH)
-        for _ in range(1 if quick else ROUNDS):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                writer.insert(items)
-            insert_ms.append(1e3 * (time.perf_counter() - t0) / n)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                reader.sample(BATCH)
-            sample_ms.append(1e3 * (time.perf_counter() - t0) / n)
-    ins, smp = statistics.median(insert_ms), statistics.median(sample_ms)
+        ms = timed(server, config, spec, items, quick)
+    ins, smp = ms["insert_ms"], ms["sample_ms"]
     return {"tokens": tokens, "insert_ms": ins, "sample_ms": smp, "insert_items_s": BATCH / ins * 1e3,
             "sample_items_s": BATCH / smp * 1e3}
+
+
+def timed(client, config, spec, items, quick: bool) -> dict:
+    """Insert and sample of `BATCH` rows through `client`: ms per call, medians of `ROUNDS` rounds
+    of 8 calls (one round of 2 with `quick`), after a first call that opens streams and threads."""
+    writer, reader = writer_for(client, config, spec), reader_for(client, config)
+    writer.insert(items)
+    reader.sample(BATCH)
+    n, insert_ms, sample_ms = (2 if quick else 8), [], []
+    for _ in range(1 if quick else ROUNDS):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            writer.insert(items)
+        insert_ms.append(1e3 * (time.perf_counter() - t0) / n)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            reader.sample(BATCH)
+        sample_ms.append(1e3 * (time.perf_counter() - t0) / n)
+    return {"insert_ms": statistics.median(insert_ms), "sample_ms": statistics.median(sample_ms)}
 
 
 def demo(backend: str, quick: bool) -> dict:
