@@ -35,11 +35,12 @@ import numpy as np
 import yaml
 
 from jaxreplay import storage
-from jaxreplay.config import ConfigError, read_yaml
+from jaxreplay.config import ConfigError
 from jaxreplay.research import report_frontier, report_plots
 from jaxreplay.research.report_claims import CLAIMS_FILE, TARGET_FRACTIONS, Claim, parse_claims, verdict
 from jaxreplay.research.report_data import (
-    EVAL_FILE, SUMMARY_FILE, RunData, Setting, copy_run, group_settings, load_runs, measured_mu, pick_baseline)
+    EVAL_FILE, SUMMARY_FILE, RunData, Setting, copy_run, declared, group_settings, load_runs, measured_mu,
+    pick_baseline)
 from jaxreplay.research.report_select import (
     SELECT_FILE, SELECTED_FILE, Rule, arm_grid, choose, learning_rate, load_rule, lr_tag, stage1_rows,
     validation_scores, write_selected)
@@ -396,13 +397,8 @@ def _how_to_read(settings: Sequence[Setting], base: Setting, mu: Optional[float]
 
 def load_claims(sweep: Optional[str | Path], run_dirs: Sequence[Path]) -> tuple[Claim, ...]:
     """The claims of `sweep` (a sweep file), else of a claims.yaml beside the runs' setting folders."""
-    if sweep is not None:
-        raw = read_yaml(Path(sweep), "sweep file")
-        return parse_claims(raw.get("claims") if isinstance(raw, dict) else None)
-    found = {p for d in run_dirs if (p := Path(d).resolve().parent.parent / CLAIMS_FILE).exists()}
-    if len(found) > 1:
-        raise ConfigError(f"runs from {len(found)} sweeps each declare claims; name one with --sweep")
-    return parse_claims(yaml.safe_load(found.pop().read_text()), CLAIMS_FILE) if found else ()
+    raw, source = declared(sweep, run_dirs, "claims", CLAIMS_FILE, "sweeps each declare claims; name one with --sweep")
+    return parse_claims(raw, source) if source else parse_claims(raw)
 
 
 def _size(folder: Path) -> int:

@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import yaml
 
-from jaxreplay.config import ConfigError
+from jaxreplay.config import ConfigError, read_yaml
 from jaxreplay.train.eval import PASSK_KEY, TEST_KEY, VALIDATION_KEY
 from jaxreplay.train.metrics import read_metrics
 
@@ -234,3 +234,17 @@ def measured_mu(runs: Sequence[RunData]) -> Optional[float]:
     """Median over runs of each run's last logged cost/mu (None if no run logged one)."""
     mus = [m for r in runs if (m := r.last("cost/mu")) is not None]
     return float(np.median(mus)) if mus else None
+
+
+def declared(sweep: Optional[str | Path], run_dirs: Sequence[Path], key: str, file_name: str,
+             many: str) -> tuple[Any, Optional[str]]:
+    """(what a sweep declared under `key`, where it came from): from the sweep file when given,
+    else from the `file_name` the sweep wrote beside the runs' setting folders ((None, None): no
+    such file). Runs of several sweeps that each wrote one are an error ending in `many`."""
+    if sweep is not None:
+        raw = read_yaml(Path(sweep), "sweep file")
+        return (raw.get(key) if isinstance(raw, dict) else None), None
+    found = {p for d in run_dirs if (p := Path(d).resolve().parent.parent / file_name).exists()}
+    if len(found) > 1:
+        raise ConfigError(f"runs from {len(found)} {many}")
+    return (yaml.safe_load(found.pop().read_text()), file_name) if found else (None, None)

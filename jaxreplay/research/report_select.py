@@ -32,8 +32,8 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import yaml
 
-from jaxreplay.config import ConfigError, did_you_mean, read_yaml, show
-from jaxreplay.research.report_data import NOT_A_SETTING, RunData, Setting, setting_key
+from jaxreplay.config import ConfigError, did_you_mean, show
+from jaxreplay.research.report_data import NOT_A_SETTING, RunData, Setting, declared, setting_key
 from jaxreplay.research.report_stats import cell, fmt, iqm
 from jaxreplay.train.eval import VALIDATION_KEY
 
@@ -220,10 +220,6 @@ def read_selected(folder: Path, where: str) -> dict[str, float]:
 
 def load_rule(sweep: Optional[str | Path], run_dirs: Sequence[Path]) -> Optional[Rule]:
     """The rule of `sweep` (a sweep file's `select`), else of a select.yaml beside the runs' setting folders."""
-    if sweep is not None:
-        raw = read_yaml(Path(sweep), "sweep file")
-        return parse_rule(raw.get("select") if isinstance(raw, dict) else None)
-    found = {p for d in run_dirs if (p := Path(d).resolve().parent.parent / SELECT_FILE).exists()}
-    if len(found) > 1:
-        raise ConfigError(f"runs from {len(found)} stage-1 sweeps each declare a selection rule; report them apart")
-    return parse_rule(yaml.safe_load(found.pop().read_text()), SELECT_FILE) if found else None
+    raw, source = declared(sweep, run_dirs, "select", SELECT_FILE,
+                           "stage-1 sweeps each declare a selection rule; report them apart")
+    return parse_rule(raw, source) if source else parse_rule(raw)
