@@ -24,6 +24,7 @@ from jaxreplay.config import ConfigError
 from jaxreplay.research.report import report
 from jaxreplay.research.report_claims import parse_claims
 from jaxreplay.research.report_data import RunData, Setting, group_settings, load_runs
+from jaxreplay.research.report_frontier import ArmFrontier, budget
 from jaxreplay.research.report_select import Rule, arm_grid, choose, lr_tag, parse_rule, validation_scores
 from jaxreplay.research.report_stats import bootstrap_ci, iqm
 from report_tables import markdown_tables
@@ -252,6 +253,20 @@ def test_the_frontier_table_reads_each_arm_at_shares_of_the_common_budget(stage2
     assert rows["on_policy"]["at 100%: best over the grid (its lr)"] == "0.581 (1e-3)"
     assert rows["on_policy"]["at 50%: best over the grid (its lr)"] == "0.609 (1e-3)"
     assert "![Frontier at µ = 1: chosen lr" in md and (out / "frontier_mu1.png").stat().st_size > 10_000
+
+
+def test_the_best_over_the_grid_and_the_common_budget_stop_where_the_shortest_rates_curve_ends():
+    """Rates end at slightly different compute; past the shortest, the envelope would be whichever rate runs
+    longest (in the multiplication study a collapsed rate: every arm's dashed line fell to 0.05 at its end)."""
+    arm = ArmFrontier(name="on_policy", learning_rate=1e-4, runs=[(np.array([0.0, 250.0]), np.array([0.2, 0.6]))],
+                      medians={1e-4: (np.array([0.0, 100.0, 200.0]), np.array([0.2, 0.5, 0.6])),
+                               4e-4: (np.array([0.0, 100.0, 230.0]), np.array([0.2, 0.3, 0.05]))})
+    assert arm.best(150.0) == (pytest.approx(0.55), 1e-4)
+    assert arm.best(200.0) == (pytest.approx(0.6), 1e-4)
+    assert arm.best(210.0) is None  # only 4e-4 reaches it
+    x, y = arm.envelope()
+    assert x.tolist() == [0.0, 100.0, 200.0] and y.tolist() == pytest.approx([0.2, 0.5, 0.6])
+    assert budget([arm]) == 200.0  # so the table's 100% column has a best-over-the-grid value for every arm
 
 
 def test_the_stage2_report_holds_the_stage1_table_and_refuses_a_rate_stage1_did_not_choose(stage1, stage2, tmp_path):

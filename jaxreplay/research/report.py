@@ -557,5 +557,5 @@ def _frontier_section(settings: Sequence[Setting], grid, mu: float, out: Path) -
             f"Test accuracy against modelled compute at {label} (the first --mu), each arm at the learning rate "
             "stage 1 chose for it (median [q25, q75] over seeds, each seed's evaluations interpolated linearly) "
             "and the best over the stage-1 grid (at each point the highest of the rates' median curves, and which "
-            f"rate that is). The common budget {fmt(common)} is the least modelled compute any run here reached at "
-            "its last evaluation.", "", _markdown(*report_frontier.rows(arms, common)), f"![{title}]({stem}.png)", ""]
+            f"rate that is, where every rate's median reaches). The common budget {fmt(common)} is the least modelled "
+            "compute any of these curves reaches: a run's last evaluation, a stage-1 rate's median.", "", _markdown(*report_frontier.rows(arms, common)), f"![{title}]({stem}.png)", ""]

@@ -7,9 +7,11 @@ each arm at its chosen learning rate and the best over the stage-1 grid (the pap
   (report_stats.band), as every other accuracy plot.
 - Best over the grid: for each stage-1 learning rate of the arm (the stage-1 setting ARM.lrLR,
   report_select), the median curve of its seeds made the same way; at each x, the highest of
-  those medians that reach x (the pointwise max over rates).
+  those medians (the pointwise max over rates), only where every rate's median reaches x. Rates
+  end at slightly different compute (completions differ in length); past the shortest, a max over
+  the rates still running would pick whichever runs longest, a collapsed rate at the very end.
 - The table reads both at 25, 50 and 100% of the common budget: the least modelled compute any
-  stage-2 run reached at its last evaluation. A stage-2 setting is matched to the stage-1 arm of
+  of those curves reaches (a stage-2 run's last evaluation, a stage-1 rate's median). A stage-2 setting is matched to the stage-1 arm of
   the same name; one without is "n/a" on the best-over-grid side.
 """
 
@@ -48,9 +50,11 @@ class ArmFrontier:
         return [float(np.interp(x, cx, cy)) for cx, cy in self.runs if len(cx) and cx[0] <= x <= cx[-1]]
 
     def best(self, x: float) -> Optional[tuple[float, float]]:
-        """(the highest stage-1 median at `x`, its learning rate); None if no rate's median reaches `x`."""
-        values = [(float(np.interp(x, gx, gy)), lr) for lr, (gx, gy) in self.medians.items() if gx[0] <= x <= gx[-1]]
-        return max(values, key=lambda v: (v[0], -v[1])) if values else None
+        """(the highest stage-1 median at `x`, its learning rate); None unless every rate's median reaches `x`."""
+        if not self.medians or not all(gx[0] <= x <= gx[-1] for gx, _ in self.medians.values()):
+            return None
+        values = [(float(np.interp(x, gx, gy)), lr) for lr, (gx, gy) in self.medians.items()]
+        return max(values, key=lambda v: (v[0], -v[1]))
 
     def envelope(self) -> Optional[Curve]:
         """The best over the grid at every x of the rates' median curves."""
@@ -76,8 +80,10 @@ def frontier(settings: Sequence[Setting], grid: Mapping[str, Mapping[float, Sett
 
 
 def budget(arms: Sequence[ArmFrontier]) -> float:
-    """The common budget: the least modelled compute at any stage-2 run's last evaluation."""
-    return min(float(cx[-1]) for a in arms for cx, _ in a.runs if len(cx))
+    """The common budget: the least modelled compute any curve of the frontier reaches, a stage-2 run's
+    last evaluation or a stage-1 rate's median, so that every cell of the table at 100% has a value."""
+    ends = [float(cx[-1]) for a in arms for cx, _ in a.runs if len(cx)]
+    return min(ends + [float(gx[-1]) for a in arms for gx, _ in a.medians.values()])
 
 
 def rows(arms: Sequence[ArmFrontier], common: float) -> tuple[list[str], list[list[str]]]:
