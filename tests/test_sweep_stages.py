@@ -157,24 +157,25 @@ def test_a_stage1_reports_selection_is_what_stage2_reads(tmp_path):
 
 
 def test_the_two_sweep_files_docs_comparing_shows_load(tmp_path):
-    """docs/comparing.md's stage-1 and stage-2 examples, on the demo config: valid as written."""
+    """docs/comparing.md's stage-1 and stage-2 examples, on the multiplication testbed: valid as written."""
     import re
 
     text = (DEMO.parents[1] / "docs" / "comparing.md").read_text()
     blocks = re.findall(r"```yaml\n(.*?)```", text, re.DOTALL)
     (first,) = [b for b in blocks if "learning_rates:" in b]
     (second,) = [b for b in blocks if "stage1:" in b]
-    (selected,) = [b for b in blocks if b.startswith("on_policy: 0.0003")]
+    (selected,) = [b for b in blocks if b.startswith("on_policy: 0.0001")]
     (tmp_path / "results" / "mul_stage1").mkdir(parents=True)
     (tmp_path / "results" / "mul_stage1" / "selected.yaml").write_text(selected)
     (tmp_path / "configs").mkdir()
     for name, body in (("stage1.yaml", first), ("stage2.yaml", second)):
-        (tmp_path / "configs" / name).write_text(body.replace("base: testbed.yaml", f"base: {DEMO}"))
+        (tmp_path / "configs" / name).write_text(body.replace("base: testbed_mul.yaml",
+                                                              f"base: {DEMO.parent / 'testbed_mul.yaml'}"))
     stage1 = load_sweep(tmp_path / "configs" / "stage1.yaml")
     assert {r.setting for r in stage1.runs} == {f"{a}.lr{lr}" for a in ("on_policy", "spi4_nr16")
-                                                for lr in ("1e-4", "3e-4", "1e-3")}
+                                                for lr in ("5e-5", "1e-4", "2e-4", "4e-4")}
     stage2 = load_sweep(tmp_path / "configs" / "stage2.yaml")
-    assert {r.setting: r.config.train.learning_rate for r in stage2.runs} == {"on_policy": 3e-4, "spi4_nr16": 1e-3}
+    assert {r.setting: r.config.train.learning_rate for r in stage2.runs} == {"on_policy": 1e-4, "spi4_nr16": 5e-5}
     assert set(stage2.claims) == {"same_final_at_compute", "keeps_entropy", "falls_less"}
 
 
