@@ -4,13 +4,12 @@ server state gives, for every reader kind the loop drives."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from jaxreplay.config import load_config
 from jaxreplay.replay.reader import reader_for
 import jaxreplay.train.driver as driver
+from jaxreplay.train.metrics import read_metrics
 from test_train import DEMO, TINY
 
 pytestmark = pytest.mark.slow
@@ -62,5 +61,4 @@ def test_every_turn_decides_on_the_servers_current_state(tmp_path, monkeypatch, 
     assert summary["replay/samples"] == 6 * config.train.batch_size
     # Replay calls are timed: the step records' unrounded seconds (the summary's two decimals read 0.0 when six
     # in-process steps spend under 5 ms in replay).
-    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["time/replay_s"] > 0
+    assert read_metrics(tmp_path)[-1]["time/replay_s"] > 0
