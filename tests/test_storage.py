@@ -33,6 +33,18 @@ def test_files_round_trip_through_a_bucket(bucket, tmp_path):
     assert storage.listdir(bucket) == [] and not storage.exists(storage.join(bucket, "a", "b.txt"))
 
 
+@pytest.mark.parametrize("data", [b"ab\r", b"ab\n", b"ab\r\n", b"\r\nab", b"\r", bytes(range(256)) + b"\r"],
+                         ids=["ends CR", "ends LF", "ends CRLF", "starts CRLF", "only CR", "every byte, then CR"])
+def test_bytes_round_trip_exactly_whatever_their_last_byte(bucket, tmp_path, data):
+    """Checkpoint files are arbitrary bytes: an OCDBT manifest ending in CR once came back a byte short."""
+    storage.write_bytes(storage.join(bucket, "written"), data)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "uploaded").write_bytes(data)
+    storage.upload(tmp_path / "dir", storage.join(bucket, "dir"))
+    assert storage.read_bytes(storage.join(bucket, "written")) == data
+    assert (storage.staged(storage.join(bucket, "dir")) / "uploaded").read_bytes() == data
+
+
 def test_a_directory_is_uploaded_with_its_marker_last_and_staged_afresh_when_it_changes(bucket, tmp_path):
     local = tmp_path / "ckpt"
     (local / "sub").mkdir(parents=True)
