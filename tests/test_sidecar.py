@@ -25,7 +25,9 @@ from jaxreplay.config import ConfigError, load_config
 from jaxreplay.replay import wire
 from jaxreplay.replay.ports import _listening
 from jaxreplay.replay.reader import RolloutReader
+from jaxreplay.replay.rows import RowLayout
 from jaxreplay.replay.sidecar import SidecarError, SidecarServer, find_python
+from jaxreplay.replay.sidecar_main import Sidecar, message_limits, row_limit, serve_connection
 from jaxreplay.replay.tables import ReplayInterrupted, ReplayTimeoutError, build_tables
 from jaxreplay.replay.writer import RolloutWriter
 from replay_rows import SPEC, rollouts
@@ -37,8 +39,8 @@ SMALL = ["train.batch_size=4", "train.prompts_per_step=2", "train.group_size=2",
 pytestmark = pytest.mark.timeout(300, method="thread")
 
 
-def tables():
-    return build_tables(load_config(None, SMALL, local=False), SPEC, "reverb")
+def tables(*overrides: str):
+    return build_tables(load_config(None, [*SMALL, *overrides], local=False), SPEC, "reverb")
 
 
 def _pair():
@@ -83,6 +85,48 @@ def test_a_peer_that_closes_or_stays_silent_ends_the_read():
         a.close()
         with pytest.raises(wire.WireError, match="closed"):
             wire.recv(b, time.monotonic() + 5)
+
+
+def test_a_message_declaring_more_than_its_limit_is_refused_before_anything_is_allocated():
+    a, b = _pair()
+    with a, b:
+        a.sendall(wire._PREFIX.pack(10, 2**31 - 1))  # 2 GiB declared, never sent
+        with pytest.raises(wire.TooLarge, match=r"past this connection's limit of 65536 \+ 0"):
+            wire.recv(b, time.monotonic() + 5, limits=(wire.CONTROL_BYTES, 0))
+
+
+def _refused(sidecar: Sidecar, declared: tuple[int, int], capfd) -> str:
+    """What `sidecar` answers a message declaring `declared` bytes on a connection of its own;
+    that the connection is closed after it, and that it said so in one line."""
+    theirs, ours = _pair()
+    with theirs, ours:
+        serving = threading.Thread(target=serve_connection, args=(sidecar, theirs, False), daemon=True)
+        serving.start()
+        ours.sendall(wire._PREFIX.pack(*declared))
+        header, _ = wire.recv(ours, time.monotonic() + 5)
+        with pytest.raises(wire.WireError, match="closed"):
+            wire.recv(ours, time.monotonic() + 5)
+        serving.join(timeout=5)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "refused" in line]
+    assert len(lines) == 1 and lines[0].startswith("jaxreplay sidecar: refused a message of"), lines
+    assert header["ok"] is False and header["error"] == "MessageTooLarge"
+    return header["message"]
+
+
+def test_before_serve_the_sidecar_reads_control_messages_alone(capfd):
+    """Until `serve` gives the row layout, a message may hold a small header and no arrays."""
+    sidecar = Sidecar()
+    assert "limit of 65536 + 0" in _refused(sidecar, (100, 1), capfd)
+    assert "limit of 65536 + 0" in _refused(sidecar, (wire.CONTROL_BYTES + 1, 0), capfd)
+    assert not sidecar.done.is_set()  # another connection's refusal leaves the sidecar serving
+
+
+def test_the_row_layout_bounds_a_message_at_the_rows_the_tables_hold():
+    defs = tables().defs
+    header, payload = message_limits(defs, RowLayout(SPEC))
+    assert row_limit(defs) == sum(d.max_size for d in defs) == 10
+    assert header == wire.CONTROL_BYTES
+    assert payload == 10 * (RowLayout(SPEC).nbytes + 8 + len(defs))  # rows, their priorities, a mask per table
 
 
 def test_an_interpreter_without_reverb_is_refused_in_one_line_saying_what_to_install():
@@ -157,17 +201,48 @@ def test_a_killed_sidecar_ends_the_next_call_in_an_error_naming_it():
 
 
 @pytest.mark.needs_sidecar
-def test_a_hung_sidecar_is_bounded_by_the_timeout():
+def test_a_message_past_the_row_layout_is_refused_on_its_connection_and_the_sidecar_serves_on(tmp_path):
+    """The largest message the layout allows: the rows all tables hold. A larger insert is sent in parts."""
+    wide = ("replay.error_buffer=40",)  # the limiter admits more rows than the table holds, unsampled
+    with SidecarServer(tables(*wide), timeout_s=5) as server:
+        header, payload = message_limits(tables().defs, RowLayout(SPEC))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.connect(server._socket)
+            raw.sendall(wire._PREFIX.pack(10, payload + 1))
+            reply, _ = wire.recv(raw, time.monotonic() + 5)
+            assert reply["ok"] is False and reply["error"] == "MessageTooLarge"
+            assert f"limit of {header} + {payload}" in reply["message"]
+            with pytest.raises(wire.WireError, match="closed"):
+                wire.recv(raw, time.monotonic() + 5)
+        RolloutWriter(server, SPEC, timeout_s=5).insert(rollouts(range(row_limit(tables().defs) + 3)))
+        state = server.states()[server.table]
+        assert (state.inserts, state.size) == (13, 10)
+
+
+@pytest.mark.needs_sidecar
+def test_a_hung_sidecar_is_said_once_overdue_then_killed_at_the_timeout_not_asked_to_stop(capfd):
     server = SidecarServer(tables(), timeout_s=1)
+    private = server._dir
     os.kill(server.pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
-        with pytest.raises(ReplayTimeoutError, match="did not answer states"):
+        with pytest.raises(ReplayTimeoutError, match=r"did not answer states within 6s \(hung\?\); it was killed"):
             server.states()
         assert time.monotonic() - start < 1 + 6
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
+        assert server._proc.poll() == -signal.SIGKILL  # at once: a stop call would wait on it again
+        start = time.monotonic()
         server.stop()
+        assert time.monotonic() - start < 1
+    finally:
+        if server._proc.poll() is None:
+            os.kill(server.pid, signal.SIGCONT)
+        server.stop()
+    said = [line for line in capfd.readouterr().err.splitlines() if "has not answered" in line]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"jaxreplay: warning: the Reverb sidecar (pid {server.pid}) has not answered states "
+                              "within its 1s; waiting ")
+    assert said[0].endswith("then it is killed as hung")
+    assert not os.path.exists(private)
 
 
 HOLDER = """
@@ -205,6 +280,7 @@ def test_a_trainer_killed_with_sigkill_leaves_no_sidecar_socket_or_port():
         time.sleep(0.1)
     assert not _alive(int(pid)), "the sidecar outlived its trainer"
     assert not _listening(port) and not os.path.exists(path)
+    assert not os.path.exists(os.path.dirname(path))  # its private directory: the sidecar removed it
 
 
 def _alive(pid: int) -> bool:
