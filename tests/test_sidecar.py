@@ -307,15 +307,33 @@ def _sidecar_of(pid: int) -> int:
     raise AssertionError(f"process {pid} has no sidecar")
 
 
+def _private_dir(sidecar: int) -> str:
+    """The private directory of sidecar process `sidecar` (its socket's; sidecar_main's first argument)."""
+    argv = Path(f"/proc/{sidecar}/cmdline").read_bytes().split(b"\0")
+    return os.path.dirname(argv[argv.index(b"jaxreplay.replay.sidecar_main") + 1].decode())
+
+
+def _gone(pid: int, within_s: float = 15) -> bool:
+    deadline = time.monotonic() + within_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _alive(pid)
+
+
 @pytest.mark.needs_sidecar
 @pytest.mark.slow
 @pytest.mark.timeout(1200, method="thread")
 def test_a_run_through_the_sidecar_survives_its_sidecar_killed_its_trainer_killed_and_sigterm(tmp_path):
     """The colocated loop on Reverb through the sidecar. Its sidecar SIGKILLed: the run ends in one
-    line naming it, exit 2. Its trainer SIGKILLed: the sidecar goes too. SIGTERM: a final
-    checkpoint, exit 143. Each time the same command resumes from the last checkpoint, and the
-    finished run records each step once and has sampled exactly steps x batch rows."""
+    line naming it, exit 2. Its trainer SIGKILLed: the sidecar goes too, with its private directory.
+    SIGTERM to the trainer and its sidecar at once, as a preempted VM, `systemctl stop` or Slurm's
+    `scancel` send it (the sidecar has a session of its own, so the trainer's process group is not
+    enough), in training and again in the final save: a final checkpoint at the last logged step
+    through the sidecar, exit 143, no process left. Each time the same command resumes from the
+    last checkpoint, and the finished run records each step once and has sampled exactly steps x
+    batch rows (FIFO batches: Reverb's other selectors are not seeded)."""
     from test_crash import STEPS, checkpoint_steps, cli, logged_step, wait_for_step
+    from test_signals import Command
     from jaxreplay.train.metrics import read_metrics
 
     run_dir = tmp_path / "run"
@@ -335,18 +353,34 @@ def test_a_run_through_the_sidecar_survives_its_sidecar_killed_its_trainer_kille
     first = max(checkpoint_steps(run_dir))
 
     proc, sidecar = leg(first + 3)  # resumed and trained past it
+    private = _private_dir(sidecar)
     proc.kill()
     proc.wait(timeout=60)
-    deadline = time.monotonic() + 15
-    while _alive(sidecar) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(sidecar), "the sidecar outlived its SIGKILLed trainer"
+    assert _gone(sidecar), "the sidecar outlived its SIGKILLed trainer"
+    assert not os.path.exists(private)
 
-    proc, sidecar = leg(max(checkpoint_steps(run_dir)) + 3)
-    proc.send_signal(signal.SIGTERM)
+    proc, sidecar = leg(max(checkpoint_steps(run_dir)) + 3)  # in training
+    private = _private_dir(sidecar)
+    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(sidecar, signal.SIGTERM)
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 143, err
     assert max(checkpoint_steps(run_dir)) == logged_step(run_dir)  # the final checkpoint, through the sidecar
+    assert _gone(sidecar) and not os.path.exists(private)
+
+    saved = max(checkpoint_steps(run_dir))  # in the final save
+    command = Command(command)
+    assert command.wait_for_line("resumed from step ") == f"resumed from step {saved} (policy version {saved})\n"
+    wait_for_step(command.proc, run_dir, saved + 3, timeout_s=400)
+    sidecar = _sidecar_of(command.proc.pid)
+    command.proc.send_signal(signal.SIGTERM)
+    command.wait_for_line("SIGTERM: saving a checkpoint at step ")
+    os.kill(sidecar, signal.SIGTERM)
+    command.proc.send_signal(signal.SIGTERM)
+    status, _, err = command.finish(timeout_s=180)
+    assert status == 143, err
+    assert max(checkpoint_steps(run_dir)) == logged_step(run_dir) > saved
+    assert _gone(sidecar)
 
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
