@@ -239,7 +239,7 @@ def test_a_hung_sidecar_is_said_once_overdue_then_killed_at_the_timeout_not_aske
         server.stop()
     said = [line for line in capfd.readouterr().err.splitlines() if "has not answered" in line]
     assert len(said) == 1, said
-    assert said[0].startswith(f"jaxreplay: warning: the Reverb sidecar (pid {server.pid}) has not answered states "
+    assert said[0].startswith(f"warning: the Reverb sidecar (pid {server.pid}) has not answered states "
                               "within its 1s; waiting ")
     assert said[0].endswith("then it is killed as hung")
     assert not os.path.exists(private)
@@ -368,16 +368,16 @@ def test_a_run_through_the_sidecar_survives_its_sidecar_killed_its_trainer_kille
     assert max(checkpoint_steps(run_dir)) == logged_step(run_dir)  # the final checkpoint, through the sidecar
     assert _gone(sidecar) and not os.path.exists(private)
 
-    saved = max(checkpoint_steps(run_dir))  # in the final save
-    command = Command(command)
-    assert command.wait_for_line("resumed from step ") == f"resumed from step {saved} (policy version {saved})\n"
-    wait_for_step(command.proc, run_dir, saved + 3, timeout_s=400)
-    sidecar = _sidecar_of(command.proc.pid)
-    command.proc.send_signal(signal.SIGTERM)
-    command.wait_for_line("SIGTERM: saving a checkpoint at step ")
+    saved = max(checkpoint_steps(run_dir))  # in the final save: none falls due before it
+    saving = Command([*command, "checkpoint.every=1000"])
+    assert saving.wait_for_line("resumed from step ") == f"resumed from step {saved} (policy version {saved})\n"
+    wait_for_step(saving.proc, run_dir, saved + 3, timeout_s=400)
+    sidecar = _sidecar_of(saving.proc.pid)
+    saving.proc.send_signal(signal.SIGTERM)
+    saving.wait_for_line("SIGTERM: saving a checkpoint at step ")
     os.kill(sidecar, signal.SIGTERM)
-    command.proc.send_signal(signal.SIGTERM)
-    status, _, err = command.finish(timeout_s=180)
+    saving.proc.send_signal(signal.SIGTERM)
+    status, _, err = saving.finish(timeout_s=180)
     assert status == 143, err
     assert max(checkpoint_steps(run_dir)) == logged_step(run_dir) > saved
     assert _gone(sidecar)

@@ -41,6 +41,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
+from jaxreplay import warn
 from jaxreplay.config import ConfigError
 from jaxreplay.replay import wire
 from jaxreplay.replay.backend import SampleInfo
@@ -334,9 +335,8 @@ class SidecarServer:
                 said.append(True)
                 left = deadline - time.monotonic()
                 until = time.strftime("%H:%M:%S", time.localtime(time.time() + left))
-                print(f"jaxreplay: warning: the Reverb sidecar (pid {self._proc.pid}) has not answered {op} within "
-                      f"its {timeout_s:g}s; waiting {left:.1f}s more (until {until}), then it is killed as hung",
-                      file=sys.stderr, flush=True)
+                warn(f"the Reverb sidecar (pid {self._proc.pid}) has not answered {op} within its {timeout_s:g}s; "
+                     f"waiting {left:.1f}s more (until {until}), then it is killed as hung")
 
         try:
             wire.send(conn, {"op": op, **header}, arrays)
