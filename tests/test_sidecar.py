@@ -393,6 +393,39 @@ def test_a_run_through_the_sidecar_survives_its_sidecar_killed_its_trainer_kille
     assert summary["replay/samples"] == STEPS * config.train.batch_size
 
 
+@pytest.mark.needs_sidecar
+@pytest.mark.slow
+def test_a_run_whose_sidecar_hangs_says_so_once_overdue_and_ends_at_its_timeout(tmp_path):
+    """A SIGSTOPped sidecar: one warning line once a call is overdue, then the run ends in one
+    error line within the call's bound, the sidecar killed rather than asked to stop and waited on."""
+    from test_crash import cli, wait_for_step
+
+    timeout_s = 3
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(cli(run_dir, "replay.backend=reverb", f"replay.timeout_s={timeout_s}"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(proc, run_dir, 2, timeout_s=400)
+        sidecar = _sidecar_of(proc.pid)
+        private = _private_dir(sidecar)
+        os.kill(sidecar, signal.SIGSTOP)
+        start = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]  # a replay timeout's status
+    assert took < timeout_s + 5 + 10, took  # the call's bound, and a few seconds to end; no polite stop
+    said = [line for line in err.splitlines() if "has not answered" in line]
+    assert len(said) == 1 and said[0].startswith(f"warning: the Reverb sidecar (pid {sidecar}) has not answered "), err
+    assert f"within its {timeout_s}s; waiting " in said[0] and "warning" not in out
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"jaxreplay: error: the Reverb sidecar (pid {sidecar}) did not answer "), err[-3000:]
+    assert last.endswith("(hung?); it was killed")
+    assert _gone(sidecar) and not os.path.exists(private)
+
+
 def _tcp_listeners(pid: int) -> list[str]:
     """The TCP ports process `pid` listens on (its socket fds' inodes in /proc/net/tcp{,6}, state LISTEN)."""
     inodes = set()
