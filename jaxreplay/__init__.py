@@ -34,6 +34,7 @@ def error_line(kind: str, why: str) -> str:
     line = f"jaxreplay: {kind}: {' '.join(str(why).split())}"
     return line if len(line) <= MAX_MESSAGE else f"{line[:MAX_MESSAGE - 3]}..."
 
+
 def warn(text: str) -> None:
     """`warning: <text>`, one line on stderr, as errors are, so `jaxreplay ... > log` still shows it
     (stdout is progress). A progress bar, on stderr too, is cleared first and drawn again below it."""

@@ -17,8 +17,10 @@ Every call is bounded: the call's own timeout (insert, sample) or `timeout_s` (t
 plus `_GRACE_S`. A call still unanswered `_OVERDUE_S` past its own timeout is said in one
 line on stderr (what it waits for, when it gives up); at the bound the hung sidecar is
 killed at once (a polite `stop` would only wait on it again) and the call ends in
-`ReplayTimeoutError`. A dead sidecar ends the call in `SidecarError` naming it. `interrupted()` is checked every `WAIT_SLICE_S` while waiting;
-once true the sidecar is told to stop waiting (`cancel`) and its `ReplayInterrupted` comes back.
+`ReplayTimeoutError`. A dead sidecar ends the call in `SidecarError` naming it.
+`interrupted()` is checked every `WAIT_SLICE_S` while waiting; once true the sidecar is told
+to stop waiting (`cancel`) and its `ReplayInterrupted` comes back. An insert of more rows than
+the tables hold together is sent in parts: the sidecar refuses a larger message (sidecar_main).
 """
 
 from __future__ import annotations
