@@ -11,6 +11,7 @@ and so do the names the stage packages exported then (`from jaxreplay.models imp
 importing a package still imports nothing. docs/reference/api.md lists the supported paths.
 """
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.util
@@ -32,6 +33,15 @@ def error_line(kind: str, why: str) -> str:
         raise ValueError(f"not an error kind: {kind!r} (one of {', '.join(ERROR_KINDS)})")
     line = f"jaxreplay: {kind}: {' '.join(str(why).split())}"
     return line if len(line) <= MAX_MESSAGE else f"{line[:MAX_MESSAGE - 3]}..."
+
+
+def warn(text: str) -> None:
+    """`warning: <text>`, one line on stderr, as errors are, so `jaxreplay ... > log` still shows it
+    (stdout is progress). A progress bar, on stderr too, is cleared first and drawn again below it."""
+    bars = sys.modules.get("tqdm")
+    with bars.tqdm.external_write_mode(file=sys.stderr) if bars is not None else contextlib.nullcontext():
+        print(f"warning: {' '.join(str(text).split())}", file=sys.stderr, flush=True)
+
 
 _MOVED = {
     **{f"jaxreplay.{m}": f"jaxreplay.train.{m}" for m in (

@@ -385,7 +385,10 @@ def _command(argv: list[str] | None) -> int:
         if args.debug:
             traceback.print_exc()
         if isinstance(e, ConfigError):
-            fail(*described(e))
+            if config is None and (sweep := _sweep_file(getattr(args, "config", None))):
+                fail("config error", sweep)
+            else:
+                fail(*described(e))
             return 2
         if failure := _write_failure(e):  # disk full, read-only, quota: the path and the OS's word
             from jaxreplay.train.checkpoint import write_failure_message
@@ -396,6 +399,16 @@ def _command(argv: list[str] | None) -> int:
             return 2
         fail(*described(e))
         return 2 if _bad_input(e) else 1
+
+
+def _sweep_file(path) -> str:
+    """Why `path`, given where a run's config goes, is not one: it is a sweep file ("" where not)."""
+    from jaxreplay.research.sweep import is_sweep_file
+
+    if not path or not is_sweep_file(path):
+        return ""
+    return (f"{path} is a sweep file (base, settings, seeds), not a run's config: `jaxreplay sweep {path} "
+            "--print` prints the command of each of its runs")
 
 
 def described(error: BaseException) -> tuple[str, str]:

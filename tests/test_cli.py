@@ -169,6 +169,21 @@ def test_an_unknown_sweep_key_suggests_the_right_one(tmp_path, capsys):
     assert capsys.readouterr().err == "jaxreplay: config error: sweep: unknown key seed (did you mean seeds?)\n"
 
 
+@pytest.mark.parametrize("command", ["config", "train"])
+def test_a_sweep_file_given_for_a_runs_config_points_to_jaxreplay_sweep(tmp_path, capsys, command):
+    sweep = ROOT / "configs" / "sweep_demo.yaml"
+    run_dir = tmp_path / "run"
+    assert main([command, str(sweep), f"run.dir={run_dir}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"jaxreplay: config error: {sweep} is a sweep file (base, settings, seeds), not a "
+                                 f"run's config: `jaxreplay sweep {sweep} --print` prints the command of each of its "
+                                 "runs\n")
+    assert not run_dir.exists()
+    (tmp_path / "config.yaml").write_text("base: 3\n")  # a config naming an unknown section is still that
+    assert main([command, str(tmp_path / "config.yaml")]) == 2
+    assert "unknown key base" in capsys.readouterr().err
+
+
 def test_a_run_dir_another_run_holds_is_an_error_not_a_config_error(tmp_path):
     """The config is sound: the same command runs once the other run ends. Still exit 2, one line."""
     from jaxreplay.train import rundir

@@ -153,21 +153,25 @@ def edit_config_yaml(run_dir, section, key, value):
     (run_dir / "config.yaml").write_text(yaml.safe_dump(stored, sort_keys=False))
 
 
-def test_a_hand_edit_the_checkpoint_overrules_is_named_in_one_line_and_the_file_says_what_runs(tmp_path):
+def test_a_hand_edit_the_checkpoint_overrules_is_named_in_one_line_and_the_file_says_what_runs(tmp_path, capsys):
+    """In one warning line, on stderr (as errors are), not in the progress log."""
     run(tmp_path, config(tmp_path), None, range(5))
     trained_with = run_settings(config(tmp_path))  # what the checkpoint at step 4 recorded
     edit_config_yaml(tmp_path, "replay", "samples_per_insert", 4.0)
+    capsys.readouterr()
     lines = []
     recorder = RunRecorder.open(tmp_path, config(tmp_path), 4, log=lines.append, trained_with=trained_with)
     recorder.close()
-    assert lines == [f"warning: {tmp_path / 'config.yaml'} was edited: it says replay.samples_per_insert: 4.0, "
-                     "but the run goes on with replay.samples_per_insert: 2.0, as its checkpoint was trained, and the "
-                     "file is rewritten to that (a resume cannot change these: use a new run.dir)"]
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [
+        f"warning: {tmp_path / 'config.yaml'} was edited: it says replay.samples_per_insert: 4.0, "
+        "but the run goes on with replay.samples_per_insert: 2.0, as its checkpoint was trained, and the "
+        "file is rewritten to that (a resume cannot change these: use a new run.dir)"]
+    assert lines == [] and out == ""
     assert recorder.config.replay.samples_per_insert == 2.0
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["replay"]["samples_per_insert"] == 2.0
-    lines.clear()  # written back: the next resume has nothing to say
     RunRecorder.open(tmp_path, config(tmp_path), 4, log=lines.append, trained_with=trained_with).close()
-    assert lines == []
+    assert lines == [] and capsys.readouterr().err == ""  # written back: the next resume has nothing to say
 
 
 def test_the_edit_with_the_same_value_on_the_command_line_is_a_change_of_the_run_refused(tmp_path):

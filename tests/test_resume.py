@@ -226,8 +226,9 @@ def test_a_hand_edit_of_config_yaml_that_the_checkpoint_overrules_is_said_and_wr
     (run / "config.yaml").write_text(edited)
     result = subprocess.run(cli(run, *common, "train.steps=4"), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    said = [line for line in result.stdout.splitlines() if "was edited" in line]
-    assert len(said) == 1 and "it says replay.samples_per_insert: 4.0" in said[0], result.stdout[-3000:]
+    said = [line for line in result.stderr.splitlines() if "was edited" in line]  # a warning: stderr, as errors
+    assert len(said) == 1 and "it says replay.samples_per_insert: 4.0" in said[0], result.stderr[-3000:]
+    assert said[0].startswith("warning: ") and "was edited" not in result.stdout
     assert "goes on with replay.samples_per_insert: 2.0" in said[0]
     assert "samples_per_insert: 2.0" in (run / "config.yaml").read_text() and checkpoint_steps(run) == [2, 4]
     # The same edit with the same value on the command line: a change of the run, refused in one line

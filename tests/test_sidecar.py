@@ -25,7 +25,9 @@ from jaxreplay.config import ConfigError, load_config
 from jaxreplay.replay import wire
 from jaxreplay.replay.ports import _listening
 from jaxreplay.replay.reader import RolloutReader
+from jaxreplay.replay.rows import RowLayout
 from jaxreplay.replay.sidecar import SidecarError, SidecarServer, find_python
+from jaxreplay.replay.sidecar_main import Sidecar, message_limits, row_limit, serve_connection
 from jaxreplay.replay.tables import ReplayInterrupted, ReplayTimeoutError, build_tables
 from jaxreplay.replay.writer import RolloutWriter
 from replay_rows import SPEC, rollouts
@@ -37,8 +39,8 @@ SMALL = ["train.batch_size=4", "train.prompts_per_step=2", "train.group_size=2",
 pytestmark = pytest.mark.timeout(300, method="thread")
 
 
-def tables():
-    return build_tables(load_config(None, SMALL, local=False), SPEC, "reverb")
+def tables(*overrides: str):
+    return build_tables(load_config(None, [*SMALL, *overrides], local=False), SPEC, "reverb")
 
 
 def _pair():
@@ -83,6 +85,48 @@ def test_a_peer_that_closes_or_stays_silent_ends_the_read():
         a.close()
         with pytest.raises(wire.WireError, match="closed"):
             wire.recv(b, time.monotonic() + 5)
+
+
+def test_a_message_declaring_more_than_its_limit_is_refused_before_anything_is_allocated():
+    a, b = _pair()
+    with a, b:
+        a.sendall(wire._PREFIX.pack(10, 2**31 - 1))  # 2 GiB declared, never sent
+        with pytest.raises(wire.TooLarge, match=r"past this connection's limit of 65536 \+ 0"):
+            wire.recv(b, time.monotonic() + 5, limits=(wire.CONTROL_BYTES, 0))
+
+
+def _refused(sidecar: Sidecar, declared: tuple[int, int], capfd) -> str:
+    """What `sidecar` answers a message declaring `declared` bytes on a connection of its own;
+    that the connection is closed after it, and that it said so in one line."""
+    theirs, ours = _pair()
+    with theirs, ours:
+        serving = threading.Thread(target=serve_connection, args=(sidecar, theirs, False), daemon=True)
+        serving.start()
+        ours.sendall(wire._PREFIX.pack(*declared))
+        header, _ = wire.recv(ours, time.monotonic() + 5)
+        with pytest.raises(wire.WireError, match="closed"):
+            wire.recv(ours, time.monotonic() + 5)
+        serving.join(timeout=5)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "refused" in line]
+    assert len(lines) == 1 and lines[0].startswith("jaxreplay sidecar: refused a message of"), lines
+    assert header["ok"] is False and header["error"] == "MessageTooLarge"
+    return header["message"]
+
+
+def test_before_serve_the_sidecar_reads_control_messages_alone(capfd):
+    """Until `serve` gives the row layout, a message may hold a small header and no arrays."""
+    sidecar = Sidecar()
+    assert "limit of 65536 + 0" in _refused(sidecar, (100, 1), capfd)
+    assert "limit of 65536 + 0" in _refused(sidecar, (wire.CONTROL_BYTES + 1, 0), capfd)
+    assert not sidecar.done.is_set()  # another connection's refusal leaves the sidecar serving
+
+
+def test_the_row_layout_bounds_a_message_at_the_rows_the_tables_hold():
+    defs = tables().defs
+    header, payload = message_limits(defs, RowLayout(SPEC))
+    assert row_limit(defs) == sum(d.max_size for d in defs) == 10
+    assert header == wire.CONTROL_BYTES
+    assert payload == 10 * (RowLayout(SPEC).nbytes + 8 + len(defs))  # rows, their priorities, a mask per table
 
 
 def test_an_interpreter_without_reverb_is_refused_in_one_line_saying_what_to_install():
@@ -157,17 +201,48 @@ def test_a_killed_sidecar_ends_the_next_call_in_an_error_naming_it():
 
 
 @pytest.mark.needs_sidecar
-def test_a_hung_sidecar_is_bounded_by_the_timeout():
+def test_a_message_past_the_row_layout_is_refused_on_its_connection_and_the_sidecar_serves_on(tmp_path):
+    """The largest message the layout allows: the rows all tables hold. A larger insert is sent in parts."""
+    wide = ("replay.error_buffer=40",)  # the limiter admits more rows than the table holds, unsampled
+    with SidecarServer(tables(*wide), timeout_s=5) as server:
+        header, payload = message_limits(tables().defs, RowLayout(SPEC))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.connect(server._socket)
+            raw.sendall(wire._PREFIX.pack(10, payload + 1))
+            reply, _ = wire.recv(raw, time.monotonic() + 5)
+            assert reply["ok"] is False and reply["error"] == "MessageTooLarge"
+            assert f"limit of {header} + {payload}" in reply["message"]
+            with pytest.raises(wire.WireError, match="closed"):
+                wire.recv(raw, time.monotonic() + 5)
+        RolloutWriter(server, SPEC, timeout_s=5).insert(rollouts(range(row_limit(tables().defs) + 3)))
+        state = server.states()[server.table]
+        assert (state.inserts, state.size) == (13, 10)
+
+
+@pytest.mark.needs_sidecar
+def test_a_hung_sidecar_is_said_once_overdue_then_killed_at_the_timeout_not_asked_to_stop(capfd):
     server = SidecarServer(tables(), timeout_s=1)
+    private = server._dir
     os.kill(server.pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
-        with pytest.raises(ReplayTimeoutError, match="did not answer states"):
+        with pytest.raises(ReplayTimeoutError, match=r"did not answer states within 6s \(hung\?\); it was killed"):
             server.states()
         assert time.monotonic() - start < 1 + 6
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
+        assert server._proc.poll() == -signal.SIGKILL  # at once: a stop call would wait on it again
+        start = time.monotonic()
         server.stop()
+        assert time.monotonic() - start < 1
+    finally:
+        if server._proc.poll() is None:
+            os.kill(server.pid, signal.SIGCONT)
+        server.stop()
+    said = [line for line in capfd.readouterr().err.splitlines() if "has not answered" in line]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"warning: the Reverb sidecar (pid {server.pid}) has not answered states "
+                              "within its 1s; waiting ")
+    assert said[0].endswith("then it is killed as hung")
+    assert not os.path.exists(private)
 
 
 HOLDER = """
@@ -205,6 +280,7 @@ def test_a_trainer_killed_with_sigkill_leaves_no_sidecar_socket_or_port():
         time.sleep(0.1)
     assert not _alive(int(pid)), "the sidecar outlived its trainer"
     assert not _listening(port) and not os.path.exists(path)
+    assert not os.path.exists(os.path.dirname(path))  # its private directory: the sidecar removed it
 
 
 def _alive(pid: int) -> bool:
@@ -231,15 +307,33 @@ def _sidecar_of(pid: int) -> int:
     raise AssertionError(f"process {pid} has no sidecar")
 
 
+def _private_dir(sidecar: int) -> str:
+    """The private directory of sidecar process `sidecar` (its socket's; sidecar_main's first argument)."""
+    argv = Path(f"/proc/{sidecar}/cmdline").read_bytes().split(b"\0")
+    return os.path.dirname(argv[argv.index(b"jaxreplay.replay.sidecar_main") + 1].decode())
+
+
+def _gone(pid: int, within_s: float = 15) -> bool:
+    deadline = time.monotonic() + within_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _alive(pid)
+
+
 @pytest.mark.needs_sidecar
 @pytest.mark.slow
 @pytest.mark.timeout(1200, method="thread")
 def test_a_run_through_the_sidecar_survives_its_sidecar_killed_its_trainer_killed_and_sigterm(tmp_path):
     """The colocated loop on Reverb through the sidecar. Its sidecar SIGKILLed: the run ends in one
-    line naming it, exit 2. Its trainer SIGKILLed: the sidecar goes too. SIGTERM: a final
-    checkpoint, exit 143. Each time the same command resumes from the last checkpoint, and the
-    finished run records each step once and has sampled exactly steps x batch rows."""
+    line naming it, exit 2. Its trainer SIGKILLed: the sidecar goes too, with its private directory.
+    SIGTERM to the trainer and its sidecar at once, as a preempted VM, `systemctl stop` or Slurm's
+    `scancel` send it (the sidecar has a session of its own, so the trainer's process group is not
+    enough), in training and again in the final save: a final checkpoint at the last logged step
+    through the sidecar, exit 143, no process left. Each time the same command resumes from the
+    last checkpoint, and the finished run records each step once and has sampled exactly steps x
+    batch rows (FIFO batches: Reverb's other selectors are not seeded)."""
     from test_crash import STEPS, checkpoint_steps, cli, logged_step, wait_for_step
+    from test_signals import Command
     from jaxreplay.train.metrics import read_metrics
 
     run_dir = tmp_path / "run"
@@ -259,18 +353,34 @@ def test_a_run_through_the_sidecar_survives_its_sidecar_killed_its_trainer_kille
     first = max(checkpoint_steps(run_dir))
 
     proc, sidecar = leg(first + 3)  # resumed and trained past it
+    private = _private_dir(sidecar)
     proc.kill()
     proc.wait(timeout=60)
-    deadline = time.monotonic() + 15
-    while _alive(sidecar) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(sidecar), "the sidecar outlived its SIGKILLed trainer"
+    assert _gone(sidecar), "the sidecar outlived its SIGKILLed trainer"
+    assert not os.path.exists(private)
 
-    proc, sidecar = leg(max(checkpoint_steps(run_dir)) + 3)
-    proc.send_signal(signal.SIGTERM)
+    proc, sidecar = leg(max(checkpoint_steps(run_dir)) + 3)  # in training
+    private = _private_dir(sidecar)
+    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(sidecar, signal.SIGTERM)
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 143, err
     assert max(checkpoint_steps(run_dir)) == logged_step(run_dir)  # the final checkpoint, through the sidecar
+    assert _gone(sidecar) and not os.path.exists(private)
+
+    saved = max(checkpoint_steps(run_dir))  # in the final save: none falls due before it
+    saving = Command([*command, "checkpoint.every=1000"])
+    assert saving.wait_for_line("resumed from step ") == f"resumed from step {saved} (policy version {saved})\n"
+    wait_for_step(saving.proc, run_dir, saved + 3, timeout_s=400)
+    sidecar = _sidecar_of(saving.proc.pid)
+    saving.proc.send_signal(signal.SIGTERM)
+    saving.wait_for_line("SIGTERM: saving a checkpoint at step ")
+    os.kill(sidecar, signal.SIGTERM)
+    saving.proc.send_signal(signal.SIGTERM)
+    status, _, err = saving.finish(timeout_s=180)
+    assert status == 143, err
+    assert max(checkpoint_steps(run_dir)) == logged_step(run_dir) > saved
+    assert _gone(sidecar)
 
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
@@ -281,6 +391,39 @@ def test_a_run_through_the_sidecar_survives_its_sidecar_killed_its_trainer_kille
     config = load_config(run_dir / "config.yaml")
     assert summary["replay/backend"] == "reverb"
     assert summary["replay/samples"] == STEPS * config.train.batch_size
+
+
+@pytest.mark.needs_sidecar
+@pytest.mark.slow
+def test_a_run_whose_sidecar_hangs_says_so_once_overdue_and_ends_at_its_timeout(tmp_path):
+    """A SIGSTOPped sidecar: one warning line once a call is overdue, then the run ends in one
+    error line within the call's bound, the sidecar killed rather than asked to stop and waited on."""
+    from test_crash import cli, wait_for_step
+
+    timeout_s = 3
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(cli(run_dir, "replay.backend=reverb", f"replay.timeout_s={timeout_s}"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(proc, run_dir, 2, timeout_s=400)
+        sidecar = _sidecar_of(proc.pid)
+        private = _private_dir(sidecar)
+        os.kill(sidecar, signal.SIGSTOP)
+        start = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]  # a replay timeout's status
+    assert took < timeout_s + 5 + 10, took  # the call's bound, and a few seconds to end; no polite stop
+    said = [line for line in err.splitlines() if "has not answered" in line]
+    assert len(said) == 1 and said[0].startswith(f"warning: the Reverb sidecar (pid {sidecar}) has not answered "), err
+    assert f"within its {timeout_s}s; waiting " in said[0] and "warning" not in out
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"jaxreplay: error: the Reverb sidecar (pid {sidecar}) did not answer "), err[-3000:]
+    assert last.endswith("(hung?); it was killed")
+    assert _gone(sidecar) and not os.path.exists(private)
 
 
 def _tcp_listeners(pid: int) -> list[str]:

@@ -1,7 +1,9 @@
 """The warm-start cache: keyed by the settings that produce it, shared by the runs of a sweep, written whole."""
 
-from pathlib import Path
+import contextlib
+import io
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -21,9 +23,16 @@ def config(run_dir, *overrides):
 
 
 def start(cfg, lines=None):
-    """What a run does first: fresh params, then the (cached) warm start."""
+    """What a run does first: fresh params, then the (cached) warm start. `lines` gets the warnings,
+    which go to stderr, never to the progress log."""
     graphdef, params = init_params(cfg.model, cfg.run.seed)
-    return warm_start(graphdef, params, make_task(cfg.task), cfg, log=(lines if lines is not None else []).append)
+    progress, stderr = [], io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        out = warm_start(graphdef, params, make_task(cfg.task), cfg, log=progress.append)
+    assert not [line for line in progress if "warning" in line], progress
+    if lines is not None:
+        lines.extend(line for line in stderr.getvalue().splitlines() if line.startswith("warning: "))
+    return out
 
 
 def same(a, b) -> bool:

@@ -14,9 +14,13 @@ The wire (wire.py): JSON headers and raw array bytes over a Unix socket of mode 
 sidecar, keeps its all-interfaces bind (docs/security.md).
 
 Every call is bounded: the call's own timeout (insert, sample) or `timeout_s` (the rest)
-plus `_GRACE_S`, so a hung sidecar ends in `ReplayTimeoutError`; a dead one in
-`SidecarError` naming it. `interrupted()` is checked every `WAIT_SLICE_S` while waiting;
-once true the sidecar is told to stop waiting (`cancel`) and its `ReplayInterrupted` comes back.
+plus `_GRACE_S`. A call still unanswered `_OVERDUE_S` past its own timeout is said in one
+line on stderr (what it waits for, when it gives up); at the bound the hung sidecar is
+killed at once (a polite `stop` would only wait on it again) and the call ends in
+`ReplayTimeoutError`. A dead sidecar ends the call in `SidecarError` naming it.
+`interrupted()` is checked every `WAIT_SLICE_S` while waiting; once true the sidecar is told
+to stop waiting (`cancel`) and its `ReplayInterrupted` comes back. An insert of more rows than
+the tables hold together is sent in parts: the sidecar refuses a larger message (sidecar_main).
 """
 
 from __future__ import annotations
@@ -39,11 +43,13 @@ from typing import Mapping, Optional
 
 import numpy as np
 
+from jaxreplay import warn
 from jaxreplay.config import ConfigError
 from jaxreplay.replay import wire
 from jaxreplay.replay.backend import SampleInfo
 from jaxreplay.replay.ports import PortInUseError
 from jaxreplay.replay.rows import RowLayout
+from jaxreplay.replay.sidecar_main import PRIVATE_PREFIX, row_limit
 from jaxreplay.replay.tables import (
     WAIT_SLICE_S, Interrupted, LimiterState, ReplayInterrupted, ReplayTimeoutError, Tables, TableSharedError)
 
@@ -51,6 +57,7 @@ SIDECAR_VENV = ".venv-sidecar"  # `make venv-sidecar`
 INSTALL = ("run `make venv-sidecar` in the jaxreplay checkout (it needs a Python 3.11: `uv python install 3.11`), "
            "or set replay.reverb_python to a Python 3.10/3.11 with dm-reverb==0.14.0 and tensorflow-cpu==2.15.1")
 _GRACE_S = 5.0  # past a call's own timeout, for the sidecar to answer it
+_OVERDUE_S = 1.0  # past a call's own timeout, its answer is overdue: said once, on stderr
 _START_S = 120.0  # importing TensorFlow and starting Reverb, on a busy machine
 _PROBE = ("import sys, importlib.util as u, importlib.metadata as m\n"
           "ok = sys.version_info[:2] in ((3, 10), (3, 11)) and all(u.find_spec(x) for x in ('reverb', 'tensorflow', 'yaml'))\n"
@@ -129,10 +136,11 @@ class SidecarServer:
         self.python, self.reverb_version = find_python(python)
         self._timeout_s = timeout_s
         self._layout = RowLayout(tables.item_spec)
+        self._max_rows = row_limit(tables.defs)  # per message: the sidecar refuses more
         self._local = threading.local()
         self._lock = threading.Lock()
         self._connections: list[socket.socket] = []
-        self._dir = tempfile.mkdtemp(prefix="jaxreplay-sidecar-")  # 0700
+        self._dir = tempfile.mkdtemp(prefix=PRIVATE_PREFIX)  # 0700; the sidecar removes it as it exits
         self._socket = os.path.join(self._dir, "s")
         self._proc = None
         self._stopped = False
@@ -149,12 +157,13 @@ class SidecarServer:
                 start_new_session=True)  # Ctrl-C reaches the trainer, which then checkpoints through the sidecar
             self._await_ready()
             spec = [[k, list(shape), np.dtype(dtype).str] for k, (shape, dtype) in tables.item_spec.items()]
+            defs = [dataclasses.asdict(d) for d in tables.defs]  # its row layout bounds each message (sidecar_main)
             if connect:
                 reply, _ = self._call("connect", {"address": connect, "item_spec": spec, "table": tables.defs[0].name,
-                                                  "timeout_s": timeout_s}, timeout_s=_START_S)
+                                                  "defs": defs, "timeout_s": timeout_s}, timeout_s=_START_S)
             else:
                 reply, _ = self._call("serve", {
-                    "defs": [dataclasses.asdict(d) for d in tables.defs], "item_spec": spec, "port": port,
+                    "defs": defs, "item_spec": spec, "port": port,
                     "checkpoint_root": None if checkpoint_root is None else os.path.abspath(checkpoint_root),
                     "restore_from": None if restore_from is None else os.fspath(restore_from), "timeout_s": timeout_s,
                 }, timeout_s=_START_S)
@@ -186,7 +195,16 @@ class SidecarServer:
     def insert(self, table: str, rows: Mapping[str, np.ndarray], priorities: np.ndarray, *,
                also: Optional[Mapping[str, np.ndarray]] = None, timeout_s: float,
                interrupted: Interrupted = None) -> None:
-        arrays = {"packed": self._layout.pack(rows)} if len(priorities) else {}  # one array, as Reverb stores it
+        n = len(priorities)
+        if n > self._max_rows:  # more rows than one message may carry: in parts, within the one timeout
+            deadline = time.monotonic() + timeout_s
+            for start in range(0, n, self._max_rows):
+                part = slice(start, start + self._max_rows)
+                self.insert(table, {k: v[part] for k, v in rows.items()}, priorities[part],
+                            also={t: m[part] for t, m in (also or {}).items()} or None,
+                            timeout_s=max(deadline - time.monotonic(), 0.0), interrupted=interrupted)
+            return
+        arrays = {"packed": self._layout.pack(rows)} if n else {}  # one array, as Reverb stores it
         arrays["priorities"] = np.asarray(priorities, np.float64)
         arrays.update({f"also/{t}": np.asarray(m, bool) for t, m in (also or {}).items()})
         self._call("insert", {"table": table, "timeout_s": timeout_s}, arrays, timeout_s=timeout_s,
@@ -305,8 +323,9 @@ class SidecarServer:
         if self._stopped and not stopping:
             raise SidecarError(f"the Reverb sidecar was stopped ({op} after stop)")
         conn = self._connection()
-        deadline = time.monotonic() + timeout_s + _GRACE_S
-        cancelled = []
+        start = time.monotonic()
+        overdue, deadline = start + timeout_s + _OVERDUE_S, start + timeout_s + _GRACE_S
+        cancelled, said = [], []
 
         def waiting() -> None:
             if self._proc.poll() is not None:
@@ -314,14 +333,21 @@ class SidecarServer:
             if not cancelled and interrupted is not None and interrupted():
                 wire.send(conn, {"op": "cancel"})
                 cancelled.append(True)
+            if not said and time.monotonic() >= overdue:
+                said.append(True)
+                left = deadline - time.monotonic()
+                until = time.strftime("%H:%M:%S", time.localtime(time.time() + left))
+                warn(f"the Reverb sidecar (pid {self._proc.pid}) has not answered {op} within its {timeout_s:g}s; "
+                     f"waiting {left:.1f}s more (until {until}), then it is killed as hung")
 
         try:
             wire.send(conn, {"op": op, **header}, arrays)
             reply, out = wire.recv(conn, deadline, waiting, WAIT_SLICE_S)
         except TimeoutError:
             self._drop(conn)
+            self._kill()
             raise ReplayTimeoutError(f"the Reverb sidecar (pid {self._proc.pid}) did not answer {op} within "
-                                     f"{timeout_s + _GRACE_S:g}s (hung?)") from None
+                                     f"{timeout_s + _GRACE_S:g}s (hung?); it was killed") from None
         except OSError as e:  # wire.WireError included: the sidecar closed the connection
             self._drop(conn)
             raise self._dead(op) from e
@@ -331,6 +357,15 @@ class SidecarServer:
         if kind in _ERRORS:
             raise _ERRORS[kind](message)
         raise SidecarError(f"the Reverb sidecar failed in {op}: {kind}: {message}")
+
+    def _kill(self) -> None:
+        """Ends a hung sidecar at once: SIGKILL reaches a stopped process too."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
 
     def _dead(self, op: str) -> SidecarError:
         try:

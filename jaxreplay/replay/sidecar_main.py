@@ -10,13 +10,22 @@ the first is the control connection, whose close ends the sidecar. So does the t
 death (its parent pid changes: `kill -9` leaves no orphan server or port), and `stop`.
 A call waits in Reverb's slices; a byte arriving on its connection meanwhile (the trainer's
 `cancel`, or its close) is its `interrupted()`. Terminal signals go to the trainer alone
-(own session); SIGTERM sent here stops the server cleanly.
+(own session), and SIGINT and SIGTERM sent here are ignored: a preemption (a Spot VM's
+shutdown, `systemctl stop`, Slurm's `scancel`) signals every process at once, and the trainer
+then saves its final checkpoint through this process, which must outlive it.
+
+Each message is bounded before it is read (`Sidecar.limits`): until `serve` gives the row
+layout, a control message's few bytes; then the rows all tables hold together, with their
+priorities and table masks. A larger one is refused in one line on stderr and its connection
+closed. On its way out the sidecar removes its private directory (the trainer's
+`jaxreplay-sidecar-*`), also when the trainer was killed and could not.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -30,6 +39,19 @@ from jaxreplay.replay.rows import RowLayout
 from jaxreplay.replay.tables import LimiterState, RateLimit, TableDef, Tables
 
 _PARENT_POLL_S = 0.2
+PRIVATE_PREFIX = "jaxreplay-sidecar-"  # the trainer's private directory, which holds the socket
+
+
+def row_limit(defs) -> int:
+    """The most rows one message may carry: what the tables hold together (an insert of more
+    would evict its own rows; the trainer sends larger ones in parts)."""
+    return sum(d.max_size for d in defs)
+
+
+def message_limits(defs, layout: RowLayout) -> tuple[int, int]:
+    """(header, payload) bytes a message may declare once the tables are known: `row_limit` rows,
+    each with its priority (8 bytes) or key (8) and a mask byte per table."""
+    return wire.CONTROL_BYTES, row_limit(defs) * (layout.nbytes + 8 + len(defs))
 
 
 class Sidecar:
@@ -38,6 +60,7 @@ class Sidecar:
     def __init__(self):
         self.server = None
         self.done = threading.Event()
+        self.limits = (wire.CONTROL_BYTES, 0)  # control messages alone, until serve or connect
 
     def call(self, op: str, h: dict, arrays: dict, interrupted) -> tuple[dict, dict]:
         if op == "serve":
@@ -86,9 +109,10 @@ class Sidecar:
             raise RuntimeError("serve called twice")
         defs = tuple(TableDef(**{**d, "rate_limit": RateLimit(**d["rate_limit"])}) for d in h["defs"])
         spec = {name: (tuple(shape), np.dtype(dtype)) for name, shape, dtype in h["item_spec"]}
-        RowLayout(spec)  # a spec that cannot be laid out is refused here, before Reverb starts
+        layout = RowLayout(spec)  # a spec that cannot be laid out is refused here, before Reverb starts
         self.server = ReverbServer(Tables("reverb", defs, spec), port=h["port"], timeout_s=h["timeout_s"],
                                    checkpoint_root=h["checkpoint_root"], restore_from=h["restore_from"])
+        self.limits = message_limits(defs, layout)
         return {"port": self.server.port, "table": self.server.table, "reverb": version("dm-reverb"),
                 "python": sys.version.split()[0]}, {}
 
@@ -101,7 +125,9 @@ class Sidecar:
         if self.server is not None:
             raise RuntimeError("connect after serve or connect")
         spec = {name: (tuple(shape), np.dtype(dtype)) for name, shape, dtype in h["item_spec"]}
+        defs = tuple(TableDef(**{**d, "rate_limit": RateLimit(**d["rate_limit"])}) for d in h["defs"])
         self.server = ReverbClient(h["address"], spec, timeout_s=h["timeout_s"])
+        self.limits = message_limits(defs, RowLayout(spec))
         return {"port": None, "table": h["table"], "reverb": version("dm-reverb"),
                 "python": sys.version.split()[0]}, {}
 
@@ -117,7 +143,15 @@ def serve_connection(sidecar: Sidecar, conn: socket.socket, control: bool) -> No
     try:
         while not sidecar.done.is_set():
             try:
-                header, arrays = wire.recv(conn, waiting=lambda: sidecar.done.is_set() and _raise_closed())
+                header, arrays = wire.recv(conn, waiting=lambda: sidecar.done.is_set() and _raise_closed(),
+                                           limits=sidecar.limits)
+            except wire.TooLarge as e:
+                print(f"jaxreplay sidecar: refused {e}; closing that connection", file=sys.stderr, flush=True)
+                try:
+                    wire.send(conn, {"ok": False, "error": "MessageTooLarge", "message": str(e)})
+                except OSError:
+                    pass
+                return
             except (wire.WireError, OSError):
                 return
             op = header.get("op")
@@ -144,7 +178,7 @@ def _raise_closed():
 def main(argv: list[str]) -> int:
     path, parent = argv[0], int(argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sidecar.done.set())
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the trainer's final save goes through this process
     sidecar = Sidecar()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     mask = os.umask(0o177)
@@ -173,6 +207,9 @@ def main(argv: list[str]) -> int:
         except OSError:
             pass
         sidecar.stop()
+        private = os.path.dirname(os.path.abspath(path))
+        if os.path.basename(private).startswith(PRIVATE_PREFIX):
+            shutil.rmtree(private, ignore_errors=True)  # its link to the package included: nothing is imported after
     return 0
 
 

@@ -21,11 +21,16 @@ import numpy as np
 _PREFIX = struct.Struct("!II")
 MAX_HEADER = 1 << 20
 MAX_PAYLOAD = 1 << 31  # a sampled batch of long rows stays far below this
+CONTROL_BYTES = 1 << 16  # a message before the table's layout is known: a header, no rows
 _KINDS = "biuf"  # bool, signed, unsigned, float
 
 
 class WireError(ConnectionError):
     """The peer closed the connection or sent something that is not a message."""
+
+
+class TooLarge(WireError):
+    """A message declared more bytes than its reader allows; none of them were read."""
 
 
 def encode(header: Mapping[str, Any], arrays: Optional[Mapping[str, np.ndarray]] = None) -> list[bytes]:
@@ -46,12 +51,15 @@ def send(sock: socket.socket, header: Mapping[str, Any], arrays: Optional[Mappin
 
 
 def recv(sock: socket.socket, deadline: Optional[float] = None,
-         waiting: Optional[Callable[[], None]] = None, slice_s: float = 0.1) -> tuple[dict, dict[str, np.ndarray]]:
+         waiting: Optional[Callable[[], None]] = None, slice_s: float = 0.1,
+         limits: tuple[int, int] = (MAX_HEADER, MAX_PAYLOAD)) -> tuple[dict, dict[str, np.ndarray]]:
     """One message. Waits in `slice_s` slices, calling `waiting()` after each empty one (it
-    may raise); past `deadline` (monotonic), `TimeoutError`."""
+    may raise); past `deadline` (monotonic), `TimeoutError`. A message whose header or payload
+    declares more than `limits` (bytes) is `TooLarge`, refused before anything is allocated for it."""
     head_len, payload_len = _PREFIX.unpack(_read(sock, _PREFIX.size, deadline, waiting, slice_s))
-    if head_len > MAX_HEADER or payload_len > MAX_PAYLOAD:
-        raise WireError(f"wire: a message of {head_len} + {payload_len} bytes is past the limits")
+    if head_len > limits[0] or payload_len > limits[1]:
+        raise TooLarge(f"a message of {head_len} + {payload_len} bytes (header + arrays), past this "
+                       f"connection's limit of {limits[0]} + {limits[1]}")
     header = json.loads(_read(sock, head_len, deadline, waiting, slice_s))
     payload = memoryview(_read(sock, payload_len, deadline, waiting, slice_s))
     arrays, offset = {}, 0

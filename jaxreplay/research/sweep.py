@@ -90,6 +90,16 @@ class Sweep:
     select: Any = None  # a stage-1 sweep's rule picking each arm's learning rate (report_select.parse_rule)
 
 
+def is_sweep_file(path: str | Path) -> bool:
+    """Whether `path` reads as a sweep file (a `base` and its `settings`), for the commands that
+    take a run's config to point to `jaxreplay sweep` instead of naming an unknown key."""
+    try:
+        raw = read_yaml(path, "sweep file")
+    except ConfigError:
+        return False
+    return isinstance(raw, dict) and {"base", "settings"} <= set(raw)
+
+
 def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequence[int] | None = None) -> Sweep:
     """Parses and validates the sweep file and every run's config; `ConfigError` names the problem.
 

@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any, Callable, Iterator, Optional
 
-from jaxreplay import error_line, storage
+from jaxreplay import error_line, storage, warn
 from jaxreplay.compat import multiprocess_checkpoint_gap
 from jaxreplay.config import Config, ConfigError
 from jaxreplay.replay import inprocess
@@ -141,7 +141,7 @@ def _train(config: Config, run_dir: rundir.RunDir, log: Callable[[str], None]) -
     trained_with = _trained_with(run_dir, config, resume, coord, log)
     # Refused before anything is built or written when the config changes the run; the recorder says
     # what changed as it opens, after the restore (a damaged step found there changes the step).
-    checked = resume_config(run_dir, c, lambda _: None, trained_with) if resume is not None else c
+    checked = resume_config(run_dir, c, lambda _: None, trained_with, lambda _: None) if resume is not None else c
     recorder = None
     try:
         log(placement.describe())
@@ -361,7 +361,7 @@ def _trained_with(run_dir: rundir.RunDir, config: Config, step: Optional[int],
     finally:
         checkpointer.close()
     if settings is None:
-        log(f"warning: checkpoint step {step} in {run_dir.checkpoints()} records no settings (written before "
+        warn(f"checkpoint step {step} in {run_dir.checkpoints()} records no settings (written before "
             f"checkpoints recorded them): the resume is checked against {CONFIG_FILE} alone")
     return settings
 

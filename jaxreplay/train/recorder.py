@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
-from jaxreplay import storage
+from jaxreplay import storage, warn as warning
 from jaxreplay.config import Config, ConfigError, config_from_raw, flatten, mapping_keys, read_yaml, show, to_dict
 from jaxreplay.train.metrics import METRICS_FILE, MetricsWriter
 from jaxreplay.train.tracking import Tracker
@@ -77,7 +77,7 @@ def run_settings(config: Config) -> dict[str, Any]:
 
 
 def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None] = print,
-                  trained_with: Optional[Mapping[str, Any]] = None) -> Config:
+                  trained_with: Optional[Mapping[str, Any]] = None, warn: Callable[[str], None] = warning) -> Config:
     """The config a resume in `run_dir` records: `config`, checked against the stored config.yaml
     and against `trained_with`, the run-changing settings the checkpoint recorded (`run_settings`),
     which win over config.yaml's: a deleted or edited config.yaml does not hide a change.
@@ -87,7 +87,7 @@ def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None
     `replay.calibrate_steps` > 0 the stored `samples_per_insert` (the calibrated one) is kept.
     A value taken from config.yaml is validated like the command line's: an edited config.yaml
     is refused (`ConfigError`, exit code 2 from the CLI), never trained on unchecked. A value of
-    config.yaml that `trained_with` overrules (a hand edit) is logged in one warning line.
+    config.yaml that `trained_with` overrules (a hand edit) is said in one `warn` line (stderr).
     Only reads: every process of a multi-host run can call it. Neither config.yaml nor
     `trained_with`: `config` itself."""
     path = Path(run_dir) / CONFIG_FILE
@@ -133,7 +133,7 @@ def resume_config(run_dir: str | Path, config: Config, log: Callable[[str], None
     overruled = [key for key, value in (trained_with or {}).items()
                  if key in in_file and in_file[key] != value and final.get(key) == value]
     if overruled:
-        log(f"warning: {storage.join(str(where), CONFIG_FILE)} was edited: it says "
+        warn(f"{storage.join(str(where), CONFIG_FILE)} was edited: it says "
             f"{', '.join(f'{k}: {show(in_file[k])}' for k in overruled)}, but the run goes on with "
             f"{', '.join(f'{k}: {show(final[k])}' for k in overruled)}, as its checkpoint was trained, and the file "
             "is rewritten to that (a resume cannot change these: use a new run.dir)")
@@ -160,14 +160,15 @@ class RunRecorder:
 
     @classmethod
     def open(cls, run_dir: Any, config: Config, resume_step: Optional[int],
-             log: Callable[[str], None] = print, trained_with: Optional[Mapping[str, Any]] = None) -> "RunRecorder":
+             log: Callable[[str], None] = print, trained_with: Optional[Mapping[str, Any]] = None,
+             warn: Callable[[str], None] = warning) -> "RunRecorder":
         """`run_dir`: a `rundir.RunDir` or a local path; `resume_step`: the checkpoint step the run
         resumes from, or None for a fresh start (whatever an earlier attempt without a checkpoint
         left is then overwritten); `trained_with`: that step's recorded run-changing settings
         (`resume_config`)."""
         where = run_dir
         if resume_step is not None:
-            config = resume_config(run_dir, config, log, trained_with)  # may refuse: nothing is written before it
+            config = resume_config(run_dir, config, log, trained_with, warn)  # may refuse: nothing is written before it
         run_dir = Path(run_dir)
         write_atomic(run_dir / CONFIG_FILE, _yaml(config))
         dropped = keep_metrics_through(run_dir / METRICS_FILE, -1 if resume_step is None else resume_step)

@@ -26,7 +26,7 @@ import jax
 import optax
 from tqdm import tqdm
 
-from jaxreplay import storage
+from jaxreplay import storage, warn as warning
 from jaxreplay.config import Config, to_dict
 from jaxreplay.learn.losses import masked_mean
 from jaxreplay.models.transformer import forward
@@ -92,7 +92,8 @@ def cache_root(config: Config) -> str:
 
 
 def warm_start(graphdef, params, task: ArithmeticTask, config: Config, cache_dir: Optional[str | Path] = None,
-               log: Callable[[str], None] = print, stopping: Callable[[], Optional[int]] = lambda: None):
+               log: Callable[[str], None] = print, stopping: Callable[[], Optional[int]] = lambda: None,
+               warn: Callable[[str], None] = warning):
     """Supervised next-token training on correct answers; returns (params, was_cached).
 
     `cache_dir`: the cache's root (default `cache_root(config)`); entries are named by `cache_key`.
@@ -111,7 +112,7 @@ def warm_start(graphdef, params, task: ArithmeticTask, config: Config, cache_dir
         try:
             return _read(entry, settings, params), True
         except Exception as e:  # noqa: BLE001 - any damage to the entry means recomputing it
-            log(f"warning: the cached warm start {entry} is damaged ({read_error_line(e)}); "
+            warn(f"the cached warm start {entry} is damaged ({read_error_line(e)}); "
                 "recomputing it and replacing the entry")
             damaged = _identity(entry)
     params = supervised_warm_start(graphdef, params, task, config, stopping)
@@ -121,7 +122,7 @@ def warm_start(graphdef, params, task: ArithmeticTask, config: Config, cache_dir
         else:
             _publish(Path(entry), settings, params, replace=damaged)
     except Exception as e:  # noqa: BLE001 - the run has its warm start; only the next one loses the cache
-        log(f"warning: cannot cache the warm start in {entry}: {getattr(e, 'strerror', None) or e}")
+        warn(f"cannot cache the warm start in {entry}: {getattr(e, 'strerror', None) or e}")
     return params, False
 
 
