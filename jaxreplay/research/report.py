@@ -23,6 +23,11 @@ them, or `--sweep` naming a stage-1 file) get the stage-1 report instead (`stage
 the stage-1 table and OUT/selected.yaml, report_select). A stage-2 report given the stage-1
 runs with `--stage1 RUN_DIR...` copies them into OUT/stage1 and adds the frontier at the first
 `--mu` (report_frontier) and the stage-1 table; its Data line's command names `--stage1 stage1/*/*`.
+
+A replication (`jaxreplay sweep FILE --replicate S,S --out DIR`: the same settings on new seeds)
+is given with `--replication DIR/*/seed*` and copied into OUT/replication. It is set beside the
+declared seeds and its claims are decided again on its seeds alone, under a heading of its own:
+never pooled into the declared seeds' verdicts. Its runs given as ordinary run dirs are refused.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ import yaml
 from jaxreplay import storage
 from jaxreplay.config import ConfigError
 from jaxreplay.research import report_frontier, report_plots
-from jaxreplay.research.report_claims import CLAIMS_FILE, TARGET_FRACTIONS, Claim, parse_claims, verdict
+from jaxreplay.research.report_claims import (
+    CLAIMS_FILE, REPLICATION_FILE, TARGET_FRACTIONS, Claim, parse_claims, verdict)
 from jaxreplay.research.report_data import (
     EVAL_FILE, SUMMARY_FILE, RunData, Setting, copy_run, declared, group_settings, load_runs, measured_mu,
     pick_baseline)
@@ -354,11 +360,70 @@ def runs_table(settings: Sequence[Setting], base: Setting) -> str:
     return _markdown(header, rows)
 
 
-def rebuild_command(baseline: Optional[str], mus: Sequence[float], stage1: bool = False) -> str:
+def rebuild_command(baseline: Optional[str], mus: Sequence[float], stage1: bool = False,
+                    replication: bool = False) -> str:
     """The command that rebuilds a report in its own folder from its copied runs (and stage-1 runs)."""
     return ("jaxreplay report runs/*/* --out ." + (f" --baseline {baseline}" if baseline else "")
             + (f" --mu {','.join(repr(float(m)).removesuffix('.0') for m in mus)}" if mus else "")
-            + (" --stage1 stage1/*/*" if stage1 else ""))
+            + (" --stage1 stage1/*/*" if stage1 else "") + (" --replication replication/*/*" if replication else ""))
+
+
+def _seeds(settings: Sequence[Setting]) -> list:
+    return sorted({r.seed for s in settings for r in s.runs}, key=lambda v: (v is None, v))
+
+
+def _is_replication(run_dir: str | Path) -> bool:
+    return (Path(run_dir).resolve().parent.parent / REPLICATION_FILE).exists()
+
+
+def check_replication(settings: Sequence[Setting], replicated: Sequence[Setting]) -> None:
+    """A replication's settings are the study's, on seeds none of the study's runs used."""
+    names = {s.name for s in settings}
+    for s in replicated:
+        if s.name not in names:
+            raise ConfigError(f"--replication: setting {s.name} is none of the study's ({', '.join(sorted(names))})")
+    shared = set(_seeds(settings)) & set(_seeds(replicated))
+    if shared:
+        raise ConfigError(f"--replication: seed {min(shared)} is also one of the study's runs; a replication runs "
+                          "on new seeds and is never pooled with them")
+
+
+def replication_table(settings: Sequence[Setting], replicated: Sequence[Setting], base: Setting) -> str:
+    """Per setting: the declared seeds' numbers and the replication's, side by side, never pooled."""
+    again = {s.name: s for s in replicated}
+    header = ["setting", "seeds (declared / replication)", "peak (declared)", "peak (replication)",
+              "final (declared)", "final (replication)", f"peak − {base.name}'s (declared)",
+              f"peak − {base.name}'s (replication)"]
+    peak = lambda r: start_and_peak(r)[1]  # noqa: E731
+    final = lambda r: float(r.evals()[1][-1])  # noqa: E731
+    rebase = again.get(base.name)
+    rows = []
+    for s in settings:
+        rep = again.get(s.name)
+        runs = rep.runs if rep else []
+        rows.append([_name(s, base), f"{len(s.runs)} / {len(runs)}",
+                     cell([peak(r) for r in s.runs]), cell([peak(r) for r in runs]),
+                     cell([final(r) for r in s.runs]), cell([final(r) for r in runs]),
+                     "" if s is base else summary_cell(differences(s, base, peak)),
+                     "" if s is base or rep is None or rebase is None else summary_cell(differences(rep, rebase, peak))])
+    return _markdown(header, rows)
+
+
+def _replication_section(claims: Sequence[Claim], settings: Sequence[Setting], replicated: Sequence[Setting],
+                         base: Setting) -> list[str]:
+    seeds, declared_seeds = _seeds(replicated), _seeds(settings)
+    rebase = next((s for s in replicated if s.name == base.name), None)
+    doc = ["## Replication on new seeds (apart from the declared seeds, never pooled with them)", "",
+           f"Seeds {', '.join(map(str, seeds))}: the same settings, learning rates and budgets as the declared seeds "
+           f"({', '.join(map(str, declared_seeds))}), run by `jaxreplay sweep FILE --replicate "
+           f"{','.join(map(str, seeds))} --out DIR` (`replication/{REPLICATION_FILE}`). The verdicts above are the "
+           "confirmatory ones, from the declared seeds alone; the claims are decided again below on the replication "
+           "alone, by the same rules.", ""]
+    if claims:
+        doc += ["## Replication: the claims decided again on its seeds alone", "",
+                claims_table(claims, replicated, rebase) if rebase is not None else
+                f"Not decided: the replication has no runs of the baseline {base.name}.\n"]
+    return doc + ["## Replication beside the declared seeds", "", replication_table(settings, replicated, base)]
 
 
 def _how_to_read(settings: Sequence[Setting], base: Setting, mu: Optional[float], given: Sequence[float],
@@ -389,10 +454,16 @@ def _how_to_read(settings: Sequence[Setting], base: Setting, mu: Optional[float]
         f"of each process left out); the other {len(runs) - timed} count from their first learner step, "
         "which holds both first calls.",
         f"- **Data:** every number and plot here is rebuilt from "
-        f"{'`runs/` and `stage1/`' if '--stage1' in command else '`runs/`'} alone ({size / 1e6:.2f} MB: each run's "
+        f"{_folders(command)} alone ({size / 1e6:.2f} MB: each run's "
         "config.yaml, summary.json, eval.json and metrics.jsonl trimmed to the keys read): "
         f"`{command}` in this folder writes this file again, byte for byte.",
     ]
+
+
+def _folders(command: str) -> str:
+    """The folders a rebuild command reads: `runs/`, and `stage1/` and `replication/` where it names them."""
+    names = ["`runs/`", *(f"`{f}/`" for f in ("stage1", "replication") if f"--{f} " in command)]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def load_claims(sweep: Optional[str | Path], run_dirs: Sequence[Path]) -> tuple[Claim, ...]:
@@ -455,18 +526,22 @@ def stage1_report(run_dirs: Sequence[str | Path], out: Path, rule: Rule) -> str:
 
 
 def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[str] = None,
-           mus: Sequence[float] = (), sweep: Optional[str | Path] = None, stage1: Sequence[str | Path] = ()) -> str:
+           mus: Sequence[float] = (), sweep: Optional[str | Path] = None, stage1: Sequence[str | Path] = (),
+           replication: Sequence[str | Path] = ()) -> str:
     """Copies the runs into OUT/runs, then writes OUT/report.md and the PNGs from the copies;
     returns the claims and 90%-target tables. Stage-1 runs (a selection rule in `sweep` or beside
     them) get the stage-1 report instead (`stage1_report`); `stage1` (stage-1 run dirs, copied into
     OUT/stage1) adds the frontier at the first of `mus` and the stage-1 table."""
     out = Path(out)
     run_dirs = _staged(run_dirs)
+    if given := next((d for d in run_dirs if _is_replication(d)), None):
+        raise ConfigError(f"{given} is a replication's run ({REPLICATION_FILE} beside its setting folders): give it with "
+                          "--replication, beside the study's runs, so that it is never pooled with their seeds")
     rule = load_rule(sweep, [Path(d) for d in run_dirs])
     if rule is not None:
-        if stage1:
-            raise ConfigError("--stage1: these runs are stage 1 themselves (they come with a selection rule); "
-                              "--stage1 goes with stage-2 runs")
+        if stage1 or replication:
+            raise ConfigError(f"{'--stage1' if stage1 else '--replication'}: these runs are stage 1 themselves (they "
+                              "come with a selection rule); it goes with stage-2 (or single-stage) runs")
         return stage1_report(run_dirs, out, rule)
     claims = load_claims(sweep, [Path(d) for d in run_dirs])
     originals = group_settings(load_runs(run_dirs))
@@ -475,6 +550,9 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
     if stage1:
         rule = _stage1_rule(stage1_dirs, mus)
         _check_stage2(originals, _selection(group_settings(load_runs(stage1_dirs)), rule)[1])
+    replication_dirs = _staged(replication)
+    if replication:
+        check_replication(originals, group_settings(load_runs(replication_dirs)))
     copies = _copy(originals, out / "runs")
     if claims:
         (out / "runs" / CLAIMS_FILE).write_text(yaml.safe_dump(
@@ -485,7 +563,15 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
             sort_keys=False, allow_unicode=True))
     settings = group_settings(load_runs(copies))
     base = pick_baseline(settings, baseline)
-    frontier_doc, stage1_doc = [], []
+    frontier_doc, stage1_doc, replication_doc = [], [], []
+    if replication:
+        replicated = group_settings(load_runs(replication_dirs))
+        rep_copies = _copy(replicated, out / "replication")
+        marks = {p for d in replication_dirs if (p := Path(d).resolve().parent.parent / REPLICATION_FILE).exists()}
+        seeds = {"seeds": _seeds(replicated), "declared_seeds": _seeds(settings)}
+        (out / "replication" / REPLICATION_FILE).write_text(
+            marks.pop().read_text() if len(marks) == 1 else yaml.safe_dump(seeds, sort_keys=False))
+        replication_doc = _replication_section(claims, settings, group_settings(load_runs(rep_copies)), base)
     if stage1:
         stage1_copies = _copy(group_settings(load_runs(stage1_dirs)), out / "stage1")
         (out / "stage1" / SELECT_FILE).write_text(yaml.safe_dump(rule.as_dict(), sort_keys=False))
@@ -506,10 +592,13 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
     verdicts = claims_table(claims, settings, base) if claims else None
     level = float(np.median([target(r, TARGET_FRACTIONS[-1]) for r in base.runs]))
     pngs = report_plots.write(settings, level, plot_mus, out)
-    size = _size(out / "runs") + (_size(out / "stage1") if stage1 else 0)
+    size = _size(out / "runs") + (_size(out / "stage1") if stage1 else 0) + (
+        _size(out / "replication") if replication else 0)
     doc = ["# Replay comparison", "", *_how_to_read(settings, base, mu, mus, size,
-                                                            rebuild_command(baseline, mus, bool(stage1))), "",
+                                                            rebuild_command(baseline, mus, bool(stage1),
+                                                                            bool(replication))), "",
            *(["## Claims and verdicts", "", verdicts] if verdicts else []),
+           *replication_doc,
            *frontier_doc,
            "## Per setting", "", main,
            *([f"## Paired by seed: each run minus the {base.name} run of the same seed", "", paired]

@@ -36,6 +36,7 @@ from typing import Any, Optional
 from jaxreplay.config import ConfigError, did_you_mean, show
 
 CLAIMS_FILE = "claims.yaml"  # beside a sweep's setting folders: the claims its sweep file declared
+REPLICATION_FILE = "replication.yaml"  # beside a replication's setting folders (`jaxreplay sweep --replicate`)
 TARGET_FRACTIONS = (0.5, 0.75, 0.9)  # targets: these shares of the same seed's baseline gain (peak - start)
 _COST = re.compile(r"(tokens|rollouts|compute)_to_(50|75|90)")
 _PASS = re.compile(r"pass@([1-9][0-9]*)")
