@@ -13,6 +13,7 @@ list of dotted overrides) and the seeds:
       spi4: [replay.samples_per_insert=4]
     timeout_s: 3600            # per run
     claims: {...}              # rules deciding the claims, written before any run (report_claims)
+    regime: {...}              # the rule for "on-policy exhausted its pool" (report_regime)
 
 Two stages (docs/comparing.md, "Two stages"): a stage-1 file adds `learning_rates: [1e-4, 3e-4, 1e-3]`
 and `select: {measure: validation_peak, statistic: median}` (report_select): every setting (an arm)
@@ -59,11 +60,12 @@ import yaml
 
 from jaxreplay.config import Config, ConfigError, did_you_mean, load_config, read_yaml, show
 from jaxreplay.research.report_claims import CLAIMS_FILE, REPLICATION_FILE, parse_claims
+from jaxreplay.research.report_regime import REGIME_FILE, parse_regime
 from jaxreplay.research.report_select import (
     SELECT_FILE, SELECTED_FILE, lr_tag, parse_learning_rate, parse_rule, read_selected, setting_name)
 
 _KEYS = {"base", "out", "seeds", "overrides", "settings", "timeout_s", "claims", "learning_rates", "select", "stage1",
-         "pilots"}
+         "pilots", "regime"}
 # Config keys whose value is a path: in a sweep file's overrides, relative to the sweep file like its other paths.
 PATH_KEYS = ("warmstart.cache_dir", "task.path", "task.data_dir")
 _PILOT_RANGE = re.compile(r"([0-9]+)-([0-9]+)")
@@ -105,6 +107,7 @@ class Sweep:
     claims: Any = None  # the sweep file's claims, as written (validated by report_claims.parse_claims)
     select: Any = None  # a stage-1 sweep's rule picking each arm's learning rate (report_select.parse_rule)
     replication: Any = None  # a replication's record (REPLICATION_FILE): the sweep file, its seeds, the new ones
+    regime: Any = None  # the exhaustion rule some claims are decided under (report_regime)
 
 
 def here(path: Path | str) -> Path:
@@ -251,12 +254,21 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequ
                 runs.append(Run(setting=setting, seed=seed, base=base, overrides=args, config=config, arm=name))
     claims = raw.get("claims")
     names = set(settings)
+    regime = parse_regime(raw.get("regime"))
+    if regime is not None and regime.setting not in names:
+        raise ConfigError(f"sweep.regime.setting: {regime.setting} is not one of the settings")
     for claim in parse_claims(claims):
-        unknown = [n for n in claim.settings if n not in names]
+        unknown = [n for n in claim.names if n not in names]
         if unknown:
-            raise ConfigError(f"sweep.claims.{claim.name}.settings: {unknown[0]} is not one of the settings")
+            where = "settings" if unknown[0] in claim.settings else (
+                "baseline" if unknown[0] == claim.baseline else "contrast")
+            raise ConfigError(f"sweep.claims.{claim.name}.{where}: {unknown[0]} is not one of the settings")
+        if claim.regime and regime is None:
+            raise ConfigError(f"sweep.claims.{claim.name}.regime: needs the sweep's `regime`, the exhaustion rule "
+                              "declared before any run (report_regime)")
     return Sweep(runs=tuple(runs), timeout_s=float(timeout_s), out=out, claims=claims,
-                 select=None if rule is None else rule.as_dict(), replication=replication)
+                 select=None if rule is None else rule.as_dict(), replication=replication,
+                 regime=None if regime is None else regime.as_dict())
 
 
 def _sets_lr(overrides: Sequence[str]) -> bool:
@@ -335,6 +347,9 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> dict[str, str
     if sweep.claims:
         sweep.out.mkdir(parents=True, exist_ok=True)
         (sweep.out / CLAIMS_FILE).write_text(yaml.safe_dump(sweep.claims, sort_keys=False, allow_unicode=True))
+    if sweep.regime:
+        sweep.out.mkdir(parents=True, exist_ok=True)
+        (sweep.out / REGIME_FILE).write_text(yaml.safe_dump(sweep.regime, sort_keys=False))
     if sweep.select:
         sweep.out.mkdir(parents=True, exist_ok=True)
         (sweep.out / SELECT_FILE).write_text(yaml.safe_dump(sweep.select, sort_keys=False))
