@@ -96,8 +96,9 @@ def test_every_path_in_a_sweep_file_is_relative_to_the_file_from_any_working_dir
 
 
 def test_print_shows_where_the_committed_sweeps_runs_go_from_another_directory(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "jaxreplay.cli", "sweep", str(ROOT / "configs" / "sweep_mul_stage2.yaml"),
-                          "--print"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-m", "jaxreplay.cli", "sweep",
+                          str(ROOT / "configs" / "sweep_mul_stage2.yaml"), "--print"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     dirs = {(tmp_path / a.split("=", 1)[1]).resolve() for line in out.stdout.splitlines() for a in line.split()

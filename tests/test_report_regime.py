@@ -56,7 +56,8 @@ def _run(root, setting, seed, validation, final):
         rec = {"step": step, "rollouts/generated": float(step), "rollouts/trained": 4.0 * step,
                "tokens/generated": 10.0 * step, "reward_mean": 0.2 + 0.02 * step}  # reward rise 0.71 - 0.49 = 0.22
         if step in EVALS:
-            rec["eval/accuracy"], rec["eval/validation_accuracy"] = test[EVALS.index(step)], validation[EVALS.index(step)]
+            i = EVALS.index(step)
+            rec["eval/accuracy"], rec["eval/validation_accuracy"] = test[i], validation[i]
         records.append(rec)
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (d / "summary.json").write_text(json.dumps({"steps": 30}))
@@ -84,7 +85,8 @@ def test_the_regime_contrast_is_a_difference_of_paired_differences_decided_where
         "paired IQM of (final − on_policy_small's) − (the same of replay_full − on_policy_full's) > 0"
     # each claim pairs with its own baseline: 0.05, 0.03, 0.07, 0.01 on the small pool; -0.04 four times on the full
     assert rows["replay keeps the final accuracy on the small pool"]["verdict"] == "holds"
-    assert rows["replay keeps the final accuracy on the full pool"]["paired numbers"].startswith("IQM -0.04 [-0.04, -0.04]")
+    full = rows["replay keeps the final accuracy on the full pool"]
+    assert full["paired numbers"].startswith("IQM -0.04 [-0.04, -0.04]")
     assert rows["replay keeps the final accuracy on the full pool"]["verdict"] == "fails"
     assert "Met: on_policy_small's validation rose 0 from half the budget to the end (at most 0.01) while its " \
            "training reward rose 0.22 (at least 0.1); median over 4 seeds" in md

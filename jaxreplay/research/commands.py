@@ -52,9 +52,9 @@ def add_parsers(sub: argparse._SubParsersAction, command_parser: Callable[..., a
                         help="stage 2: the stage-1 run dirs (every arm at every learning rate), for the frontier at "
                              "the first --mu and the stage-1 table; copied into OUT/stage1")
     report.add_argument("--replication", nargs="+", default=[], metavar="RUN_DIR",
-                        help="a replication's run dirs (jaxreplay sweep FILE --replicate S,S --out DIR): set beside the "
-                             "declared seeds, its claims decided again on it alone, never pooled; copied into "
-                             "OUT/replication")
+                        help="a replication's run dirs (jaxreplay sweep FILE --replicate S,S --out DIR): set "
+                             "beside the declared seeds, its claims decided again on it alone, never pooled; copied "
+                             "into OUT/replication")
     theory = command_parser(
         sub, "theory", "optimal staleness horizon and replay ratio of the cost model",
         "The paper's Theorem 4.5: x* = N/R and y* = B/R from the cost ratio mu, the batch-variance weight\n"

@@ -432,7 +432,8 @@ def replication_table(settings: Sequence[Setting], replicated: Sequence[Setting]
                      cell([peak(r) for r in s.runs]), cell([peak(r) for r in runs]),
                      cell([final(r) for r in s.runs]), cell([final(r) for r in runs]),
                      "" if s is base else summary_cell(differences(s, base, peak)),
-                     "" if s is base or rep is None or rebase is None else summary_cell(differences(rep, rebase, peak))])
+                     "" if s is base or rep is None or rebase is None else
+                     summary_cell(differences(rep, rebase, peak))])
     return _markdown(header, rows)
 
 
@@ -593,8 +594,8 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
     out = Path(out)
     run_dirs = _staged(run_dirs)
     if given := next((d for d in run_dirs if _is_replication(d)), None):
-        raise ConfigError(f"{given} is a replication's run ({REPLICATION_FILE} beside its setting folders): give it with "
-                          "--replication, beside the study's runs, so that it is never pooled with their seeds")
+        raise ConfigError(f"{given} is a replication's run ({REPLICATION_FILE} beside its setting folders): give it "
+                          "with --replication, beside the study's runs, so that it is never pooled with their seeds")
     rule = load_rule(sweep, [Path(d) for d in run_dirs])
     if rule is not None:
         if stage1 or replication:

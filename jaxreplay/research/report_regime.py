@@ -52,9 +52,9 @@ class Regime:
 
     def describe(self) -> str:
         return (f"over the {self.statistic} of {self.setting}'s seeds, the mean of its last {self.evaluations} "
-                f"validation evaluations at most {self.plateau:g} above the mean of the {self.evaluations} nearest half "
-                f"its generated tokens, while its training reward (mean over {self.reward_window} logged steps) rises "
-                f"by at least {self.reward_rise:g} from half the budget to the end")
+                f"validation evaluations at most {self.plateau:g} above the mean of the {self.evaluations} nearest "
+                f"half its generated tokens, while its training reward (mean over {self.reward_window} logged steps) "
+                f"rises by at least {self.reward_rise:g} from half the budget to the end")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -81,8 +81,8 @@ def parse_regime(raw: Any, where: str = "sweep.regime") -> Optional[Regime]:
             v = raw[key]
             good = isinstance(v, int if kind is int else (int, float)) and not isinstance(v, bool) and ok(v)
             if not good:
-                raise ConfigError(f"{where}.{key}: expected a {'positive integer' if kind is int else 'finite number'}, "
-                                  f"got {show(v)}")
+                what = "positive integer" if kind is int else "finite number"
+                raise ConfigError(f"{where}.{key}: expected a {what}, got {show(v)}")
             values[key] = kind(v)
     statistic = raw.get("statistic", "median")
     if statistic not in _STATISTICS:

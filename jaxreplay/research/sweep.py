@@ -136,7 +136,8 @@ def parse_pilots(raw: Any) -> frozenset[int]:
     if raw is None:
         return frozenset()
     if not isinstance(raw, list):
-        raise ConfigError(f"sweep.pilots: expected a list of seeds and LO-HI ranges like [900, 950-999], got {show(raw)}")
+        raise ConfigError(f"sweep.pilots: expected a list of seeds and LO-HI ranges like [900, 950-999], "
+                          f"got {show(raw)}")
     seeds: set[int] = set()
     for item in raw:
         if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
@@ -179,7 +180,8 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequ
     for key in ("base", "out", "seeds", "settings"):
         if key not in raw:
             raise ConfigError(f"sweep.{key}: required")
-    base = Path(str(raw["base"])) if Path(str(raw["base"])).is_absolute() else (path.parent / str(raw["base"])).resolve()
+    base = Path(str(raw["base"]))
+    base = base if base.is_absolute() else (path.parent / base).resolve()
     seeds = raw["seeds"]
     if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool)
                                                       for s in seeds)):
