@@ -143,6 +143,16 @@ class TaskConfig:
     # do in GSM8K or MATH (0 = arithmetic draws fresh problems forever, reasoning_gym pools 2048, datasets use their
     # whole training split). The pool is fixed by task.data_seed, its order by run.seed
     train_size: int = 0
+    # how the arithmetic task makes its splits. `fixed`: test, validation, the warm start's own split
+    # (`task.warmstart_size`) and the training pool are dealt in that order from one seeded shuffle of distinct
+    # problems that no split size changes, so `task.train_size` moves neither the held-out splits nor the warm start,
+    # and a smaller pool is the first problems of a larger one. `dealt`: the layout before issue 49, pinned by the
+    # committed sweep files: test, validation and pool dealt from one draw of their summed sizes (`task.train_size`
+    # moves the held-out splits), and the warm start draws from the training pool or stream
+    splits: Literal["dealt", "fixed"] = "dealt"
+    # arithmetic with `task.splits=fixed`: problems of the warm start's own split, disjoint from the test, validation
+    # and training splits, visited in epochs by the warm start's demonstrations
+    warmstart_size: int = 2000
     # seed of the test and validation splits and of the training pool (reasoning_gym: the three splits draw from
     # seeds 2^28 apart, as its item i is drawn with Random(seed + i))
     data_seed: int = 1234
@@ -849,7 +859,7 @@ RANGES: dict[str, Interval] = {
     "model.rope_low_freq_factor": POSITIVE, "model.rope_high_freq_factor": POSITIVE,
     "model.rope_original_max_len": POSITIVE, "model.norm_eps": POSITIVE,
     "task.eval_size": POSITIVE, "task.data_seed": NON_NEGATIVE, "task.validation_size": NON_NEGATIVE,
-    "task.train_size": NON_NEGATIVE,
+    "task.train_size": NON_NEGATIVE, "task.warmstart_size": NON_NEGATIVE,
     "warmstart.steps": NON_NEGATIVE, "warmstart.batch_size": POSITIVE, "warmstart.learning_rate": POSITIVE,
     "warmstart.teacher_carry_error": Interval(0, 1),
     # Below ~1e-3, logits / temperature overflow float32 and sampling turns to NaN.

@@ -168,3 +168,16 @@ def test_an_unwritable_cache_warns_and_the_run_goes_on(tmp_path):
     lines = []
     params, cached = start(config(tmp_path / "a", f"warmstart.cache_dir={tmp_path / 'blocker' / 'cache'}"), lines)
     assert not cached and len(lines) == 1 and lines[0].startswith("warning: cannot cache the warm start")
+
+
+def test_runs_differing_only_in_the_pool_size_start_from_identical_params_with_fixed_splits(tmp_path):
+    """Issue 49: the warm start has its own split, so task.train_size changes neither it nor its cache entry."""
+    fixed = ("task.splits=fixed", "task.warmstart_size=200")
+    small, cached_small = start(config(tmp_path / "sweep" / "a", *fixed, "task.train_size=64"))
+    full, cached_full = start(config(tmp_path / "sweep" / "b", *fixed, "task.train_size=512"))
+    assert (cached_small, cached_full) == (False, True)
+    assert same(small, full)
+    assert len(entries(tmp_path / "sweep" / ".warmstart-cache")) == 1
+    cfg = config(tmp_path / "sweep" / "b", *fixed, "task.train_size=512")
+    graphdef, params = init_params(cfg.model, cfg.run.seed)
+    assert same(full, supervised_warm_start(graphdef, params, make_task(cfg.task), cfg))  # not just the same key

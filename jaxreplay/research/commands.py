@@ -19,12 +19,18 @@ def add_parsers(sub: argparse._SubParsersAction, command_parser: Callable[..., a
         "  jaxreplay sweep configs/sweep_demo.yaml\n"
         "  jaxreplay sweep configs/sweep_demo.yaml train.steps=50 --print    # the commands, not run\n"
         "  taskset -c 0 jaxreplay sweep configs/sweep_testbed.yaml --seeds 0,2,4 &    # one core each\n"
-        "  taskset -c 1 jaxreplay sweep configs/sweep_testbed.yaml --seeds 1,3")
+        "  taskset -c 1 jaxreplay sweep configs/sweep_testbed.yaml --seeds 1,3\n"
+        "  jaxreplay sweep configs/sweep_mul_stage2.yaml --replicate 231,247 --out runs/mul_stage2_rep   # new seeds")
     sweep.add_argument("sweep", help="the sweep file, e.g. configs/sweep_demo.yaml")
     sweep.add_argument("overrides", nargs="*", help=f"{overrides_help}; for every run")
     sweep.add_argument("--print", action="store_true", help="print one command per run instead of running")
     sweep.add_argument("--seeds", type=_seed_list, metavar="S,S,...",
                        help="run only these of the file's seeds, e.g. to split a sweep over cores or machines")
+    sweep.add_argument("--replicate", type=_seed_list, metavar="S,S,...",
+                       help="replicate the sweep on these new seeds (none of the study's or its pilots'): the same "
+                            "settings, rates and budgets, into --out")
+    sweep.add_argument("--out", metavar="DIR", help="with --replicate: the replication's folder, apart from the "
+                       "study's own (its report: jaxreplay report ... --replication DIR/*/seed*)")
     report = command_parser(
         sub, "report", "plots and a Markdown table comparing runs",
         "Reads each run dir's metrics and summary; seeds of one setting share a parent folder. Writes\n"
@@ -32,7 +38,8 @@ def add_parsers(sub: argparse._SubParsersAction, command_parser: Callable[..., a
         "  jaxreplay report runs/sweep_demo/*/seed* --out runs/sweep_demo/report\n"
         "  jaxreplay report runs/sweep_demo/*/seed* --out runs/sweep_demo/report --mu 5.28,6.84 --baseline spi2\n"
         "  jaxreplay report runs/stage1/*/seed* --out results/stage1        # stage 1: writes selected.yaml\n"
-        "  jaxreplay report runs/stage2/*/seed* --out results/stage2 --mu 5.28 --stage1 runs/stage1/*/seed*")
+        "  jaxreplay report runs/stage2/*/seed* --out results/stage2 --mu 5.28 --stage1 runs/stage1/*/seed*\n"
+        "  jaxreplay report runs/stage2/*/seed* --out results/stage2_rep --mu 5.28 --replication runs/rep/*/seed*")
     report.add_argument("run_dirs", nargs="+", metavar="run_dir",
                         help="run directories (seeds of one setting share a parent folder)")
     report.add_argument("--out", required=True, metavar="DIR", help="directory for report.md and the PNGs (required)")
@@ -44,6 +51,10 @@ def add_parsers(sub: argparse._SubParsersAction, command_parser: Callable[..., a
     report.add_argument("--stage1", nargs="+", default=[], metavar="RUN_DIR",
                         help="stage 2: the stage-1 run dirs (every arm at every learning rate), for the frontier at "
                              "the first --mu and the stage-1 table; copied into OUT/stage1")
+    report.add_argument("--replication", nargs="+", default=[], metavar="RUN_DIR",
+                        help="a replication's run dirs (jaxreplay sweep FILE --replicate S,S --out DIR): set "
+                             "beside the declared seeds, its claims decided again on it alone, never pooled; copied "
+                             "into OUT/replication")
     theory = command_parser(
         sub, "theory", "optimal staleness horizon and replay ratio of the cost model",
         "The paper's Theorem 4.5: x* = N/R and y* = B/R from the cost ratio mu, the batch-variance weight\n"
@@ -97,8 +108,14 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "sweep":
         from jaxreplay.research.sweep import commands, load_sweep, run_sweep
 
-        sweep = load_sweep(args.sweep, args.overrides, only_seeds=args.seeds)
+        sweep = load_sweep(args.sweep, args.overrides, only_seeds=args.seeds, replicate=args.replicate,
+                           replicate_out=args.out)
         if args.print:
+            import os
+            import sys
+
+            print(f"# runs go under {os.path.abspath(sweep.out)}" + (" (a replication)" if sweep.replication else ""),
+                  file=sys.stderr)
             print("\n".join(commands(sweep)))
             return 0
         results = run_sweep(sweep)
@@ -107,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         from jaxreplay.research.report import report
 
         print(report(args.run_dirs, args.out, baseline=args.baseline, mus=tuple(args.mu or ()), sweep=args.sweep,
-                     stage1=args.stage1), end="")
+                     stage1=args.stage1, replication=args.replication), end="")
         print(f"report: {args.out}/report.md")
         return 0
     if args.command == "theory":

@@ -23,6 +23,11 @@ them, or `--sweep` naming a stage-1 file) get the stage-1 report instead (`stage
 the stage-1 table and OUT/selected.yaml, report_select). A stage-2 report given the stage-1
 runs with `--stage1 RUN_DIR...` copies them into OUT/stage1 and adds the frontier at the first
 `--mu` (report_frontier) and the stage-1 table; its Data line's command names `--stage1 stage1/*/*`.
+
+A replication (`jaxreplay sweep FILE --replicate S,S --out DIR`: the same settings on new seeds)
+is given with `--replication DIR/*/seed*` and copied into OUT/replication. It is set beside the
+declared seeds and its claims are decided again on its seeds alone, under a heading of its own:
+never pooled into the declared seeds' verdicts. Its runs given as ordinary run dirs are refused.
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ import yaml
 
 from jaxreplay import storage
 from jaxreplay.config import ConfigError
-from jaxreplay.research import report_frontier, report_plots
-from jaxreplay.research.report_claims import CLAIMS_FILE, TARGET_FRACTIONS, Claim, parse_claims, verdict
+from jaxreplay.research import report_frontier, report_plots, report_regime
+from jaxreplay.research.report_claims import (
+    CLAIMS_FILE, REPLICATION_FILE, TARGET_FRACTIONS, Claim, parse_claims, verdict)
 from jaxreplay.research.report_data import (
     EVAL_FILE, SUMMARY_FILE, RunData, Setting, copy_run, declared, group_settings, load_runs, measured_mu,
     pick_baseline)
@@ -280,7 +286,9 @@ def coverage_table(settings: Sequence[Setting], base: Setting, mus: Mus) -> str:
 
 
 def claim_values(claim: Claim, settings: dict[str, Setting], base: Setting) -> list[list[float]]:
-    """The claim's paired values, one stratum per setting it pools."""
+    """The claim's paired values, one stratum per setting it pools (`contrast_values` for a contrast)."""
+    if claim.contrast:
+        return contrast_values(claim, settings)
     strata = []
     for name in claim.settings:
         s = settings[name]
@@ -291,6 +299,23 @@ def claim_values(claim: Claim, settings: dict[str, Setting], base: Setting) -> l
             every = list(settings.values())
             values = [paired_measure(claim.measure, claim.mu, r, ref, every) for r, ref in pairs(s, base)]
             strata.append([a - b for a, b in filter(None, values)])
+    return [v for v in strata if v]
+
+
+def contrast_values(claim: Claim, settings: dict[str, Setting]) -> list[list[float]]:
+    """A regime contrast's difference of paired differences, per seed that all four runs share:
+    (setting − its baseline) − (contrast setting − the contrast baseline), one stratum per pair of
+    settings (report_claims)."""
+    every = list(settings.values())
+
+    def by_seed(name: str, ref: str) -> dict:
+        return {r.seed: v[0] - v[1] for r, b in pairs(settings[name], settings[ref])
+                if (v := paired_measure(claim.measure, claim.mu, r, b, every)) is not None}
+
+    strata = []
+    for name, other in zip(claim.settings, claim.contrast):
+        here, there = by_seed(name, claim.baseline), by_seed(other, claim.contrast_baseline)
+        strata.append([here[seed] - there[seed] for seed in sorted(here, key=str) if seed in there])
     return [v for v in strata if v]
 
 
@@ -305,16 +330,20 @@ def baseline_values(claim: Claim, settings: Sequence[Setting], base: Setting) ->
     return [v for r in base.runs if (v := get(r)) is not None]
 
 
-def claims_table(claims: Sequence[Claim], settings: Sequence[Setting], base: Setting) -> str:
+def claims_table(claims: Sequence[Claim], settings: Sequence[Setting], base: Setting,
+                 regime: Optional[report_regime.RegimeResult] = None) -> str:
+    """Each claim's rule, paired numbers and verdict; a claim marked `regime` is "regime not reached"
+    (with the rule's numbers) where `regime`, the exhaustion rule's result, is not met."""
     by_name = {s.name: s for s in settings}
     rows = []
     for c in claims:
-        missing = [n for n in c.settings if n not in by_name]
+        missing = [n for n in dict.fromkeys(c.names) if n not in by_name]
         rule = c.describe(base.name)
         if missing:
             rows.append([c.text, rule, "n/a", f"not reported: no runs of {', '.join(missing)}"])
             continue
-        strata = claim_values(c, by_name, base)
+        own_base = by_name[c.baseline] if c.baseline else base
+        strata = claim_values(c, by_name, own_base)
         values = [v for stratum in strata for v in stratum]
         if not values:
             rows.append([c.text, rule, "n/a", "not testable here: no paired seeds"])
@@ -322,12 +351,16 @@ def claims_table(claims: Sequence[Claim], settings: Sequence[Setting], base: Set
         lo, hi = bootstrap_ci(strata)
         numbers = (f"IQM {fmt_value(iqm(values))} [{fmt_value(lo)}, {fmt_value(hi)}] over {len(values)} paired "
                    f"seeds; " + (f"reached in {sum(math.isfinite(v) for v in values)}/{len(values)}" if c.cost else
-                                 f"above {base.name} in {sum(v > 0 for v in values)}/{len(values)}"))
+                                 f"above 0 in {sum(v > 0 for v in values)}/{len(values)}" if c.contrast else
+                                 f"above {own_base.name} in {sum(v > 0 for v in values)}/{len(values)}"))
         decided = verdict(c, (lo, hi))
+        if c.regime and regime is not None and not regime.met:
+            rows.append([c.text, rule, numbers, f"regime not reached: {regime.numbers()}"])
+            continue
         if c.ceiling is not None and c.cost is None:
-            ref = baseline_values(c, settings, base)
+            ref = baseline_values(c, settings, own_base)
             if ref and float(np.median(ref)) >= c.ceiling:
-                decided = (f"not testable here: {base.name}'s median {c.measure} is {fmt(float(np.median(ref)))}, "
+                decided = (f"not testable here: {own_base.name}'s median {c.measure} is {fmt(float(np.median(ref)))}, "
                            f"at or above the ceiling {fmt(c.ceiling)}")
         rows.append([c.text, rule, numbers, decided])
     return _markdown(["claim", "rule (declared in the sweep file)", "paired numbers", "verdict"], rows)
@@ -354,11 +387,80 @@ def runs_table(settings: Sequence[Setting], base: Setting) -> str:
     return _markdown(header, rows)
 
 
-def rebuild_command(baseline: Optional[str], mus: Sequence[float], stage1: bool = False) -> str:
+def rebuild_command(baseline: Optional[str], mus: Sequence[float], stage1: bool = False,
+                    replication: bool = False) -> str:
     """The command that rebuilds a report in its own folder from its copied runs (and stage-1 runs)."""
     return ("jaxreplay report runs/*/* --out ." + (f" --baseline {baseline}" if baseline else "")
             + (f" --mu {','.join(repr(float(m)).removesuffix('.0') for m in mus)}" if mus else "")
-            + (" --stage1 stage1/*/*" if stage1 else ""))
+            + (" --stage1 stage1/*/*" if stage1 else "") + (" --replication replication/*/*" if replication else ""))
+
+
+def _seeds(settings: Sequence[Setting]) -> list:
+    return sorted({r.seed for s in settings for r in s.runs}, key=lambda v: (v is None, v))
+
+
+def _is_replication(run_dir: str | Path) -> bool:
+    return (Path(run_dir).resolve().parent.parent / REPLICATION_FILE).exists()
+
+
+def check_replication(settings: Sequence[Setting], replicated: Sequence[Setting]) -> None:
+    """A replication's settings are the study's, on seeds none of the study's runs used."""
+    names = {s.name for s in settings}
+    for s in replicated:
+        if s.name not in names:
+            raise ConfigError(f"--replication: setting {s.name} is none of the study's ({', '.join(sorted(names))})")
+    shared = set(_seeds(settings)) & set(_seeds(replicated))
+    if shared:
+        raise ConfigError(f"--replication: seed {min(shared)} is also one of the study's runs; a replication runs "
+                          "on new seeds and is never pooled with them")
+
+
+def replication_table(settings: Sequence[Setting], replicated: Sequence[Setting], base: Setting) -> str:
+    """Per setting: the declared seeds' numbers and the replication's, side by side, never pooled."""
+    again = {s.name: s for s in replicated}
+    header = ["setting", "seeds (declared / replication)", "peak (declared)", "peak (replication)",
+              "final (declared)", "final (replication)", f"peak − {base.name}'s (declared)",
+              f"peak − {base.name}'s (replication)"]
+    peak = lambda r: start_and_peak(r)[1]  # noqa: E731
+    final = lambda r: float(r.evals()[1][-1])  # noqa: E731
+    rebase = again.get(base.name)
+    rows = []
+    for s in settings:
+        rep = again.get(s.name)
+        runs = rep.runs if rep else []
+        rows.append([_name(s, base), f"{len(s.runs)} / {len(runs)}",
+                     cell([peak(r) for r in s.runs]), cell([peak(r) for r in runs]),
+                     cell([final(r) for r in s.runs]), cell([final(r) for r in runs]),
+                     "" if s is base else summary_cell(differences(s, base, peak)),
+                     "" if s is base or rep is None or rebase is None else
+                     summary_cell(differences(rep, rebase, peak))])
+    return _markdown(header, rows)
+
+
+def _regime_on(regime: Optional[report_regime.Regime], settings: Sequence[Setting]):
+    """The exhaustion rule decided on these settings alone (not met where they lack its setting)."""
+    if regime is None:
+        return None
+    if regime.setting not in {s.name for s in settings}:
+        return report_regime.RegimeResult(regime, 0, math.nan, math.nan)
+    return report_regime.decide(regime, settings)
+
+
+def _replication_section(claims: Sequence[Claim], settings: Sequence[Setting], replicated: Sequence[Setting],
+                         base: Setting, regime: Optional[report_regime.Regime] = None) -> list[str]:
+    seeds, declared_seeds = _seeds(replicated), _seeds(settings)
+    rebase = next((s for s in replicated if s.name == base.name), None)
+    doc = ["## Replication on new seeds (apart from the declared seeds, never pooled with them)", "",
+           f"Seeds {', '.join(map(str, seeds))}: the same settings, learning rates and budgets as the declared seeds "
+           f"({', '.join(map(str, declared_seeds))}), run by `jaxreplay sweep FILE --replicate "
+           f"{','.join(map(str, seeds))} --out DIR` (`replication/{REPLICATION_FILE}`). The verdicts above are the "
+           "confirmatory ones, from the declared seeds alone; the claims are decided again below on the replication "
+           "alone, by the same rules.", ""]
+    if claims:
+        doc += ["## Replication: the claims decided again on its seeds alone", "",
+                claims_table(claims, replicated, rebase, _regime_on(regime, replicated)) if rebase is not None else
+                f"Not decided: the replication has no runs of the baseline {base.name}.\n"]
+    return doc + ["## Replication beside the declared seeds", "", replication_table(settings, replicated, base)]
 
 
 def _how_to_read(settings: Sequence[Setting], base: Setting, mu: Optional[float], given: Sequence[float],
@@ -389,10 +491,38 @@ def _how_to_read(settings: Sequence[Setting], base: Setting, mu: Optional[float]
         f"of each process left out); the other {len(runs) - timed} count from their first learner step, "
         "which holds both first calls.",
         f"- **Data:** every number and plot here is rebuilt from "
-        f"{'`runs/` and `stage1/`' if '--stage1' in command else '`runs/`'} alone ({size / 1e6:.2f} MB: each run's "
+        f"{_folders(command)} alone ({size / 1e6:.2f} MB: each run's "
         "config.yaml, summary.json, eval.json and metrics.jsonl trimmed to the keys read): "
         f"`{command}` in this folder writes this file again, byte for byte.",
     ]
+
+
+def _folders(command: str) -> str:
+    """The folders a rebuild command reads: `runs/`, and `stage1/` and `replication/` where it names them."""
+    names = ["`runs/`", *(f"`{f}/`" for f in ("stage1", "replication") if f"--{f} " in command)]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def load_regime(sweep: Optional[str | Path], run_dirs: Sequence[Path]) -> Optional[report_regime.Regime]:
+    """The exhaustion rule of `sweep`, else of a regime.yaml beside the runs' setting folders (None: none)."""
+    raw, source = declared(sweep, run_dirs, "regime", report_regime.REGIME_FILE,
+                           "sweeps each declare an exhaustion rule; name one with --sweep")
+    return report_regime.parse_regime(raw, source) if source else report_regime.parse_regime(raw)
+
+
+def _regime_section(result: report_regime.RegimeResult, settings: Sequence[Setting]) -> list[str]:
+    doc = ["## Regime: did on-policy exhaust its pool?", "",
+           f"Rule (declared in the sweep file before any run, `runs/{report_regime.REGIME_FILE}`): "
+           f"{result.regime.describe()}. {'Met' if result.met else 'Not met'}: {result.numbers()}. Claims marked "
+           "`regime` are decided only where it is met.", ""]
+    rows = report_regime.reward_rows(settings)
+    if rows:
+        doc += ["## On-policy's training reward beside its test accuracy", "",
+                "Median [q25, q75] over seeds at shares of each run's generated tokens (each series interpolated "
+                f"linearly); the training reward is `{report_regime.REWARD_KEY}`, the fresh rollouts' reward on the "
+                "training pool. Reward climbing while test accuracy stays is what an exhausted pool looks like.", "",
+                _markdown(*rows)]
+    return doc
 
 
 def load_claims(sweep: Optional[str | Path], run_dirs: Sequence[Path]) -> tuple[Claim, ...]:
@@ -455,37 +585,62 @@ def stage1_report(run_dirs: Sequence[str | Path], out: Path, rule: Rule) -> str:
 
 
 def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[str] = None,
-           mus: Sequence[float] = (), sweep: Optional[str | Path] = None, stage1: Sequence[str | Path] = ()) -> str:
+           mus: Sequence[float] = (), sweep: Optional[str | Path] = None, stage1: Sequence[str | Path] = (),
+           replication: Sequence[str | Path] = ()) -> str:
     """Copies the runs into OUT/runs, then writes OUT/report.md and the PNGs from the copies;
     returns the claims and 90%-target tables. Stage-1 runs (a selection rule in `sweep` or beside
     them) get the stage-1 report instead (`stage1_report`); `stage1` (stage-1 run dirs, copied into
     OUT/stage1) adds the frontier at the first of `mus` and the stage-1 table."""
     out = Path(out)
     run_dirs = _staged(run_dirs)
+    if given := next((d for d in run_dirs if _is_replication(d)), None):
+        raise ConfigError(f"{given} is a replication's run ({REPLICATION_FILE} beside its setting folders): give it "
+                          "with --replication, beside the study's runs, so that it is never pooled with their seeds")
     rule = load_rule(sweep, [Path(d) for d in run_dirs])
     if rule is not None:
-        if stage1:
-            raise ConfigError("--stage1: these runs are stage 1 themselves (they come with a selection rule); "
-                              "--stage1 goes with stage-2 runs")
+        if stage1 or replication:
+            raise ConfigError(f"{'--stage1' if stage1 else '--replication'}: these runs are stage 1 themselves (they "
+                              "come with a selection rule); it goes with stage-2 (or single-stage) runs")
         return stage1_report(run_dirs, out, rule)
     claims = load_claims(sweep, [Path(d) for d in run_dirs])
+    regime = load_regime(sweep, [Path(d) for d in run_dirs])
+    if any(c.regime for c in claims) and regime is None:
+        raise ConfigError("claims marked `regime` need the sweep's exhaustion rule (its `regime`, written to "
+                          f"{report_regime.REGIME_FILE} beside the runs); none found")
     originals = group_settings(load_runs(run_dirs))
     pick_baseline(originals, baseline)  # refuse a bad --baseline before writing anything
     stage1_dirs = _staged(stage1)
     if stage1:
         rule = _stage1_rule(stage1_dirs, mus)
         _check_stage2(originals, _selection(group_settings(load_runs(stage1_dirs)), rule)[1])
+    replication_dirs = _staged(replication)
+    if replication:
+        check_replication(originals, group_settings(load_runs(replication_dirs)))
     copies = _copy(originals, out / "runs")
     if claims:
         (out / "runs" / CLAIMS_FILE).write_text(yaml.safe_dump(
             {c.name: {"text": c.text, "settings": list(c.settings), "measure": c.measure,
                       ("above" if c.above else "below"): c.threshold,
                       **({"mu": c.mu} if c.mu is not None else {}),
-                      **({"ceiling": c.ceiling} if c.ceiling is not None else {})} for c in claims},
+                      **({"ceiling": c.ceiling} if c.ceiling is not None else {}),
+                      **({"baseline": c.baseline} if c.baseline is not None else {}),
+                      **({"contrast": {"settings": list(c.contrast), "baseline": c.contrast_baseline}}
+                         if c.contrast else {}),
+                      **({"regime": True} if c.regime else {})} for c in claims},
             sort_keys=False, allow_unicode=True))
+    if regime is not None:
+        (out / "runs" / report_regime.REGIME_FILE).write_text(yaml.safe_dump(regime.as_dict(), sort_keys=False))
     settings = group_settings(load_runs(copies))
     base = pick_baseline(settings, baseline)
-    frontier_doc, stage1_doc = [], []
+    frontier_doc, stage1_doc, replication_doc = [], [], []
+    if replication:
+        replicated = group_settings(load_runs(replication_dirs))
+        rep_copies = _copy(replicated, out / "replication")
+        marks = {p for d in replication_dirs if (p := Path(d).resolve().parent.parent / REPLICATION_FILE).exists()}
+        seeds = {"seeds": _seeds(replicated), "declared_seeds": _seeds(settings)}
+        (out / "replication" / REPLICATION_FILE).write_text(
+            marks.pop().read_text() if len(marks) == 1 else yaml.safe_dump(seeds, sort_keys=False))
+        replication_doc = _replication_section(claims, settings, group_settings(load_runs(rep_copies)), base, regime)
     if stage1:
         stage1_copies = _copy(group_settings(load_runs(stage1_dirs)), out / "stage1")
         (out / "stage1" / SELECT_FILE).write_text(yaml.safe_dump(rule.as_dict(), sort_keys=False))
@@ -503,13 +658,18 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
     main, paired, speed, passes = (main_table(settings, base), paired_table(settings, base),
                                    speed_table(settings, base), pass_table(settings, base))
     targets = {f: target_table(settings, base, f, all_mus) for f in TARGET_FRACTIONS}
-    verdicts = claims_table(claims, settings, base) if claims else None
+    decided = None if regime is None else report_regime.decide(regime, settings)
+    verdicts = claims_table(claims, settings, base, decided) if claims else None
     level = float(np.median([target(r, TARGET_FRACTIONS[-1]) for r in base.runs]))
     pngs = report_plots.write(settings, level, plot_mus, out)
-    size = _size(out / "runs") + (_size(out / "stage1") if stage1 else 0)
+    size = _size(out / "runs") + (_size(out / "stage1") if stage1 else 0) + (
+        _size(out / "replication") if replication else 0)
     doc = ["# Replay comparison", "", *_how_to_read(settings, base, mu, mus, size,
-                                                            rebuild_command(baseline, mus, bool(stage1))), "",
+                                                            rebuild_command(baseline, mus, bool(stage1),
+                                                                            bool(replication))), "",
            *(["## Claims and verdicts", "", verdicts] if verdicts else []),
+           *(_regime_section(decided, settings) if decided is not None else []),
+           *replication_doc,
            *frontier_doc,
            "## Per setting", "", main,
            *([f"## Paired by seed: each run minus the {base.name} run of the same seed", "", paired]

@@ -24,6 +24,25 @@ earlier evaluation (after the peak so far); "smaller with a buffer" is `below: 0
 
 The verdict reads the IQM's 95% stratified bootstrap interval against the threshold:
 wholly on the rule's side, "holds"; wholly on the other, "fails"; across it, "inconclusive".
+
+Three optional keys serve a study over two regimes (issue 49):
+
+    regime_contrast:
+      text: replay's edge at equal compute is larger where on-policy exhausted its pool
+      settings: [spi4_nr16_p512]            # paired with `baseline`, seed by seed ...
+      baseline: on_policy_p512              # this claim's baseline (default: the report's)
+      contrast: {settings: [spi4_nr16_p2048], baseline: on_policy_p2048}   # ... minus the same there
+      measure: final_at_compute
+      mu: 5.28
+      above: 0.0
+      regime: true                          # decided only where the sweep's `regime` rule is met
+
+`contrast` makes the claim a difference of paired differences, paired by seed: for each seed
+that all four runs share, (setting − baseline) − (contrast setting − contrast baseline), the
+i-th setting against the i-th contrast setting, one stratum each. With `above: 0` it holds if
+the lower end of the IQM's 95% interval is above 0 and fails if its upper end is below 0.
+`regime: true` leaves the verdict "regime not reached" (with the rule's numbers) where the
+sweep's exhaustion rule (report_regime) is not met.
 """
 
 from __future__ import annotations
@@ -36,10 +55,11 @@ from typing import Any, Optional
 from jaxreplay.config import ConfigError, did_you_mean, show
 
 CLAIMS_FILE = "claims.yaml"  # beside a sweep's setting folders: the claims its sweep file declared
+REPLICATION_FILE = "replication.yaml"  # beside a replication's setting folders (`jaxreplay sweep --replicate`)
 TARGET_FRACTIONS = (0.5, 0.75, 0.9)  # targets: these shares of the same seed's baseline gain (peak - start)
 _COST = re.compile(r"(tokens|rollouts|compute)_to_(50|75|90)")
 _PASS = re.compile(r"pass@([1-9][0-9]*)")
-_KEYS = {"text", "settings", "measure", "above", "below", "mu", "ceiling"}
+_KEYS = {"text", "settings", "measure", "above", "below", "mu", "ceiling", "baseline", "contrast", "regime"}
 AT_COMPUTE = ("final_at_compute", "entropy_at_compute")  # paired at the smaller of the two runs' compute at µ
 NO_CEILING = ("entropy_at_compute", "largest_fall")  # neither is an accuracy with a top to sit at
 
@@ -54,6 +74,16 @@ class Claim:
     above: bool  # the rule: IQM > threshold (else IQM < threshold)
     mu: Optional[float] = None
     ceiling: Optional[float] = None
+    baseline: Optional[str] = None  # this claim's baseline setting (None: the report's)
+    contrast: tuple[str, ...] = ()  # a regime contrast's other settings, paired with `settings` in order
+    contrast_baseline: Optional[str] = None
+    regime: bool = False  # decided only where the sweep's exhaustion rule is met
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every setting the claim reads, baselines included."""
+        return (*self.settings, *((self.baseline,) if self.baseline else ()), *self.contrast,
+                *((self.contrast_baseline,) if self.contrast_baseline else ()))
 
     @property
     def cost(self) -> Optional[tuple[str, float]]:
@@ -62,7 +92,12 @@ class Claim:
         return (m.group(1), int(m.group(2)) / 100) if m else None
 
     def describe(self, baseline: str) -> str:
+        baseline = self.baseline or baseline
         at = "" if self.mu is None else f", µ = {self.mu:g}"
+        if self.contrast:
+            side = ">" if self.above else "<"
+            return (f"paired IQM of ({self.measure} − {baseline}'s) − (the same of {', '.join(self.contrast)} − "
+                    f"{self.contrast_baseline}'s){' (' + at[2:] + ')' if at else ''} {side} {self.threshold:g}")
         what = (f"{self.measure} − {baseline}'s" + (f" ({at[2:]})" if self.measure in AT_COMPUTE else "")
                 if self.cost is None else f"{self.measure} (× {baseline}'s{at})")
         side = ">" if self.above else "<"
@@ -110,9 +145,30 @@ def parse_claims(raw: Any, where: str = "sweep.claims") -> tuple[Claim, ...]:
         if ceiling is not None and measure in NO_CEILING:
             raise ConfigError(f"{key}.ceiling: {measure} has no ceiling (a ceiling applies to peak, final, pass@K "
                               "and final_at_compute)")
+        baseline = rule.get("baseline")
+        if baseline is not None and not isinstance(baseline, str):
+            raise ConfigError(f"{key}.baseline: expected a setting name, got {show(baseline)}")
+        contrast, contrast_baseline = (), None
+        if rule.get("contrast") is not None:
+            raw = rule["contrast"]
+            if not (isinstance(raw, dict) and set(raw) == {"settings", "baseline"} and isinstance(raw["baseline"], str)
+                    and isinstance(raw["settings"], list) and all(isinstance(v, str) for v in raw["settings"])
+                    and len(raw["settings"]) == len(settings)):
+                raise ConfigError(f"{key}.contrast: expected {{settings: [...], baseline: NAME}} with as many settings "
+                                  f"as {key}.settings ({len(settings)}), got {show(raw)}")
+            if _COST.fullmatch(measure):
+                raise ConfigError(f"{key}.contrast: a difference of paired differences needs an accuracy-like measure, "
+                                  f"not the cost ratio {measure}")
+            if ceiling is not None:
+                raise ConfigError(f"{key}.ceiling: a contrast has no ceiling")
+            contrast, contrast_baseline = tuple(raw["settings"]), raw["baseline"]
+        regime = rule.get("regime", False)
+        if not isinstance(regime, bool):
+            raise ConfigError(f"{key}.regime: expected true or false, got {show(regime)}")
         claims.append(Claim(name=str(name), text=str(rule.get("text", name)), settings=tuple(settings),
                             measure=measure, threshold=_number(rule[side], f"{key}.{side}"), above=side == "above",
-                            mu=mu, ceiling=ceiling))
+                            mu=mu, ceiling=ceiling, baseline=baseline, contrast=contrast,
+                            contrast_baseline=contrast_baseline, regime=regime))
     return tuple(claims)
 
 

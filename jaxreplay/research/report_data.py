@@ -41,7 +41,7 @@ SUMMARY_FILE = "summary.json"
 READ_KEYS = ("step", TEST_KEY, VALIDATION_KEY, "tokens/generated", "rollouts/generated", "rollouts/trained",
              "replay/inserts", "compute/flops", "cost/mu", "entropy", "approx_kl", "pg_clipfrac", "replay/ratio",
              "staleness/mean", "staleness/hist", "time/generate_s", "time/train_s", "time/replay_s",
-             "time/generate_timed_s", "time/train_timed_s")
+             "time/generate_timed_s", "time/train_timed_s", "reward_mean")
 _TIMES = ("time/generate_s", "time/train_s", "time/replay_s")
 _TIMED = ("time/generate_timed_s", "time/train_timed_s", "time/replay_s")
 

@@ -3,15 +3,17 @@
 A sweep file names a base config, overrides common to every run, the settings (each a
 list of dotted overrides) and the seeds:
 
-    base: demo.yaml            # relative to the sweep file
-    out: runs/sweep_demo       # run dirs are OUT/SETTING/seedS (relative to the working dir)
+    base: demo.yaml            # every path in a sweep file is relative to the sweep file
+    out: ../runs/sweep_demo    # run dirs are OUT/SETTING/seedS
     seeds: [0, 1, 2]
+    pilots: [900, 950-999]     # seeds of pilot runs (and LO-HI ranges): never a replication's
     overrides: [train.steps=300]
     settings:
       on_policy: [replay.mode=on_policy]
       spi4: [replay.samples_per_insert=4]
     timeout_s: 3600            # per run
     claims: {...}              # rules deciding the claims, written before any run (report_claims)
+    regime: {...}              # the rule for "on-policy exhausted its pool" (report_regime)
 
 Two stages (docs/comparing.md, "Two stages"): a stage-1 file adds `learning_rates: [1e-4, 3e-4, 1e-3]`
 and `select: {measure: validation_peak, statistic: median}` (report_select): every setting (an arm)
@@ -25,6 +27,16 @@ memory), logging to RUN_DIR/train.log. A run whose summary.json reports all its 
 is skipped; any other run is started, and `jaxreplay train` resumes it from its latest
 checkpoint. `--print` prints one command per run instead, for a cluster scheduler. Dotted
 overrides after the sweep file apply to every run (`jaxreplay sweep FILE train.steps=50`).
+Paths (docs/comparing.md, "Paths in a sweep file"): `base`, `stage1`, `out` and a path-valued override
+(`PATH_KEYS`) in the file resolve relative to the sweep file, wherever the command runs; the commands
+`--print` shows name them relative to the working directory. Overrides on the command line are the
+shell's, relative to the working directory.
+
+`--replicate S,S --out DIR` (`replicate`) runs the same runs on new seeds into DIR: the seeds may be
+none of the sweep's, its stage 1's or its pilots', and DIR neither the sweep's out nor inside it nor
+around it; DIR/replication.yaml marks them, so that `jaxreplay report` keeps them apart
+(`--replication`) and never pools them with the declared seeds.
+
 Every run's config is loaded and validated before the first one starts, and so are the claims,
 which are written to OUT/claims.yaml before the first run for `jaxreplay report` to decide. Every setting of
 a seed shares its warm start, cached in OUT/.warmstart-cache unless an override names another.
@@ -35,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import shlex
 import subprocess
@@ -46,11 +59,16 @@ from typing import Any, Callable, Optional, Sequence
 import yaml
 
 from jaxreplay.config import Config, ConfigError, did_you_mean, load_config, read_yaml, show
-from jaxreplay.research.report_claims import CLAIMS_FILE, parse_claims
+from jaxreplay.research.report_claims import CLAIMS_FILE, REPLICATION_FILE, parse_claims
+from jaxreplay.research.report_regime import REGIME_FILE, parse_regime
 from jaxreplay.research.report_select import (
     SELECT_FILE, SELECTED_FILE, lr_tag, parse_learning_rate, parse_rule, read_selected, setting_name)
 
-_KEYS = {"base", "out", "seeds", "overrides", "settings", "timeout_s", "claims", "learning_rates", "select", "stage1"}
+_KEYS = {"base", "out", "seeds", "overrides", "settings", "timeout_s", "claims", "learning_rates", "select", "stage1",
+         "pilots", "regime"}
+# Config keys whose value is a path: in a sweep file's overrides, relative to the sweep file like its other paths.
+PATH_KEYS = ("warmstart.cache_dir", "task.path", "task.data_dir")
+_PILOT_RANGE = re.compile(r"([0-9]+)-([0-9]+)")
 _LR = "train.learning_rate"
 _NAME = re.compile(r"[A-Za-z0-9_.+-]+")
 
@@ -88,6 +106,8 @@ class Sweep:
     out: Path = Path(".")
     claims: Any = None  # the sweep file's claims, as written (validated by report_claims.parse_claims)
     select: Any = None  # a stage-1 sweep's rule picking each arm's learning rate (report_select.parse_rule)
+    replication: Any = None  # a replication's record (REPLICATION_FILE): the sweep file, its seeds, the new ones
+    regime: Any = None  # the exhaustion rule some claims are decided under (report_regime)
 
 
 def is_sweep_file(path: str | Path) -> bool:
@@ -100,12 +120,63 @@ def is_sweep_file(path: str | Path) -> bool:
     return isinstance(raw, dict) and {"base", "settings"} <= set(raw)
 
 
-def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequence[int] | None = None) -> Sweep:
+def here(path: Path | str) -> Path:
+    """A path resolved elsewhere, as the working directory reaches it (relative where it is relative)."""
+    return Path(os.path.relpath(path)) if Path(path).is_absolute() else Path(path)
+
+
+def _from_file(sweep_file: Path, value: Any) -> Path:
+    """A path written in the sweep file: relative to the file's folder unless absolute."""
+    p = Path(str(value))
+    return p if p.is_absolute() else here((sweep_file.parent / p).absolute())
+
+
+def _paths_from_file(sweep_file: Path, overrides: tuple[str, ...]) -> tuple[str, ...]:
+    """The file's overrides with each path-valued one (`PATH_KEYS`) resolved like the file's other paths."""
+    out = []
+    for v in overrides:
+        key, value = v.split("=", 1)
+        out.append(f"{key}={_from_file(sweep_file, value)}" if key in PATH_KEYS and value and "://" not in value
+                   else v)
+    return tuple(out)
+
+
+def parse_pilots(raw: Any) -> frozenset[int]:
+    """The seeds a sweep file lists as its pilots': integers and inclusive ranges written "LO-HI"."""
+    if raw is None:
+        return frozenset()
+    if not isinstance(raw, list):
+        raise ConfigError(f"sweep.pilots: expected a list of seeds and LO-HI ranges like [900, 950-999], "
+                          f"got {show(raw)}")
+    seeds: set[int] = set()
+    for item in raw:
+        if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
+            seeds.add(item)
+        elif isinstance(item, str) and (m := _PILOT_RANGE.fullmatch(item.strip())) and int(m[1]) <= int(m[2]):
+            seeds.update(range(int(m[1]), int(m[2]) + 1))
+        else:
+            raise ConfigError(f"sweep.pilots: {show(item)} is neither a seed nor a range LO-HI like 950-999")
+    return frozenset(seeds)
+
+
+def _stage1_seeds(folder: Path) -> set[int]:
+    """The seeds of a stage-1 report's runs (FOLDER/runs/SETTING/seedS)."""
+    return {int(d.name[4:]) for d in folder.glob("runs/*/seed*") if d.name[4:].isdigit()}
+
+
+def _inside(a: Path, b: Path) -> bool:
+    a, b = a.resolve(), b.resolve()
+    return a == b or b in a.parents
+
+
+def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequence[int] | None = None,
+               replicate: Sequence[int] | None = None, replicate_out: str | Path | None = None) -> Sweep:
     """Parses and validates the sweep file and every run's config; `ConfigError` names the problem.
 
     `overrides` (the command line's) apply to every run after the file's own overrides and
     the setting's; the seed and run dir stay the sweep's. `only_seeds` keeps a subset of the
-    file's seeds, to split one sweep over several machines or cores."""
+    file's seeds, to split one sweep over several machines or cores. `replicate` runs the same
+    settings on these new seeds instead, into `replicate_out` (see the module's docstring)."""
     path = Path(path)
     extra = _override_list(list(overrides), "sweep (command line)")
     raw = read_yaml(path, "sweep file")
@@ -119,30 +190,57 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequ
     for key in ("base", "out", "seeds", "settings"):
         if key not in raw:
             raise ConfigError(f"sweep.{key}: required")
-    base = (path.parent / str(raw["base"])).resolve() if not Path(str(raw["base"])).is_absolute() else \
-        Path(raw["base"])
+    base = Path(str(raw["base"]))
+    base = base if base.is_absolute() else (path.parent / base).resolve()
     seeds = raw["seeds"]
     if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool)
                                                       for s in seeds)):
         raise ConfigError(f"sweep.seeds: expected a non-empty list of integers, got {show(seeds)}")
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"sweep.seeds: repeated seed in {seeds}")
-    common = _override_list(raw.get("overrides") or [], "sweep.overrides")
+    pilots = parse_pilots(raw.get("pilots"))
+    common = _paths_from_file(path, _override_list(raw.get("overrides") or [], "sweep.overrides"))
     settings = raw["settings"]
     if not isinstance(settings, dict) or not settings:
         raise ConfigError("sweep.settings: expected a non-empty mapping of name -> list of overrides")
     timeout_s = raw.get("timeout_s", 3600)
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 < timeout_s < math.inf:
         raise ConfigError(f"sweep.timeout_s: expected a positive number of seconds, got {show(timeout_s)}")
-    out = Path(str(raw["out"]))
+    out = _from_file(path, raw["out"])
     shared_warm_start = (f"warmstart.cache_dir={out / '.warmstart-cache'}",)  # overridable: it comes first
     own_overrides = {}
     for name, overrides in settings.items():
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ConfigError(f"sweep.settings: {show(name)} is not a usable directory name")
-        own_overrides[name] = _override_list(overrides or [], f"sweep.settings.{name}")
+        own_overrides[name] = _paths_from_file(path, _override_list(overrides or [], f"sweep.settings.{name}"))
     learning_rates, rule = _stage1(raw, common, own_overrides)
     selected = _stage2(raw, path, common, own_overrides, learning_rates)
+    replication = None
+    if replicate is not None:
+        if only_seeds is not None:
+            raise ConfigError("--replicate: runs new seeds; --seeds picks among the sweep's own (give one of them)")
+        if replicate_out is None:
+            raise ConfigError("--replicate: needs --out DIR, a folder of its own apart from the study's "
+                              f"({out})")
+        stage1_seeds = _stage1_seeds(_from_file(path, raw["stage1"])) if raw.get("stage1") is not None else ()
+        used = {**{s: "listed as a pilot's in the sweep file (sweep.pilots)" for s in pilots},
+                **{s: f"a seed of its stage 1 ({raw['stage1']})" for s in stage1_seeds},
+                **{s: "one of the sweep's seeds" for s in seeds}}
+        for s in replicate:
+            if s in used:
+                raise ConfigError(f"--replicate: seed {s} is {used[s]}; a replication runs on seeds the study "
+                                  "never used")
+        if len(set(replicate)) != len(replicate):
+            raise ConfigError(f"--replicate: repeated seed in {list(replicate)}")
+        new_out = Path(replicate_out)
+        if _inside(new_out, out) or _inside(out, new_out):
+            raise ConfigError(f"--out: {new_out} is the study's own folder {out}, or in it or around it; a replication "
+                              "goes into a folder of its own")
+        replication = {"sweep": str(path), "out": str(out), "declared_seeds": list(seeds), "seeds": list(replicate)}
+        seeds, out = list(replicate), new_out
+        shared_warm_start = (f"warmstart.cache_dir={out / '.warmstart-cache'}",)
+    elif replicate_out is not None:
+        raise ConfigError("--out: only with --replicate (a sweep's runs go where its file's `out` says)")
     if only_seeds is not None:
         missing = [s for s in only_seeds if s not in seeds]
         if missing:
@@ -168,12 +266,21 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequ
                 runs.append(Run(setting=setting, seed=seed, base=base, overrides=args, config=config, arm=name))
     claims = raw.get("claims")
     names = set(settings)
+    regime = parse_regime(raw.get("regime"))
+    if regime is not None and regime.setting not in names:
+        raise ConfigError(f"sweep.regime.setting: {regime.setting} is not one of the settings")
     for claim in parse_claims(claims):
-        unknown = [n for n in claim.settings if n not in names]
+        unknown = [n for n in claim.names if n not in names]
         if unknown:
-            raise ConfigError(f"sweep.claims.{claim.name}.settings: {unknown[0]} is not one of the settings")
+            where = "settings" if unknown[0] in claim.settings else (
+                "baseline" if unknown[0] == claim.baseline else "contrast")
+            raise ConfigError(f"sweep.claims.{claim.name}.{where}: {unknown[0]} is not one of the settings")
+        if claim.regime and regime is None:
+            raise ConfigError(f"sweep.claims.{claim.name}.regime: needs the sweep's `regime`, the exhaustion rule "
+                              "declared before any run (report_regime)")
     return Sweep(runs=tuple(runs), timeout_s=float(timeout_s), out=out, claims=claims,
-                 select=None if rule is None else rule.as_dict())
+                 select=None if rule is None else rule.as_dict(), replication=replication,
+                 regime=None if regime is None else regime.as_dict())
 
 
 def _sets_lr(overrides: Sequence[str]) -> bool:
@@ -216,8 +323,7 @@ def _stage2(raw: dict, path: Path, common: tuple[str, ...], own: dict[str, tuple
     every setting sets its rate explicitly and is an arm stage 1 chose for."""
     if raw.get("stage1") is None or learning_rates is not None:
         return None
-    folder = Path(str(raw["stage1"]))
-    selected = read_selected(folder if folder.is_absolute() else path.parent / folder, "sweep.stage1")
+    selected = read_selected(_from_file(path, raw["stage1"]), "sweep.stage1")
     for name, overrides in own.items():
         if name not in selected:
             raise ConfigError(f"sweep.settings.{name}: stage 1 selected no learning rate for this arm "
@@ -247,9 +353,15 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> dict[str, str
     A failed run is reported and the sweep goes on: one bad seed should not cost the rest.
     """
     program = (sys.executable, "-m", "jaxreplay.cli")
+    if sweep.replication:
+        sweep.out.mkdir(parents=True, exist_ok=True)
+        (sweep.out / REPLICATION_FILE).write_text(yaml.safe_dump(sweep.replication, sort_keys=False))
     if sweep.claims:
         sweep.out.mkdir(parents=True, exist_ok=True)
         (sweep.out / CLAIMS_FILE).write_text(yaml.safe_dump(sweep.claims, sort_keys=False, allow_unicode=True))
+    if sweep.regime:
+        sweep.out.mkdir(parents=True, exist_ok=True)
+        (sweep.out / REGIME_FILE).write_text(yaml.safe_dump(sweep.regime, sort_keys=False))
     if sweep.select:
         sweep.out.mkdir(parents=True, exist_ok=True)
         (sweep.out / SELECT_FILE).write_text(yaml.safe_dump(sweep.select, sort_keys=False))

@@ -7,6 +7,13 @@ product and the running sum (configs/testbed_mul.yaml). Problems are drawn from 
 stream indexed by the actor step (resuming is just remembering the step), or with
 `task.train_size` from a finite pool visited in epochs. The test split (`eval_size`) and the
 validation split (`validation_size`) are fixed by `data_seed` and never drawn for training.
+
+How the splits are made is `task.splits`. `fixed` deals every split from one seeded shuffle of a
+set of distinct problems that no split size changes: test, validation, the warm start's own split
+(`warmstart_size`), then the training pool, so a pool's size moves nothing else and a smaller pool
+is the first problems of a larger one. `dealt`, the layout before issue 49 that the committed sweep
+files pin, deals the three splits from one draw of their summed sizes (so `train_size` moves the
+held-out splits), and its warm start draws from the training pool or stream.
 """
 
 from __future__ import annotations
@@ -50,6 +57,18 @@ def validate_config(c: Config) -> None:
                 f"{c.sampling.max_new_tokens} cannot hold a worked {t.max_digits}-digit "
                 f"{'multiplication' if '*' in t.operations else 'addition'}: task.scratchpad needs {need} tokens")
     n = problem_count(t)
+    if t.splits == "fixed":
+        require(t.warmstart_size > 0 or c.warmstart.steps == 0, "task.warmstart_size",
+                "must be positive with task.splits=fixed and a warm start (warmstart.steps > 0): the warm start "
+                "draws its demonstrations from that split")
+        total = t.eval_size + t.validation_size + t.warmstart_size + t.train_size
+        universe = universe_size(t)
+        require(total <= universe, "task.train_size",
+                f"{total} problems (task.eval_size + task.validation_size + task.warmstart_size + task.train_size) "
+                f"do not fit the {universe} distinct problems task.splits=fixed deals its splits from (three "
+                f"quarters of the {n} the digit settings give, at most {UNIVERSE_CAP}): lower them or raise "
+                "task.max_digits")
+        return
     held_out = t.eval_size + t.validation_size
     require(held_out < n, "task.eval_size",
             f"{held_out} held-out problems (task.eval_size + task.validation_size) would take all {n} problems of "
@@ -66,6 +85,16 @@ def problem_count(config: TaskConfig) -> int:
     """How many distinct problems the settings can produce (operands of min..max digits)."""
     lowest = 0 if config.min_digits == 1 else 10 ** (config.min_digits - 1)
     return len(set(config.operations)) * (10 ** config.max_digits - lowest) ** 2
+
+
+UNIVERSE_CAP = 1 << 16
+
+
+def universe_size(config: TaskConfig) -> int:
+    """How many distinct problems `task.splits=fixed` deals its splits from: three quarters of all
+    (distinct problems are drawn by rejection), at most `UNIVERSE_CAP`. No split size enters it, so
+    that none moves another."""
+    return min(3 * problem_count(config) // 4, UNIVERSE_CAP)
 
 
 def completion_length(config: TaskConfig) -> int:
@@ -242,9 +271,15 @@ class ArithmeticTask:
         self.tokenizer = CharTokenizer()
         self.prompt_len = prompt_length(config)
         self.answer_len = completion_length(config)
-        self.eval_problems, self.validation_problems, pool = self._splits()
-        self._held_out = frozenset(self.eval_problems) | frozenset(self.validation_problems)
+        warm: list[Problem] = []
+        if config.splits == "fixed":
+            self.eval_problems, self.validation_problems, warm, pool = self._fixed_splits()
+        else:
+            self.eval_problems, self.validation_problems, pool = self._splits()
+        self.warmstart_problems = warm  # the warm start's own split (task.splits=fixed); empty with `dealt`
+        self._held_out = frozenset(self.eval_problems) | frozenset(self.validation_problems) | frozenset(warm)
         self._pool = EpochPool(pool) if pool else None
+        self._warm = EpochPool(warm) if warm else None
 
     def _splits(self) -> tuple[list[Problem], list[Problem], list[Problem]]:
         """(test, validation, training pool): distinct problems drawn as one set, then dealt in a
@@ -259,6 +294,48 @@ class ArithmeticTask:
             drawn = [drawn[i] for i in np.random.default_rng([c.data_seed, 0x5A1D]).permutation(len(drawn))]
         test, validation = drawn[:sizes[0]], drawn[sizes[0]:sizes[0] + sizes[1]]
         return test, validation, drawn[sizes[0] + sizes[1]:]
+
+    def _fixed_splits(self) -> tuple[list[Problem], list[Problem], list[Problem], list[Problem]]:
+        """(test, validation, warm start, training pool) for `task.splits=fixed`: `universe_size`
+        distinct problems drawn with `data_seed`, shuffled, and dealt in that order. The universe
+        and its order depend on neither split size, so the pool is dealt last and takes the first
+        `train_size` of what is left: a pool never moves a held-out split or the warm start's, and
+        a smaller pool is the first problems of a larger one, a uniform sample of it."""
+        c = self.config
+        keys = self._universe_keys()
+        order = np.random.default_rng([c.data_seed, 0xF1ED, 1]).permutation(len(keys))
+        sizes = (c.eval_size, c.validation_size, c.warmstart_size, c.train_size)
+        cuts = np.cumsum((0, *sizes))
+        ops, scale = list(dict.fromkeys(c.operations)), 10 ** c.max_digits
+        splits = []
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            split = []
+            for key in keys[order[lo:hi]]:
+                rest, b = divmod(int(key), scale)
+                op, a = divmod(rest, scale)
+                split.append(Problem(a, ops[op], b, width=c.max_digits, reverse=c.reverse_answer,
+                                     scratchpad=c.scratchpad))
+            splits.append(split)
+        return tuple(splits)
+
+    def _universe_keys(self) -> np.ndarray:
+        """The universe's problems as integers (op · 10^2w + a · 10^w + b), in the order first drawn:
+        operand digit counts, operands and operation drawn as `_draw` does, in vectorised batches."""
+        c = self.config
+        want, ops, scale = universe_size(c), list(dict.fromkeys(c.operations)), 10 ** c.max_digits
+        rng = np.random.default_rng([c.data_seed, 0xF1ED, 0])
+        keys = np.zeros(0, np.int64)
+        for _ in range(64):
+            digits = rng.integers(c.min_digits, c.max_digits + 1, size=(2, 1 << 14))
+            lo = np.where(digits == 1, 0, 10 ** (digits - 1))
+            a, b = rng.integers(lo, 10 ** digits)
+            op = rng.integers(0, len(ops), size=a.shape)
+            keys = np.concatenate([keys, (op * scale + a) * scale + b])
+            _, first = np.unique(keys, return_index=True)
+            keys = keys[np.sort(first)]
+            if len(keys) >= want:
+                return keys[:want]
+        raise ValueError(f"drew only {len(keys)} distinct problems of the {want} wanted: raise task.max_digits")
 
     # -- problem streams ---------------------------------------------------------
     def _draw(self, rng: np.random.Generator) -> Problem:
@@ -309,12 +386,13 @@ class ArithmeticTask:
         return float(problem.final_answer(self.tokenizer.decode(ids)) == problem.answer)
 
     def supervised_batch(self, seed: int, index: int, n: int, max_new_tokens: int, carry_error: float = 0.0):
-        """Demonstrations: prompt + completion + EOS, with a mask over the completion tokens.
+        """Demonstrations: prompt + completion + EOS, with a mask over the completion tokens; from the
+        warm start's own split with `task.splits=fixed`, else from the training problems.
 
         With probability `carry_error` a demonstration forgets its carries: a sloppy
         teacher whose systematic slip the verifiable reward of RL can then correct.
         """
-        problems = self.train_problems(seed, index, n)
+        problems = self._warm.batch(seed, index, n) if self._warm is not None else self.train_problems(seed, index, n)
         slips = np.random.default_rng([seed, index, 0x5119]).random(n) < carry_error
         prompts, prompt_mask = self.encode_prompts(problems)
         answers = np.full((n, max_new_tokens), self.tokenizer.PAD, np.int32)

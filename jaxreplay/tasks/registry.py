@@ -30,6 +30,9 @@ def validate_task(c: Config) -> None:
         for key, unset in (("dataset", None), ("dataset_config", {})):
             if getattr(c.task, key) != unset:
                 raise ConfigError(f"task.{key}: is for task.name=reasoning_gym only (task.name is {c.task.name})")
+    if c.task.name != "arithmetic" and c.task.splits != "dealt":
+        raise ConfigError(f"task.splits: is for task.name=arithmetic only (task.name is {c.task.name}); other tasks "
+                          "take their splits from their source")
     if c.task.name == "arithmetic":
         arithmetic.validate_config(c)
     elif c.task.name == "reasoning_gym":

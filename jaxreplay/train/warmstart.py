@@ -42,6 +42,9 @@ CACHE_FORMAT = 2
 SETTINGS_FILE = "settings.json"
 CHECKSUMS_FILE = "checksums.json"
 PARAMS_DIR = "params"
+# The training pool's keys: no part of the warm start with task.splits=fixed (its demonstrations have a split
+# of their own), so left out of its cache key there.
+POOL_KEYS = ("train_size",)
 
 
 def make_sft_step(graphdef, optimizer: optax.GradientTransformation):
@@ -61,13 +64,19 @@ def warmstart_settings(config: Config) -> dict[str, Any]:
     """What determines the warm-start params: the initial params (the model section and run.seed:
     `init_params`), the demonstrations (the task section, run.seed, sampling.max_new_tokens and
     warmstart.teacher_carry_error) and the training (warmstart.*), and JAX's version, whose
-    numerics may differ. Not where they are cached, nor `model.hf_config` (only `compile` reads it)."""
+    numerics may differ. Not where they are cached, nor `model.hf_config` (only `compile` reads it).
+    With `task.splits=fixed` the demonstrations come from a split of their own, so the training
+    pool's size is left out: runs that differ only in `task.train_size` share one entry. With
+    `dealt` the keys that came later are left out, so entries made before them are still found."""
     c = to_dict(config)
+    task = dict(c["task"])
+    for key in POOL_KEYS if config.task.splits == "fixed" else ("splits", "warmstart_size"):
+        task.pop(key)
     return {
         "format": CACHE_FORMAT,
         "jax": jax.__version__,
         "model": {k: v for k, v in c["model"].items() if k != "hf_config"},
-        "task": c["task"],
+        "task": task,
         "warmstart": {k: v for k, v in c["warmstart"].items() if k != "cache_dir"},
         "run.seed": config.run.seed,
         "sampling.max_new_tokens": config.sampling.max_new_tokens,
@@ -203,7 +212,8 @@ def supervised_warm_start(graphdef, params, task: ArithmeticTask, config: Config
     step = make_sft_step(graphdef, optimizer)
     # Multi-process CPU: gloo pairs collectives by order, so no local device may start a step early.
     lockstep = jax.process_count() > 1 and jax.default_backend() == "cpu"
-    # A stream of its own so warm-start problems are not the RL prompt stream.
+    # A stream of its own so warm-start problems are not the RL prompt stream (with task.splits=fixed, its own
+    # split's epochs in this seed's order).
     seed = config.run.seed + 7_919
     for i in tqdm(range(w.steps), desc="warm start", unit="step", disable=not config.run.progress_bar,
                   dynamic_ncols=True):
