@@ -276,9 +276,20 @@ def test_lora_resume_is_exact_the_checkpoint_holds_adapters_and_a_changed_base_i
     arrays = lambda m: {n: d for n, d in m["checksums"]["leaves"].items() if n.startswith(("params/", "opt_state/"))}
     assert arrays(metas[0]) == arrays(meta) and len(arrays(meta)) > len(saved)
 
+    # `jaxreplay eval` / `export` read the policy back: the checkpoint's adapters on the warm start's base
+    from jaxreplay.train.checkpoint import base_digest, digests
+    from jaxreplay.train.eval import load_policy
+
+    _, _, policy, _, where = load_policy(resumed, checkpoint=resumed.run.dir)
+    assert where["step"] == 4 and base_digest(policy) == meta["base_digest"]
+    read = {f"params/{n}": d for n, d in digests(lora.split_adapters(policy)[0]).items()}
+    assert read == {n: d for n, d in meta["checksums"]["leaves"].items() if n.startswith("params/")}
+
     # The warm start the base came from is replaced (another set of weights under the same entry):
     entry = f"{cache_root(resumed)}/{cache_key(lora.base_config(resumed))}"
     _, other = T.init_params(lora.base_model_config(resumed.model), 5)
     _write_files(entry, warmstart_settings(lora.base_config(resumed)), other)
     with pytest.raises(OtherBase, match="was trained on a base whose checksum is"):
         run("resumed", 6)
+    with pytest.raises(OtherBase):
+        load_policy(resumed, checkpoint=resumed.run.dir)

@@ -325,6 +325,16 @@ def restore_params(path: str | Path, params_like: Any) -> Any:
         return ckptr.restore(storage.orbax_path(path), abstract)
 
 
+def read_meta(directory: str | Path, step: int) -> dict:
+    """Step `step`'s `meta` item alone, read without a `Checkpointer` (which would prune and tidy)."""
+    manager = ocp.CheckpointManager(storage.orbax_path(directory))
+    try:
+        with _unreadable(directory, step):
+            return dict(manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+    finally:
+        manager.close()
+
+
 def restore_policy_params(directory: str | Path, params_like: Any, step: Optional[int] = None) -> tuple[Any, int]:
     """(params, step) of a training checkpoint, read alone: evaluation needs neither the
     optimizer state nor the waiting rollouts. `params_like` may be abstract (shapes,
