@@ -293,3 +293,63 @@ def test_lora_resume_is_exact_the_checkpoint_holds_adapters_and_a_changed_base_i
         run("resumed", 6)
     with pytest.raises(OtherBase):
         load_policy(resumed, checkpoint=resumed.run.dir)
+
+
+def test_a_weight_update_moves_the_adapters_and_the_base_once():
+    from jaxreplay.models import sharding
+    from jaxreplay.rollout.weights import weight_sync
+
+    cfg = lora_model(targets=("q_proj", "up_proj"))
+    _, params = T.init_params(cfg, 0)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), sharding.AXES)
+    to_actor = weight_sync(sharding.param_shardings(mesh, T.abstract_params(cfg)))
+    first = to_actor(params)
+    trained = with_nonzero_b(params)
+    second = to_actor(trained)
+    (a1, b1), (a2, b2) = lora.split_adapters(first), lora.split_adapters(second)
+    assert all(x is y for x, y in zip(jax.tree.leaves(b1), jax.tree.leaves(b2)))  # the base was not moved again
+    want = jax.tree.leaves(lora.split_adapters(trained)[0])
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a2), want))  # the adapters were
+    assert not all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a1), want))
+    _, plain = T.init_params(lora.base_model_config(cfg), 0)  # without LoRA: every parameter, every time
+    to_plain = weight_sync(sharding.param_shardings(mesh, T.abstract_params(lora.base_model_config(cfg))))
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(to_plain(plain)), jax.tree.leaves(plain)))
+
+
+@pytest.mark.slow
+def test_lora_on_an_hf_base_trains_adapters_and_refuses_a_changed_base_directory(tmp_path):
+    """model.hf_path + model.lora: the imported weights are the frozen base (the policy read back is
+    exactly them plus the trained adapters); after the model directory's weights change, a resume
+    is refused in one line."""
+    import json
+
+    from tiny_hf import write_model
+
+    from jaxreplay.models.hf import load_hf_model
+    from jaxreplay.train.checkpoint import OtherBase
+    from jaxreplay.train.driver import train
+    from jaxreplay.train.eval import load_policy
+
+    hf = write_model(tmp_path / "hf", seed=0)
+    for split, n in [("train", 16), ("test", 4)]:
+        (tmp_path / f"{split}.jsonl").write_text("".join(
+            json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)[0]}) + "\n" for i in range(n)))
+    settings = [
+        f"model.hf_path={hf}", "model.max_seq_len=40", "task.name=jsonl", f"task.path={tmp_path}/{{split}}.jsonl",
+        "task.reward=exact_match", "task.max_prompt_len=32", "warmstart.steps=0", "sampling.max_new_tokens=2",
+        "train.batch_size=16", "train.prompts_per_step=4", "train.group_size=4", "train.eval_every=1000",
+        "train.learning_rate=1e-2", "train.warmup_steps=0", "train.loss=asymre", "train.advantage=group_centered",
+        "replay.max_size=64", "replay.min_size_to_sample=16", "checkpoint.every=2", "run.progress_bar=false",
+        f"run.dir={tmp_path / 'run'}", "model.lora.targets=[q_proj,v_proj,down_proj]", "model.lora.rank=2"]
+    config = load_config(None, [*settings, "train.steps=2"])
+    assert train(config, log=lambda _: None)["steps"] == 2
+
+    _, _, imported = load_hf_model(hf)
+    _, _, policy, _, _ = load_policy(config, checkpoint=str(tmp_path / "run"))
+    adapters, base = lora.split_adapters(policy)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(imported)))
+    assert any(np.any(np.asarray(b)) for b in jax.tree.leaves(adapters))  # B moved off zero
+
+    write_model(tmp_path / "hf", seed=1)  # the directory's weights change under the run
+    with pytest.raises(OtherBase, match="was trained on a base whose checksum is"):
+        train(load_config(None, [*settings, "train.steps=4"]), log=lambda _: None)
