@@ -15,6 +15,8 @@ The differences absorbed here:
   pairs.
 - Flax 0.12 merged `nnx.VariableState` into `nnx.Variable`, and reads a variable's
   array with `get_value()` (`.value` is deprecated); Flax 0.10 has only `.value`.
+- Flax 0.12 splits and merges States with `nnx.split_state` / `nnx.merge_state` (the State
+  methods are deprecated); Flax 0.10 has only the methods.
 - A compiled executable's `cost_analysis()` is one dict on jax >= 0.5, a list of one
   dict per program on jax 0.4.
 """
@@ -61,13 +63,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def param(value: Any, axes: Sequence[Optional[str]]) -> nnx.Param:
-    """An `nnx.Param` annotated with its logical axes and placed nowhere yet."""
+def param(value: Any, axes: Sequence[Optional[str]], kind: Optional[type] = None) -> nnx.Param:
+    """An `nnx.Param` (or its subclass `kind`) annotated with its logical axes and placed nowhere yet."""
     from flax import nnx
 
+    kind = kind or nnx.Param
     if _flax_out_sharding():
-        return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
-    return nnx.Param(value, sharding=tuple(axes))
+        return kind(value, out_sharding=tuple(axes), eager_sharding=False)
+    return kind(value, sharding=tuple(axes))
 
 
 def is_variable(x: Any) -> bool:
@@ -89,6 +92,20 @@ def value_of(variable: Any) -> Any:
 def with_value(variable: Any, value: Any) -> Any:
     """A copy of `variable` holding `value`, with the same metadata."""
     return variable.replace(value)
+
+
+def split_state(state: Any, *filters: Any) -> tuple:
+    """`state` split by nnx filters, one State per filter (Flax 0.12 deprecates the State method)."""
+    from flax import nnx
+
+    return nnx.split_state(state, *filters) if hasattr(nnx, "split_state") else state.split(*filters)
+
+
+def merge_state(*states: Any) -> Any:
+    """The one State that `split_state` split."""
+    from flax import nnx
+
+    return nnx.merge_state(*states) if hasattr(nnx, "merge_state") else nnx.State.merge(*states)
 
 
 def module_list(modules: list) -> Any:

@@ -38,6 +38,24 @@ Selector = Literal["uniform", "fifo", "lifo", "prioritized"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 
+# The modules LoRA can adapt, by the model's own names (jaxreplay/models/transformer.py)
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS: tuple[str, ...] = typing.get_args(LoraTarget)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on a frozen base (jaxreplay/models/lora.py); off while `targets` is empty."""
+
+    # the modules that get adapters, of q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (every layer's);
+    # empty: no LoRA, every weight trains
+    targets: tuple[LoraTarget, ...] = ()
+    # the adapters' rank r: each adapted kernel [in, out] gains A [in, r] and B [r, out]
+    rank: int = 8
+    # the adapters' output is scaled by alpha / rank, as in PEFT (no rsLoRA)
+    alpha: float = 16.0
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A Llama/Qwen2/Qwen3-family decoder."""
@@ -90,6 +108,8 @@ class ModelConfig:
     # config.json, or a shipped one: `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-3b`, `qwen2.5-7b`, `qwen3-0.6b`
     # (jaxreplay/models/architectures)
     hf_config: Optional[str] = None
+    # LoRA: train low-rank adapters on these modules and freeze the rest (docs/lora.md)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(frozen=True)
@@ -935,6 +955,7 @@ def validate(c: Config, local: bool = True) -> None:
     _require(m.head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {m.head_dim}")
     _require(m.rope_low_freq_factor < m.rope_high_freq_factor, "model.rope_high_freq_factor",
              f"must exceed model.rope_low_freq_factor ({m.rope_low_freq_factor})")
+    _validate_lora(m.lora)
     _require(t.loss != "asymre" or t.advantage != "group_normalized", "train.advantage",
              "AsymRE needs r - V: use group_centered or leave_one_out, not group_normalized")
     _require(t.micro_batch_size == 0 or t.batch_size % t.micro_batch_size == 0, "train.micro_batch_size",
@@ -949,6 +970,15 @@ def validate(c: Config, local: bool = True) -> None:
         check(c)
     if local:
         _validate_machine(c)
+
+
+def _validate_lora(lora: LoraConfig) -> None:
+    """A finite positive rank and alpha, each target once (the targets' names are checked as they are read)."""
+    _require(lora.rank > 0, "model.lora.rank", f"must be > 0, got {lora.rank} (no LoRA: leave model.lora.targets empty)")
+    _require(lora.rank in INT32, "model.lora.rank", f"{lora.rank} does not fit in 32 bits")
+    _require(math.isfinite(lora.alpha) and lora.alpha > 0, "model.lora.alpha", f"must be > 0, got {lora.alpha}")
+    dup = next((t for i, t in enumerate(lora.targets) if t in lora.targets[:i]), None)
+    _require(dup is None, "model.lora.targets", f"{dup} is named twice")
 
 
 def _validate_locations(c: Config) -> None:

@@ -37,6 +37,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
     "head_dim": (),
+    "lora_rank": (),  # LoRA adapters' rank: a few columns, kept whole
     "norm": (),
     "length": (),
 }

@@ -16,6 +16,8 @@ kernel is [in, out]:
     layers[i].post_attn_norm.scale           [D]
     layers[i].mlp.{gate,up}_proj.kernel      [D, d_ff]
     layers[i].mlp.down_proj.kernel           [d_ff, D]
+    layers[i].{attn,mlp}.<target>.lora_{a,b} [in, r], [r, out]       (if `model.lora` targets it:
+                                                                      jaxreplay/models/lora.py)
     final_norm.scale                         [D]
     lm_head.kernel                           [D, V]                  (if not tie_embeddings)
 
@@ -46,6 +48,7 @@ from flax import nnx
 
 from jaxreplay.compat import module_list, param
 from jaxreplay.config import ModelConfig
+from jaxreplay.models import lora as lora_lib
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -90,20 +93,41 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Optional[str] 
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias), kernel [in, out] with logical axes `axes` = (in, out)."""
+    """y = x @ kernel (+ bias), kernel [in, out] with logical axes `axes` = (in, out); with `lora`,
+    plus its adapters' scale * (x @ lora_a) @ lora_b (`jaxreplay.models.lora`)."""
 
     def __init__(self, d_in: int, d_out: int, *, axes: tuple[str, str], bias: bool, param_dtype, compute_dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, lora: Optional[lora_lib.LoraSpec] = None):
         init = nnx.initializers.lecun_normal()
-        self.kernel = param(init(rngs.params(), (d_in, d_out), param_dtype), axes)
+        key = rngs.params()
+        self.kernel = param(init(key, (d_in, d_out), param_dtype), axes)
         self.bias = param(jnp.zeros((d_out,), param_dtype), axes[1:]) if bias else None
         self.compute_dtype = compute_dtype
+        if lora is None:
+            self.lora_a = self.lora_b = None
+            self.lora_scale = 0.0
+        else:
+            # from the kernel's key, not the stream: the base's init is the same with adapters or without
+            a = lora_lib.init_a(jax.random.fold_in(key, 1), d_in, lora.rank, param_dtype)
+            self.lora_a = param(a, (axes[0], lora_lib.RANK_AXIS), lora_lib.Adapter)
+            self.lora_b = param(jnp.zeros((lora.rank, d_out), param_dtype), (lora_lib.RANK_AXIS, axes[1]),
+                                lora_lib.Adapter)
+            self.lora_scale = lora.scale
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = x.astype(self.compute_dtype) @ self.kernel[...].astype(self.compute_dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.compute_dtype)
-        return y
+        return y + self.adapted(x) if self.lora_a is not None else y
+
+    def adapted(self, x: jax.Array) -> jax.Array:
+        """The adapters' addition to this projection of `x` (applied on the fly: no merged kernel)."""
+        return lora_lib.delta(x, self.lora_a[...], self.lora_b[...], self.lora_scale, self.compute_dtype)
+
+
+def _plus_adapters(y: jax.Array, x: jax.Array, p: Linear) -> jax.Array:
+    """A fused projection's slice for `p`, plus `p`'s adapters where it has them."""
+    return y if p.lora_a is None else y + p.adapted(x)
 
 
 def stacked_projection(x: jax.Array, a: Linear, b: Linear) -> tuple[jax.Array, jax.Array]:
@@ -117,7 +141,7 @@ def stacked_projection(x: jax.Array, a: Linear, b: Linear) -> tuple[jax.Array, j
     y = jnp.einsum("...d,dko->...ko", x.astype(cd), kernel)
     if a.bias is not None:
         y = y + jnp.stack([a.bias[...], b.bias[...]]).astype(cd)
-    return y[..., 0, :], y[..., 1, :]
+    return _plus_adapters(y[..., 0, :], x, a), _plus_adapters(y[..., 1, :], x, b)
 
 
 def grouped_qkv_projection(x: jax.Array, q: Linear, k: Linear, v: Linear,
@@ -134,7 +158,8 @@ def grouped_qkv_projection(x: jax.Array, q: Linear, k: Linear, v: Linear,
         y = y + jnp.concatenate([per_kv_head(p.bias[...]) for p in (q, k, v)], axis=-1).astype(cd)
     width_q, width_kv = q.kernel.shape[1] // n_kv_heads, k.kernel.shape[1] // n_kv_heads
     flat = lambda a: a.reshape(*a.shape[:-2], -1)
-    return flat(y[..., :width_q]), flat(y[..., width_q:width_q + width_kv]), flat(y[..., width_q + width_kv:])
+    outs = flat(y[..., :width_q]), flat(y[..., width_q:width_q + width_kv]), flat(y[..., width_q + width_kv:])
+    return tuple(_plus_adapters(o, x, p) for o, p in zip(outs, (q, k, v)))
 
 
 class RMSNorm(nnx.Module):
@@ -197,10 +222,14 @@ class Attention(nnx.Module):
         pd, cd = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
         d, hd = cfg.d_model, cfg.head_dim
         lin = dict(param_dtype=pd, compute_dtype=cd, rngs=rngs)
-        self.q_proj = Linear(d, cfg.n_heads * hd, axes=("embed", "heads"), bias=cfg.attention_bias, **lin)
-        self.k_proj = Linear(d, cfg.n_kv_heads * hd, axes=("embed", "kv_heads"), bias=cfg.attention_bias, **lin)
-        self.v_proj = Linear(d, cfg.n_kv_heads * hd, axes=("embed", "kv_heads"), bias=cfg.attention_bias, **lin)
-        self.o_proj = Linear(cfg.n_heads * hd, d, axes=("heads", "embed"), bias=False, **lin)
+        ad = lambda name: dict(lora=lora_lib.spec_for(cfg, name))
+        self.q_proj = Linear(d, cfg.n_heads * hd, axes=("embed", "heads"), bias=cfg.attention_bias, **lin,
+                             **ad("q_proj"))
+        self.k_proj = Linear(d, cfg.n_kv_heads * hd, axes=("embed", "kv_heads"), bias=cfg.attention_bias, **lin,
+                             **ad("k_proj"))
+        self.v_proj = Linear(d, cfg.n_kv_heads * hd, axes=("embed", "kv_heads"), bias=cfg.attention_bias, **lin,
+                             **ad("v_proj"))
+        self.o_proj = Linear(cfg.n_heads * hd, d, axes=("heads", "embed"), bias=False, **lin, **ad("o_proj"))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=pd)
             self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=pd)
@@ -269,9 +298,10 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         lin = dict(bias=False, param_dtype=dtype_of(cfg.param_dtype), compute_dtype=dtype_of(cfg.compute_dtype),
                    rngs=rngs)
-        self.gate_proj = Linear(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **lin)
-        self.up_proj = Linear(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **lin)
-        self.down_proj = Linear(cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), **lin)
+        ad = lambda name: dict(lora=lora_lib.spec_for(cfg, name))
+        self.gate_proj = Linear(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **lin, **ad("gate_proj"))
+        self.up_proj = Linear(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **lin, **ad("up_proj"))
+        self.down_proj = Linear(cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), **lin, **ad("down_proj"))
 
     def __call__(self, x: jax.Array, stacked: bool = False) -> jax.Array:
         """`stacked`: gate and up in one matmul (the decode loop; see `stacked_projection`)."""
@@ -416,6 +446,18 @@ def split(model: Transformer) -> tuple[nnx.GraphDef, nnx.State]:
 def init_params(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
     """A freshly initialised model, split. The same seed gives the same params."""
     return split(Transformer(cfg, rngs=nnx.Rngs(params=seed)))
+
+
+def with_adapters(cfg: ModelConfig, base_params: nnx.State, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params) of the model `cfg` describes, its base `base_params` (of the model without
+    adapters: a warm start's, an HF checkpoint's) and, if `model.lora` targets any module, fresh adapters
+    (`lora`'s init, from `seed`): step 0 is the base. Only the adapters are computed; the base is not
+    copied. Without LoRA, the base model itself."""
+    graphdef, abstract = abstract_model(cfg)
+    if not lora_lib.enabled(cfg):
+        return graphdef, base_params
+    fresh = jax.jit(lambda: lora_lib.split_adapters(init_params(cfg, seed)[1])[0])()  # the base's init is dead code
+    return graphdef, lora_lib.join(fresh, base_params)
 
 
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:

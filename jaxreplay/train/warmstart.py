@@ -61,12 +61,13 @@ def warmstart_settings(config: Config) -> dict[str, Any]:
     """What determines the warm-start params: the initial params (the model section and run.seed:
     `init_params`), the demonstrations (the task section, run.seed, sampling.max_new_tokens and
     warmstart.teacher_carry_error) and the training (warmstart.*), and JAX's version, whose
-    numerics may differ. Not where they are cached, nor `model.hf_config` (only `compile` reads it)."""
+    numerics may differ. Not where they are cached, nor `model.hf_config` (only `compile` reads it), nor
+    `model.lora` (the warm start trains the base: LoRA runs share the full run's entry)."""
     c = to_dict(config)
     return {
         "format": CACHE_FORMAT,
         "jax": jax.__version__,
-        "model": {k: v for k, v in c["model"].items() if k != "hf_config"},
+        "model": {k: v for k, v in c["model"].items() if k not in ("hf_config", "lora")},
         "task": c["task"],
         "warmstart": {k: v for k, v in c["warmstart"].items() if k != "cache_dir"},
         "run.seed": config.run.seed,
