@@ -96,3 +96,113 @@ def test_bad_settings_refused_in_one_line(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, ["model.lora.targets=[q_proj]", override])
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning: only the adapters train; the samplers' log-probs are the learner's
+
+
+SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+         "model.d_ff=64", "task.max_digits=2", "model.attention_bias=true"]
+LORA = ["model.lora.targets=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]", "model.lora.rank=2"]
+
+
+def lora_batch(config, advantage=1.0, engine=False):
+    """(graphdef, params with trained-looking adapters, a batch the static sampler (or the engine) drew
+    from them, with frozen behaviour log-probs)."""
+    from jaxreplay.rollout.rollouts import to_device_batch
+    from jaxreplay.rollout.sampling import make_sampler
+    from jaxreplay.tasks.registry import make_task
+
+    task = make_task(config.task)
+    g0, base = T.init_params(lora.base_model_config(config.model), 0)
+    graphdef, params = T.with_adapters(config.model, base, seed=1)
+    params = with_nonzero_b(params, 0.2)
+    s = config.sampling
+    prompts, mask = task.encode_prompts(task.train_problems(0, 0, 8))
+    if engine:
+        from jaxreplay.rollout.engine import JaxEngine, PromptGroup
+
+        eng = JaxEngine(graphdef, config.model, params, slots=4, group_size=2, prompt_len=prompts.shape[1],
+                        max_new_tokens=s.max_new_tokens, chunk_steps=3, temperature=s.temperature,
+                        stop_ids=task.tokenizer.eos_ids, pad_id=task.tokenizer.pad_id)
+        eng.submit([PromptGroup(i, prompts[i], mask[i], jax.random.key(i)) for i in range(4)])
+        done = []
+        while eng.pending():
+            eng.step()
+            done += eng.collect()
+        r = {f: np.concatenate([getattr(c.rollout, f) for c in sorted(done, key=lambda c: c.tag)])
+             for f in ("tokens", "attention_mask", "completion_mask", "logprobs")}
+    else:
+        sample = make_sampler(graphdef, config.model, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                              stop_ids=task.tokenizer.eos_ids, pad_id=task.tokenizer.pad_id)
+        out = jax.device_get(sample(params, prompts, mask, jax.random.PRNGKey(1)))
+        r = {f: getattr(out, f) for f in ("tokens", "attention_mask", "completion_mask", "logprobs")}
+    batch = {**r, "advantage": np.full(len(r["tokens"]), advantage, np.float32)}
+    return graphdef, params, to_device_batch(batch)
+
+
+def test_only_the_adapters_change_and_only_they_have_optimizer_state():
+    from jaxreplay.learn.learner import make_optimizer, make_train_step
+
+    config = load_config(None, SMALL + LORA + ["train.learning_rate=1e-2", "train.warmup_steps=0"])
+    graphdef, params, batch = lora_batch(config)
+    optimizer = make_optimizer(config.train)
+    opt_state = optimizer.init(params)
+    adapters, base = lora.split_adapters(params)
+    n_adapters = sum(x.size for x in jax.tree.leaves(adapters))
+    moments = sum(x.size for x in jax.tree.leaves(opt_state) if x.ndim)  # Adam's mu and nu: 2 per adapter scalar
+    assert moments == 2 * n_adapters
+    before = jax.tree.map(np.asarray, params)
+    new, _, m = make_train_step(graphdef, config, optimizer)(params, opt_state, batch, None)
+    assert float(m["grad_norm"]) > 0 and int(m["nonfinite"]) == 0
+    new_adapters, new_base = lora.split_adapters(new)
+    old_adapters, old_base = lora.split_adapters(before)
+    for a, b in zip(jax.tree.leaves(new_base), jax.tree.leaves(old_base)):
+        assert np.array_equal(np.asarray(a), b)  # the base is frozen, bit for bit
+    changed = [not np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(new_adapters),
+                                                                     jax.tree.leaves(old_adapters))]
+    assert all(changed)
+
+
+def test_kl_reference_is_the_base_with_adapters_off():
+    """kl_ref is 0 at step 0 (B = 0: the policy is the base), and positive once the adapters moved,
+    with no reference copy passed in."""
+    from jaxreplay.learn.learner import make_optimizer, make_train_step
+    from jaxreplay.learn.trainable import initial_reference
+
+    config = load_config(None, SMALL + LORA + ["train.kl_coef=0.1"])
+    graphdef, params, batch = lora_batch(config)
+    assert initial_reference(params, config.train.kl_coef) is None
+    optimizer = make_optimizer(config.train)
+    step = make_train_step(graphdef, config, optimizer)
+    zeroed = jax.tree_util.tree_map_with_path(lambda p, x: x * 0 if lora._names(p)[-1] == "lora_b" else x.copy(),
+                                              params)  # a copy: the step donates its params
+    _, _, m0 = step(zeroed, optimizer.init(zeroed), batch, None)
+    assert float(m0["kl_ref"]) == pytest.approx(0.0, abs=1e-7)
+    _, _, m1 = step(params, optimizer.init(params), batch, None)
+    assert float(m1["kl_ref"]) > 1e-4
+
+
+@pytest.mark.parametrize("engine", [False, True], ids=["static", "engine"])
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 3e-2)])
+def test_behaviour_logprobs_equal_the_learners(engine, dtype, tolerance):
+    """Rollouts drawn with base + adapters (on the fly, through the decode step's fused projections)
+    score the same under the learner's forward pass: ratio 1 within float32 (or bfloat16) rounding."""
+    from jaxreplay.learn.scoring import sequence_scores
+
+    config = load_config(None, SMALL + LORA + [f"model.param_dtype={dtype}", f"model.compute_dtype={dtype}",
+                                               "sampling.temperature=0.7"])
+    graphdef, params, batch = lora_batch(config, engine=engine)
+    h, unembed = T.score_hidden(graphdef, params, batch["tokens"], batch["attention_mask"])
+    learner, _ = sequence_scores(h, batch["tokens"], unembed, temperature=0.7, with_entropy=False)
+    completion = np.asarray(batch["completion_mask"])
+    assert completion.sum() > 0
+    np.testing.assert_allclose(np.asarray(batch["logprobs"]), np.where(completion, np.asarray(learner), 0.0),
+                               atol=tolerance)
+    # the adapters matter: the base alone scores these tokens differently
+    _, base = lora.split_adapters(params)
+    g0, _ = T.abstract_model(lora.base_model_config(config.model))
+    h0, unembed0 = T.score_hidden(g0, base, batch["tokens"], batch["attention_mask"])
+    base_lp, _ = sequence_scores(h0, batch["tokens"], unembed0, temperature=0.7, with_entropy=False)
+    assert np.abs(np.where(completion, np.asarray(base_lp) - np.asarray(learner), 0)).max() > 10 * tolerance

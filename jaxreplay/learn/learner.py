@@ -21,6 +21,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxreplay.config import Config, TrainConfig
+from jaxreplay.learn import trainable
 from jaxreplay.learn.losses import kl_penalty, make_loss, make_weights, token_mean_weights, weighted
 from jaxreplay.learn.scoring import sequence_scores
 from jaxreplay.models import sharding
@@ -33,14 +34,15 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """AdamW with global-norm clipping; a linear warm-up, then a constant learning rate.
 
     The warm-up matters for RL on a fresh Adam state: its first steps are sign-like,
-    moving every weight by the full learning rate on a noisy policy gradient.
+    moving every weight by the full learning rate on a noisy policy gradient. Over the trainable
+    params only (`trainable.trainable_only`): with LoRA, the adapters.
     """
     mu_dtype = dtype_of(config.adam_mu_dtype) if config.adam_mu_dtype else None
-    return optax.chain(
+    return trainable.trainable_only(optax.chain(
         optax.clip_by_global_norm(config.grad_clip),
         optax.adamw(learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
                     weight_decay=config.weight_decay, mu_dtype=mu_dtype),
-    )
+    ))
 
 
 def learning_rate_schedule(config: TrainConfig) -> optax.ScalarOrSchedule:
@@ -66,7 +68,9 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
 
     params and opt_state are donated: the caller must use the returned ones. A step
     whose loss, gradient or update is not finite returns them unchanged, with `nonfinite` = 1.
-    `ref_params` is only read when `train.kl_coef > 0` (pass None otherwise).
+    `ref_params` is only read when `train.kl_coef > 0` and the params hold no LoRA adapters (pass None
+    otherwise: `trainable.initial_reference`). With adapters only they train (`trainable`): the base
+    comes back as it went in, and `opt_state` is the adapters' (`make_optimizer`).
     With a `mesh`, params, opt_state and ref_params carry `sharding.param_shardings`
     (place them with `sharding.shard_params`), the batch is split over its rows, and
     the metrics come back replicated. With `train.micro_batch_size`, the loss, the
@@ -79,10 +83,11 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
     loss_and_grad = make_loss_and_grad(graphdef, config, mesh, live_vocab=live_vocab)
 
     def step(params, opt_state, batch: Batch, ref_params):
-        loss, metrics, grads = loss_and_grad(params, batch, ref_params)
+        loss, metrics, grads = loss_and_grad(params, batch, ref_params)  # of the trainable params
+        tuned, frozen = trainable.split(params)
         grad_norm = optax.tree.norm(grads)
-        updates, new_opt_state = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+        updates, new_opt_state = optimizer.update(grads, opt_state, tuned)
+        new_tuned = optax.apply_updates(tuned, updates)
         # A non-finite loss, gradient or update would poison params and Adam's moments for
         # good: skip the update (keep both), and say so in the metrics.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
@@ -91,13 +96,13 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
         metrics["grad_norm"] = grad_norm
         metrics["learning_rate"] = learning_rate(train, opt_state)  # of this update; it warms up
         metrics["nonfinite"] = (~finite).astype(jnp.int32)
-        return keep(new_params, params), keep(new_opt_state, opt_state), metrics
+        return trainable.join(keep(new_tuned, tuned), frozen), keep(new_opt_state, opt_state), metrics
 
     if mesh is None:
         return jax.jit(step, donate_argnums=(0, 1))
     params_sh = sharding.param_shardings(mesh, abstract)
     opt_sh = sharding.param_shardings(mesh, jax.eval_shape(optimizer.init, abstract))
-    ref_sh = params_sh if train.kl_coef > 0 else None
+    ref_sh = params_sh if train.kl_coef > 0 and trainable.split(abstract)[1] is None else None
     return jax.jit(
         step, donate_argnums=(0, 1),
         in_shardings=(params_sh, opt_sh, sharding.batch_sharding(mesh), ref_sh),
@@ -107,13 +112,19 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
 
 def make_loss_and_grad(graphdef, config: Config, mesh: Optional[Mesh] = None, *, live_vocab: int = 0):
     """`(params, batch, ref_params) -> (loss, metrics, grads)` of one training batch, not jitted:
-    the train step's first half. With `train.micro_batch_size` the batch goes through the
+    the train step's first half. `grads` are those of the trainable params (`trainable.split`). With `train.micro_batch_size` the batch goes through the
     model that many rows at a time and the results are summed; the loss aggregation's
     weights come from the whole batch's mask, so the sums are exactly the whole batch's
     loss, metrics and gradient, up to float rounding."""
     train = config.train
-    params_sh = None if mesh is None else sharding.param_shardings(mesh, abstract_params(config.model))
-    grads_fn = jax.value_and_grad(_make_loss_fn(graphdef, config, live_vocab), has_aux=True)
+    tuned_sh = None if mesh is None else trainable.split(sharding.param_shardings(mesh, abstract_params(config.model)))[0]
+    loss_fn = _make_loss_fn(graphdef, config, live_vocab)
+
+    def grads_fn(params, batch: Batch, ref_params):  # ((loss, metrics), gradient of the trainable params)
+        tuned, frozen = trainable.split(params)
+        tuned_loss = lambda t: loss_fn(trainable.join(t, frozen), batch, ref_params)
+        return jax.value_and_grad(tuned_loss, has_aux=True)(tuned)
+
     weigh = make_weights(train.loss_aggregation, config.sampling.max_new_tokens)
 
     def loss_and_grad(params, batch: Batch, ref_params):
@@ -126,7 +137,7 @@ def make_loss_and_grad(graphdef, config: Config, mesh: Optional[Mesh] = None, *,
         if micro == rows:
             (loss, metrics), grads = grads_fn(params, batch, ref_params)
             return loss, metrics, grads
-        return _accumulate(grads_fn, params, batch, ref_params, rows // micro, mesh, params_sh)
+        return _accumulate(grads_fn, params, batch, ref_params, rows // micro, mesh, tuned_sh)
 
     return loss_and_grad
 
@@ -152,8 +163,9 @@ def _make_loss_fn(graphdef, config: Config, live_vocab: int = 0):
         logprobs, entropy = score(params, batch, with_entropy=True)
         loss, metrics = loss_impl(logprobs, batch["logprobs"], batch["advantage"], mask)
         metrics["pg_loss"] = loss
-        if train.kl_coef > 0:
-            ref_logprobs, _ = score(jax.lax.stop_gradient(ref_params), batch, with_entropy=False)
+        if train.kl_coef > 0:  # with LoRA, the reference is the base, adapters off
+            reference = trainable.kl_reference(params, ref_params)
+            ref_logprobs, _ = score(jax.lax.stop_gradient(reference), batch, with_entropy=False)
             kl = kl_penalty(logprobs, ref_logprobs, mask, mean=mean)
             loss = loss + train.kl_coef * kl
             metrics["kl_ref"] = kl

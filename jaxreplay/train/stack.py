@@ -12,15 +12,16 @@ import time
 from typing import Any, Callable, Optional
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from jaxreplay.config import Config
 from jaxreplay.learn.learner import TrainStep, make_optimizer, make_train_step
+from jaxreplay.learn.trainable import initial_reference
 from jaxreplay.models import sharding
 from jaxreplay.models.hf import load_hf_model, read_model_config
 from jaxreplay.models.tokenizer import load_tokenizer
-from jaxreplay.models.transformer import abstract_params, init_params
+from jaxreplay.models.lora import base_config
+from jaxreplay.models.transformer import abstract_params, init_params, with_adapters
 from jaxreplay.rollout.actor import Actor, StreamingActor, make_streaming_actor
 from jaxreplay.rollout.rollouts import row_spec
 from jaxreplay.rollout.sampling import make_run_samplers
@@ -58,7 +59,7 @@ def resolved_model(config: Config) -> Config:
         return config
     model = read_model_config(m.hf_path, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
                               max_seq_len=m.max_seq_len)
-    return dataclasses.replace(config, model=model)
+    return dataclasses.replace(config, model=dataclasses.replace(model, lora=m.lora))
 
 
 def build_stack(config: Config, placement: Placement, log: Callable[[str], None]) -> Stack:
@@ -77,7 +78,7 @@ def build_stack(config: Config, placement: Placement, log: Callable[[str], None]
     stopping = _stop_poll(c, placement)
     return Stack(
         config=c, task=task, spec=row_spec(c, task.prompt_len), graphdef=graphdef, params=params,
-        ref_params=jax.tree.map(jnp.copy, params) if c.train.kl_coef > 0 else None,
+        ref_params=initial_reference(params, c.train.kl_coef),
         optimizer=optimizer, opt_state=sharding.shard_params(optimizer.init(params), learner_mesh),
         train_step=make_train_step(graphdef, c, optimizer, learner_mesh, live_vocab=live),
         actor=Actor(c, task, placement.rollout_sampler(sample_fn), shard=shard),
@@ -91,7 +92,14 @@ def build_stack(config: Config, placement: Placement, log: Callable[[str], None]
 
 def _policy(c: Config, placement: Placement, log: Callable[[str], None]):
     """(task, graphdef, params): released weights straight onto the learner mesh, or a fresh
-    init and the supervised warm start."""
+    init and the supervised warm start; then `model.lora`'s fresh adapters, if any, on that base."""
+    task, params = _base_policy(base_config(c), placement, log)
+    graphdef, params = with_adapters(c.model, params, c.run.seed)
+    return task, graphdef, params
+
+
+def _base_policy(c: Config, placement: Placement, log: Callable[[str], None]):
+    """(task, params) of the model without adapters: what LoRA freezes, or what full fine-tuning trains."""
     if c.model.hf_path:
         m = c.model
         _, graphdef, params = load_hf_model(
@@ -99,7 +107,7 @@ def _policy(c: Config, placement: Placement, log: Callable[[str], None]):
             shardings=sharding.param_shardings(placement.learner_mesh, abstract_params(c.model)))
         task = make_task(c.task, load_tokenizer(m.hf_path, vocab_size=c.model.vocab_size))
         log(f"loaded {m.hf_path} ({c.model.n_layers} layers, width {c.model.d_model}); no warm start")
-        return task, graphdef, params
+        return task, params
     task = make_task(c.task)
     graphdef, params = init_params(c.model, c.run.seed)
     if placement.kind == "multihost":  # the warm start runs SPMD on the global mesh, like the learner
@@ -110,7 +118,7 @@ def _policy(c: Config, placement: Placement, log: Callable[[str], None]):
     if c.warmstart.steps:
         log(f"warm start {'loaded from cache' if cached else f'trained for {c.warmstart.steps} steps'} "
             f"({time.perf_counter() - start:.1f}s)")
-    return task, graphdef, params
+    return task, params
 
 
 def _stop_poll(c: Config, placement: Placement) -> Callable[[], Optional[int]]:
