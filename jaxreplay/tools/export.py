@@ -10,8 +10,8 @@ A LoRA policy (`model.lora`) is written twice: merged (each adapter folded into 
 kernel, W + (alpha / r) A B) as the HF model in `out`, which transformers loads alone; and
 its adapters in PEFT's format in `out/adapter` (adapter_config.json,
 adapter_model.safetensors), which `peft` loads onto the base. The adapters go into a
-folder of their own: transformers, finding an adapter_config.json beside config.json,
-would load the base and the adapters instead of the merged weights.
+folder of their own: transformers (where peft is installed) loads an adapter_config.json it
+finds beside config.json on top of that directory's weights, applying them twice.
 """
 
 from __future__ import annotations
