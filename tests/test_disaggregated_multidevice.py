@@ -51,6 +51,21 @@ def test_limiter_holds_the_ratio_and_rollouts_carry_the_pushed_versions(tmp_path
     assert json.loads((tmp_path / "summary.json").read_text())["replay/ratio"] == summary["replay/ratio"]
 
 
+def test_lora_trains_disaggregated_with_adapter_only_weight_updates(tmp_path):
+    """LoRA across two meshes: the actor gets the base once and then the adapters at each push
+    (rollout/weights.py); the rollouts carry the pushed versions as without LoRA."""
+    steps = 12
+    config = load_config(None, SMALL + [f"train.steps={steps}", f"train.weight_sync_every={K}", "train.eval_every=1000",
+                                        "model.lora.targets=[q_proj,v_proj,up_proj]", "model.lora.rank=4",
+                                        # AsymRE: a non-zero advantage on a random policy's all-wrong groups
+                                        "train.loss=asymre", "train.advantage=group_centered", f"run.dir={tmp_path}"])
+    summary = train(config, log=lambda _: None)
+    assert summary["steps"] == steps and summary["weights/pushes"] == -(-steps // K)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
+    assert all(r["batch/version_max"] % K == 0 for r in rows) and max(r["batch/version_max"] for r in rows) > 0
+    assert any(r["grad_norm"] > 0 for r in rows)
+
+
 def test_a_stalled_learner_wait_stops_both_threads_and_reports_the_timeout(tmp_path, monkeypatch):
     """The actor's first reward holds until the learner thread has ended, so nothing is ever
     inserted and the learner's 0.3 s wait for its first batch runs out, however fast the

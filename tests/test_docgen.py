@@ -40,9 +40,13 @@ def test_every_config_key_is_documented_with_its_default():
     for section in dataclasses.fields(Config):
         defaults = section.default_factory()
         for f in dataclasses.fields(defaults):
-            row = next((line for line in page.splitlines() if line.startswith(f"| `{section.name}.{f.name}` |")), None)
-            assert row is not None, f"{section.name}.{f.name} is not in the config reference"
-            assert "(undocumented)" not in row, f"{section.name}.{f.name}: give it a # comment line in config.py"
+            value = getattr(defaults, f.name)
+            keys = [f"{section.name}.{f.name}.{g.name}" for g in dataclasses.fields(value)] \
+                if dataclasses.is_dataclass(value) else [f"{section.name}.{f.name}"]  # a sub-section: model.lora
+            for key in keys:
+                row = next((line for line in page.splitlines() if line.startswith(f"| `{key}` |")), None)
+                assert row is not None, f"{key} is not in the config reference"
+                assert "(undocumented)" not in row, f"{key}: give it a # comment line in config.py"
     assert "| `train.steps` | `int` | `300` | learner steps |" in page
 
 

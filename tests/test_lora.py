@@ -206,3 +206,150 @@ def test_behaviour_logprobs_equal_the_learners(engine, dtype, tolerance):
     h0, unembed0 = T.score_hidden(g0, base, batch["tokens"], batch["attention_mask"])
     base_lp, _ = sequence_scores(h0, batch["tokens"], unembed0, temperature=0.7, with_entropy=False)
     assert np.abs(np.where(completion, np.asarray(base_lp) - np.asarray(learner), 0)).max() > 10 * tolerance
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: the adapters and their optimizer state, the base by its checksum; exact resume
+
+
+def test_a_checkpoint_of_another_base_is_refused_in_one_line():
+    from jaxreplay.cli import _bad_input
+    from jaxreplay.train.checkpoint import OtherBase, base_digest, restored_params, saved_params
+
+    cfg = lora_model(targets=("q_proj",))
+    _, params = T.init_params(cfg, 0)
+    _, other = T.init_params(cfg, 1)
+    assert base_digest(params) != base_digest(other) and len(base_digest(params)) == 16
+    assert base_digest(T.init_params(lora.base_model_config(cfg), 0)[1]) == ""  # no LoRA: nothing to check
+    saved = saved_params(with_nonzero_b(params))
+    assert jax.tree.structure(saved) == jax.tree.structure(lora.split_adapters(params)[0])
+    back = restored_params(params, saved, base_digest(params), base_digest(params), "ckpt/2")
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(with_nonzero_b(params))))
+    with pytest.raises(OtherBase) as e:
+        restored_params(other, saved, base_digest(params), base_digest(other), "ckpt/2")
+    assert "\n" not in str(e.value) and str(e.value).startswith("ckpt/2 was trained on a base")
+    assert _bad_input(e.value)  # the CLI's exit code 2
+
+
+@pytest.mark.slow
+def test_lora_resume_is_exact_the_checkpoint_holds_adapters_and_a_changed_base_is_refused(tmp_path):
+    """2 steps, then the same command with train.steps=4, equals 4 steps straight (test_train's
+    exact-resume settings); the checkpoint holds the adapters and their Adam moments, not the base;
+    a resume whose warm-start base was replaced since is refused."""
+    from test_train import DEMO, TINY
+
+    from jaxreplay.train.checkpoint import Checkpointer, OtherBase
+    from jaxreplay.train.driver import train
+    from jaxreplay.train.metrics import read_metrics
+    from jaxreplay.train.warmstart import _write_files, cache_key, cache_root, warmstart_settings
+
+    settings = [*TINY, *LORA, "model.n_layers=2", "replay.selector=fifo", "train.batch_size=4",
+                "replay.samples_per_insert=1", "replay.error_buffer=3", "replay.max_size=16",
+                "replay.min_size_to_sample=16", "train.loss=asymre", "train.advantage=group_centered",
+                "task.train_size=8", "task.eval_size=8", "train.eval_every=1000", "train.learning_rate=1e-2",
+                f"warmstart.cache_dir={tmp_path / 'cache'}"]
+
+    def run(name, steps):
+        config = load_config(DEMO, [*settings, f"train.steps={steps}", f"run.dir={tmp_path / name}"])
+        return config, train(config, log=lambda _: None)
+
+    straight, _ = run("straight", 4)
+    run("resumed", 2)
+    resumed, _ = run("resumed", 4)
+    a, b = read_metrics(straight.run.dir), read_metrics(resumed.run.dir)
+    assert [r["step"] for r in b] == list(range(5))
+    assert sum(r["grad_norm"] > 0 for r in a[1:]) >= 2, "the adapters must train for this to test anything"
+    for ra, rb in zip(a[1:], b[1:]):
+        for key in ("loss", "grad_norm", "replay/samples", "tokens/generated"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-6), (ra["step"], key)
+
+    metas = []
+    for config in (straight, resumed):
+        ckpt = Checkpointer(f"{config.run.dir}/checkpoints", keep=2)
+        metas.append(ckpt.meta(4))
+        ckpt.close()
+    meta = metas[1]
+    saved = [n for n in meta["checksums"]["leaves"] if n.startswith("params/")]
+    assert saved and all("/lora_a" in n or "/lora_b" in n for n in saved)  # no base array is saved
+    assert len(meta["base_digest"]) == 16 and metas[0]["base_digest"] == meta["base_digest"]
+    # the same adapters and Adam moments, array for array (their checksums)
+    arrays = lambda m: {n: d for n, d in m["checksums"]["leaves"].items() if n.startswith(("params/", "opt_state/"))}
+    assert arrays(metas[0]) == arrays(meta) and len(arrays(meta)) > len(saved)
+
+    # `jaxreplay eval` / `export` read the policy back: the checkpoint's adapters on the warm start's base
+    from jaxreplay.train.checkpoint import base_digest, digests
+    from jaxreplay.train.eval import load_policy
+
+    _, _, policy, _, where = load_policy(resumed, checkpoint=resumed.run.dir)
+    assert where["step"] == 4 and base_digest(policy) == meta["base_digest"]
+    read = {f"params/{n}": d for n, d in digests(lora.split_adapters(policy)[0]).items()}
+    assert read == {n: d for n, d in meta["checksums"]["leaves"].items() if n.startswith("params/")}
+
+    # The warm start the base came from is replaced (another set of weights under the same entry):
+    entry = f"{cache_root(resumed)}/{cache_key(lora.base_config(resumed))}"
+    _, other = T.init_params(lora.base_model_config(resumed.model), 5)
+    _write_files(entry, warmstart_settings(lora.base_config(resumed)), other)
+    with pytest.raises(OtherBase, match="was trained on a base whose checksum is"):
+        run("resumed", 6)
+    with pytest.raises(OtherBase):
+        load_policy(resumed, checkpoint=resumed.run.dir)
+
+
+def test_a_weight_update_moves_the_adapters_and_the_base_once():
+    from jaxreplay.models import sharding
+    from jaxreplay.rollout.weights import weight_sync
+
+    cfg = lora_model(targets=("q_proj", "up_proj"))
+    _, params = T.init_params(cfg, 0)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), sharding.AXES)
+    to_actor = weight_sync(sharding.param_shardings(mesh, T.abstract_params(cfg)))
+    first = to_actor(params)
+    trained = with_nonzero_b(params)
+    second = to_actor(trained)
+    (a1, b1), (a2, b2) = lora.split_adapters(first), lora.split_adapters(second)
+    assert all(x is y for x, y in zip(jax.tree.leaves(b1), jax.tree.leaves(b2)))  # the base was not moved again
+    want = jax.tree.leaves(lora.split_adapters(trained)[0])
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a2), want))  # the adapters were
+    assert not all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a1), want))
+    _, plain = T.init_params(lora.base_model_config(cfg), 0)  # without LoRA: every parameter, every time
+    to_plain = weight_sync(sharding.param_shardings(mesh, T.abstract_params(lora.base_model_config(cfg))))
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(to_plain(plain)), jax.tree.leaves(plain)))
+
+
+@pytest.mark.slow
+def test_lora_on_an_hf_base_trains_adapters_and_refuses_a_changed_base_directory(tmp_path):
+    """model.hf_path + model.lora: the imported weights are the frozen base (the policy read back is
+    exactly them plus the trained adapters); after the model directory's weights change, a resume
+    is refused in one line."""
+    import json
+
+    from tiny_hf import write_model
+
+    from jaxreplay.models.hf import load_hf_model
+    from jaxreplay.train.checkpoint import OtherBase
+    from jaxreplay.train.driver import train
+    from jaxreplay.train.eval import load_policy
+
+    hf = write_model(tmp_path / "hf", seed=0)
+    for split, n in [("train", 16), ("test", 4)]:
+        (tmp_path / f"{split}.jsonl").write_text("".join(
+            json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)[0]}) + "\n" for i in range(n)))
+    settings = [
+        f"model.hf_path={hf}", "model.max_seq_len=40", "task.name=jsonl", f"task.path={tmp_path}/{{split}}.jsonl",
+        "task.reward=exact_match", "task.max_prompt_len=32", "warmstart.steps=0", "sampling.max_new_tokens=2",
+        "train.batch_size=16", "train.prompts_per_step=4", "train.group_size=4", "train.eval_every=1000",
+        "train.learning_rate=1e-2", "train.warmup_steps=0", "train.loss=asymre", "train.advantage=group_centered",
+        "replay.max_size=64", "replay.min_size_to_sample=16", "checkpoint.every=2", "run.progress_bar=false",
+        f"run.dir={tmp_path / 'run'}", "model.lora.targets=[q_proj,v_proj,down_proj]", "model.lora.rank=2"]
+    config = load_config(None, [*settings, "train.steps=2"])
+    assert train(config, log=lambda _: None)["steps"] == 2
+
+    _, _, imported = load_hf_model(hf)
+    _, _, policy, _, _ = load_policy(config, checkpoint=str(tmp_path / "run"))
+    adapters, base = lora.split_adapters(policy)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(imported)))
+    assert any(np.any(np.asarray(b)) for b in jax.tree.leaves(adapters))  # B moved off zero
+
+    write_model(tmp_path / "hf", seed=1)  # the directory's weights change under the run
+    with pytest.raises(OtherBase, match="was trained on a base whose checksum is"):
+        train(load_config(None, [*settings, "train.steps=4"]), log=lambda _: None)

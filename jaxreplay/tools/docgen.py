@@ -105,10 +105,20 @@ def config_fields() -> list[tuple[str, type, list[Field]]]:
     for section in dataclasses.fields(config_module.Config):
         cls = section.default_factory
         defaults = cls()
-        fields = [Field(f"{section.name}.{f.name}", _type_name(f.type), getattr(defaults, f.name),
-                        helps.get((cls.__name__, f.name), "")) for f in dataclasses.fields(cls)]
-        sections.append((section.name, cls, fields))
+        sections.append((section.name, cls, _fields(section.name, defaults, helps)))
     return sections
+
+
+def _fields(prefix: str, defaults: Any, helps: dict[tuple[str, str], str]) -> list[Field]:
+    """The keys of one section; a sub-section's (`model.lora`) each in its own row."""
+    cls, out = type(defaults), []
+    for f in dataclasses.fields(cls):
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _fields(f"{prefix}.{f.name}", value, helps)
+        else:
+            out.append(Field(f"{prefix}.{f.name}", _type_name(f.type), value, helps.get((cls.__name__, f.name), "")))
+    return out
 
 
 def _cell(text: str) -> str:

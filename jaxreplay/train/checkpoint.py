@@ -1,7 +1,8 @@
 """Orbax checkpoints of the learner, tied to the Reverb checkpoint taken with them.
 
 A checkpoint is one Orbax step holding two items: `state` (params, optimizer
-state, RNG key) and `meta` (counters, the path of the Reverb checkpoint taken
+state, RNG key; with LoRA the adapters and their optimizer state, the base named by its
+checksum in `meta`: `base_digest`) and `meta` (counters, the path of the Reverb checkpoint taken
 just before, so a resume restores exactly that buffer, never a newer orphan, the
 run-changing settings the step was trained with, which a resume is checked
 against even where config.yaml is gone or edited, and a checksum of every array
@@ -18,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hashlib
+import json
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -28,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxreplay import storage
+from jaxreplay.learn import trainable
 
 
 @dataclasses.dataclass
@@ -56,6 +60,7 @@ class Progress:
     eval_accuracy: Optional[float] = None  # the latest evaluation
     eval_tokens: int = 0  # tokens generated at the latest evaluation (train.eval_every_tokens)
     accounting: dict = dataclasses.field(default_factory=dict)  # jaxreplay.train.accounting counters
+    base_digest: str = ""  # LoRA: the frozen base's checksum (`base_digest`), which a resume's base must match
 
 
 class CheckpointError(ValueError):
@@ -277,6 +282,37 @@ def check_sums(state: Any, meta: dict, step: int, where: str) -> None:
         raise DamagedStep(step, why)
 
 
+class OtherBase(CheckpointError):
+    """A LoRA checkpoint resumed on a base other than the one its adapters were trained on."""
+
+
+def base_digest(params: Any) -> str:
+    """The frozen base's checksum where `params` hold LoRA adapters (the digests of its arrays, as
+    checkpoints record them, hashed into 16 hex digits); "" for params that all train. A LoRA
+    checkpoint holds the adapters and this, not the base: the base stays where it came from (the
+    HF directory, the warm-start cache)."""
+    _, frozen = trainable.split(params)
+    if frozen is None:
+        return ""
+    text = json.dumps(digests(frozen), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def saved_params(params: Any) -> Any:
+    """What a checkpoint holds of `params`: the trainable part (with LoRA, the adapters alone)."""
+    return trainable.split(params)[0]
+
+
+def restored_params(params: Any, saved: Any, saved_digest: str, fresh_digest: str, where: str) -> Any:
+    """The run's params from a checkpoint's `saved_params`, on `params`' frozen base, which must be
+    the one the checkpoint was trained on (`OtherBase` otherwise, in one line)."""
+    if saved_digest != fresh_digest:
+        raise OtherBase(f"{where} was trained on a base whose checksum is {saved_digest or 'none (no LoRA)'}, but "
+                        f"this run's base is {fresh_digest or 'none (no LoRA)'}: resume it on the base it was trained "
+                        "on (the same model.hf_path weights, or the same warm start)")
+    return trainable.join(saved, trainable.split(params)[1])
+
+
 def save_params(path: str | Path, params: Any) -> None:
     """One-off params snapshot (the cached warm start)."""
     with ocp.StandardCheckpointer() as ckptr:
@@ -287,6 +323,16 @@ def restore_params(path: str | Path, params_like: Any) -> Any:
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params_like)
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(storage.orbax_path(path), abstract)
+
+
+def read_meta(directory: str | Path, step: int) -> dict:
+    """Step `step`'s `meta` item alone, read without a `Checkpointer` (which would prune and tidy)."""
+    manager = ocp.CheckpointManager(storage.orbax_path(directory))
+    try:
+        with _unreadable(directory, step):
+            return dict(manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+    finally:
+        manager.close()
 
 
 def restore_policy_params(directory: str | Path, params_like: Any, step: Optional[int] = None) -> tuple[Any, int]:

@@ -36,7 +36,8 @@ from jaxreplay.train import distributed, rundir
 from jaxreplay.train.accounting import Accounting, param_count
 from jaxreplay.train.calibrate import calibrated, measure_mu
 from jaxreplay.train.checkpoint import (
-    CheckpointError, Checkpointer, DamagedStep, Progress, progress_of, write_failure, write_failure_message)
+    CheckpointError, Checkpointer, DamagedStep, Progress, base_digest, progress_of, restored_params, write_failure,
+    write_failure_message)
 from jaxreplay.train.eval import TEST_KEY
 from jaxreplay.train.guards import Preempted, PreemptionNotice
 from jaxreplay.train.placement import Placement, params_digest, placement_for
@@ -335,9 +336,12 @@ def _restore(run: Run, run_dir: rundir.RunDir, step: int, coord: Optional[distri
         if step is None:
             raise _none_left(run_dir, damaged)
     progress = progress_of(meta)
-    run.params, run.opt_state = state["params"], state["opt_state"]
+    where = storage.join(str(checkpointer.directory), str(step))
+    fresh = lambda params, saved: restored_params(params, saved, progress.base_digest, run.progress.base_digest, where)
+    run.params, run.opt_state = fresh(run.params, state["params"]), state["opt_state"]
     run.pending = rollouts.unpadded(run.placement.local_rows(state["pending"]))
-    run.actor_params, run.actor_version = state.get("actor_params"), progress.actor_version
+    run.actor_params = None if run.actor_params is None else fresh(run.actor_params, state["actor_params"])
+    run.actor_version = progress.actor_version
     run.progress, run.accounting = progress, Accounting(param_count(run.params), progress.accounting)
     run.tokens_at_step = progress.tokens_generated
     run.start -= progress.time_total_s  # the run's seconds count every invocation
@@ -374,7 +378,7 @@ def _run_state(stack, placement: Placement, run_dir: rundir.RunDir, start: float
     checkpointer = Checkpointer(run_dir.checkpoints(), keep=c.checkpoint.keep,
                                 timeout_s=c.distributed.timeout_s if placement.kind == "multihost" else None,
                                 settings=run_settings(c))
-    progress = Progress()  # its accounting dict is the one the checkpoints save
+    progress = Progress(base_digest=base_digest(stack.params))  # its accounting dict is the one the checkpoints save
     return Run(config=c, placement=placement, stack=stack, recorder=None, checkpointer=checkpointer,
                progress=progress, params=stack.params, opt_state=stack.opt_state,
                accounting=Accounting(param_count(stack.params), progress.accounting), start=start,

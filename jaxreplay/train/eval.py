@@ -9,6 +9,7 @@ estimator 1 - C(n-c, k) / C(n, k) (Chen et al., 2021). The two pass@1 values dif
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from flax import nnx
 
 from jaxreplay import storage
 from jaxreplay.config import Config
+from jaxreplay.models import lora
 from jaxreplay.rollout.sampling import completion_ids, make_sampler
 from jaxreplay.tasks.base import Task, Tokenizer, score
 from jaxreplay.train.guards import Preempted, describe, pending
@@ -141,15 +143,42 @@ def load_policy(config: Config, *, checkpoint: Optional[str] = None, hf: Optiona
 
     from jaxreplay.train.checkpoint import restore_policy_params
 
-    cfg = m if m.hf_path is None else read_model_config(
-        m.hf_path, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, max_seq_len=m.max_seq_len)
+    cfg = m if m.hf_path is None else dataclasses.replace(read_model_config(
+        m.hf_path, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, max_seq_len=m.max_seq_len), lora=m.lora)
     graphdef, abstract = split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))
     directory = str(checkpoint)  # a run dir or its checkpoints/, on a disk or in a bucket
     if storage.isdir(storage.join(directory, "checkpoints")):
         directory = storage.join(directory, "checkpoints")
-    params, step = restore_policy_params(directory, abstract, step)
+    if lora.enabled(cfg):  # the checkpoint holds the adapters; the base is read from where it came from
+        params, step = _lora_policy(config, cfg, directory, abstract, step)
+    else:
+        params, step = restore_policy_params(directory, abstract, step)
     tokenizer = None if m.hf_path is None or own_tokenizer else load_tokenizer(m.hf_path, vocab_size=cfg.vocab_size)
     return cfg, graphdef, params, tokenizer, {"checkpoint": str(directory), "step": step}
+
+
+def _lora_policy(config: Config, cfg, directory: str, abstract, step: Optional[int]):
+    """(params, step) of a LoRA checkpoint: its adapters on the base they were trained on (the HF
+    weights, or the warm start: from its cache, or recomputed, which gives the same weights), which
+    must match the checksum the checkpoint recorded (`checkpoint.OtherBase` otherwise)."""
+    from jaxreplay.models.hf import load_hf_model
+    from jaxreplay.models.transformer import init_params
+    from jaxreplay.tasks.registry import make_task
+    from jaxreplay.train.checkpoint import base_digest, read_meta, restore_policy_params, restored_params
+    from jaxreplay.train.warmstart import warm_start
+
+    adapters, step = restore_policy_params(directory, lora.split_adapters(abstract)[0], step)
+    base_cfg = lora.base_config(config)
+    m = base_cfg.model
+    if m.hf_path:
+        _, _, base = load_hf_model(m.hf_path, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
+                                   max_seq_len=m.max_seq_len)
+    else:
+        graphdef, base = init_params(m, config.run.seed)
+        base, _ = warm_start(graphdef, base, make_task(base_cfg.task), base_cfg, log=lambda _: None)
+    params = lora.join(jax.tree.map(jax.numpy.zeros_like, adapters), base)
+    saved = read_meta(directory, step).get("base_digest", "")
+    return restored_params(params, adapters, saved, base_digest(params), storage.join(directory, str(step))), step
 
 
 def eval_sampler_factory(graphdef, cfg, max_new_tokens: int, tokenizer: Tokenizer, *,

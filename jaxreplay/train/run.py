@@ -34,7 +34,7 @@ from jaxreplay.replay.tables import ReplayTimeoutError
 from jaxreplay.rollout import rollouts
 from jaxreplay.rollout.actor import Position, rollout_stats, waiting_capacity
 from jaxreplay.train.accounting import Accounting
-from jaxreplay.train.checkpoint import Checkpointer, Progress
+from jaxreplay.train.checkpoint import Checkpointer, Progress, saved_params
 from jaxreplay.train.eval import TEST_KEY
 from jaxreplay.train.guards import NonFiniteStreak, Preempted, PreemptionNotice, describe
 from jaxreplay.train.placement import Placement
@@ -434,10 +434,12 @@ def above_bars(log: Callable[[str], None]) -> Callable[[str], None]:
 
 def checkpoint_tree(params: Any, opt_state: Any, pending: Optional[rollouts.Rows], spec: rollouts.RowSpec,
                     capacity: int, actor_params: Any = None) -> dict[str, Any]:
-    """The arrays of a checkpoint (the template a restore reads onto, given fresh state)."""
-    tree = {"params": params, "opt_state": opt_state, "pending": rollouts.padded(pending, spec, capacity)}
+    """The arrays of a checkpoint (the template a restore reads onto, given fresh state); of the
+    params, the trainable part (`checkpoint.saved_params`)."""
+    tree = {"params": saved_params(params), "opt_state": opt_state,
+            "pending": rollouts.padded(pending, spec, capacity)}
     if actor_params is not None:
-        tree["actor_params"] = actor_params
+        tree["actor_params"] = saved_params(actor_params)
     return tree
 
 

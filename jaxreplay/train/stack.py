@@ -11,7 +11,6 @@ import dataclasses
 import time
 from typing import Any, Callable, Optional
 
-import jax
 import optax
 
 from jaxreplay.config import Config
@@ -25,6 +24,7 @@ from jaxreplay.models.transformer import abstract_params, init_params, with_adap
 from jaxreplay.rollout.actor import Actor, StreamingActor, make_streaming_actor
 from jaxreplay.rollout.rollouts import row_spec
 from jaxreplay.rollout.sampling import make_run_samplers
+from jaxreplay.rollout.weights import weight_sync
 from jaxreplay.tasks.base import Task
 from jaxreplay.tasks.registry import make_task
 from jaxreplay.train import distributed
@@ -128,5 +128,4 @@ def _stop_poll(c: Config, placement: Placement) -> Callable[[], Optional[int]]:
 
 
 def _to_mesh(c: Config, placement: Placement) -> Callable[[Any], Any]:
-    shardings = sharding.param_shardings(placement.actor_mesh, abstract_params(c.model))
-    return lambda params: jax.device_put(params, shardings)
+    return weight_sync(sharding.param_shardings(placement.actor_mesh, abstract_params(c.model)))
