@@ -96,6 +96,50 @@ def test_a_model_without_adapters_has_no_peft_export(base_dir, tmp_path):
         save_peft_adapters(tmp_path / "adapter", cfg, params)
 
 
+@pytest.mark.slow
+def test_jaxreplay_export_of_a_lora_run_writes_the_merged_model_and_the_peft_adapters(tmp_path):
+    """`jaxreplay export RUN_DIR --out OUT` of a LoRA run on an HF base: OUT is the merged model with the
+    base's tokenizer, read back with the logits of the policy the checkpoint holds (its adapters on
+    the base); OUT/adapter holds those adapters in PEFT's format, naming the base directory."""
+    from jaxreplay.cli import main
+    from jaxreplay.config import load_config
+    from jaxreplay.models.hf import INDEX_FILE
+    from jaxreplay.tools.export import ADAPTER_DIR
+    from jaxreplay.train.driver import train
+    from jaxreplay.train.eval import load_policy
+
+    hf = write_model(tmp_path / "hf")
+    for split, n in [("train", 16), ("test", 4)]:
+        (tmp_path / f"{split}.jsonl").write_text("".join(
+            json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)[0]}) + "\n" for i in range(n)))
+    config = load_config(None, [
+        f"model.hf_path={hf}", "model.max_seq_len=40", "task.name=jsonl", f"task.path={tmp_path}/{{split}}.jsonl",
+        "task.reward=exact_match", "task.max_prompt_len=32", "warmstart.steps=0", "sampling.max_new_tokens=2",
+        "train.batch_size=16", "train.prompts_per_step=4", "train.group_size=4", "train.eval_every=1000",
+        "train.learning_rate=1e-2", "train.warmup_steps=0", "train.loss=asymre", "train.advantage=group_centered",
+        "replay.max_size=64", "replay.min_size_to_sample=16", "run.progress_bar=false", "train.steps=2",
+        f"run.dir={tmp_path / 'run'}", "model.lora.targets=[q_proj,v_proj,down_proj]", f"model.lora.rank={RANK}",
+        f"model.lora.alpha={ALPHA}"])
+    train(config, log=lambda _: None)
+
+    out = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "run"), "--out", str(out)]) == 0
+    _, graphdef, policy, _, _ = load_policy(config, checkpoint=str(tmp_path / "run"))
+    assert any(np.any(np.asarray(x)) for p, x in jax.tree_util.tree_flatten_with_path(lora.split_adapters(policy)[0])[0]
+               if "lora_b" in jax.tree_util.keystr(p))  # trained: the adapters add something to export
+    merged_cfg, merged_graphdef, merged = load_hf_model(out)
+    assert merged_cfg.lora == LoraConfig() and (out / "tokenizer.json").is_file() and not (out / INDEX_FILE).exists()
+    tokens = np.random.default_rng(1).integers(0, 101, (2, 12)).astype(np.int32)
+    np.testing.assert_allclose(logits(merged_graphdef, merged, tokens), logits(graphdef, policy, tokens),
+                               atol=1e-5, rtol=1e-5)
+    adapter = out / ADAPTER_DIR
+    config_json = json.loads((adapter / PEFT_CONFIG).read_text())
+    assert (config_json["r"], config_json["lora_alpha"], config_json["base_model_name_or_path"]) == (RANK, ALPHA, str(hf))
+    assert sorted(config_json["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    assert len(load_file(str(adapter / PEFT_WEIGHTS))) == 2 * 3  # A and B of three modules of the one layer
+    assert not (out / PEFT_CONFIG).exists()  # beside config.json, transformers would add the adapters again
+
+
 # ----------------------------------------------------------------------------------
 # transformers and peft themselves (torch: the Reverb lane)
 
