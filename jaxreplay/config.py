@@ -974,7 +974,8 @@ def validate(c: Config, local: bool = True) -> None:
 
 def _validate_lora(lora: LoraConfig) -> None:
     """A finite positive rank and alpha, each target once (the targets' names are checked as they are read)."""
-    _require(lora.rank > 0, "model.lora.rank", f"must be > 0, got {lora.rank} (no LoRA: leave model.lora.targets empty)")
+    _require(lora.rank > 0, "model.lora.rank",
+             f"must be > 0, got {lora.rank} (no LoRA: leave model.lora.targets empty)")
     _require(lora.rank in INT32, "model.lora.rank", f"{lora.rank} does not fit in 32 bits")
     _require(math.isfinite(lora.alpha) and lora.alpha > 0, "model.lora.alpha", f"must be > 0, got {lora.alpha}")
     dup = next((t for i, t in enumerate(lora.targets) if t in lora.targets[:i]), None)

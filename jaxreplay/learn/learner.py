@@ -112,12 +112,13 @@ def make_train_step(graphdef, config: Config, optimizer: optax.GradientTransform
 
 def make_loss_and_grad(graphdef, config: Config, mesh: Optional[Mesh] = None, *, live_vocab: int = 0):
     """`(params, batch, ref_params) -> (loss, metrics, grads)` of one training batch, not jitted:
-    the train step's first half. `grads` are those of the trainable params (`trainable.split`). With `train.micro_batch_size` the batch goes through the
-    model that many rows at a time and the results are summed; the loss aggregation's
-    weights come from the whole batch's mask, so the sums are exactly the whole batch's
-    loss, metrics and gradient, up to float rounding."""
+    the train step's first half. `grads` are those of the trainable params (`trainable.split`).
+    With `train.micro_batch_size` the batch goes through the model that many rows at a time and the
+    results are summed; the loss aggregation's weights come from the whole batch's mask, so the sums
+    are exactly the whole batch's loss, metrics and gradient, up to float rounding."""
     train = config.train
-    tuned_sh = None if mesh is None else trainable.split(sharding.param_shardings(mesh, abstract_params(config.model)))[0]
+    params_sh = None if mesh is None else sharding.param_shardings(mesh, abstract_params(config.model))
+    tuned_sh = None if mesh is None else trainable.split(params_sh)[0]
     loss_fn = _make_loss_fn(graphdef, config, live_vocab)
 
     def grads_fn(params, batch: Batch, ref_params):  # ((loss, metrics), gradient of the trainable params)
