@@ -126,7 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     ex = command_parser(
         sub, "export", "write a checkpoint's policy as a Hugging Face model directory",
         "Give a run directory (it holds config.yaml), or the run's config file with --checkpoint RUN_DIR.\n"
-        "A run started from an HF model (model.hf_path) keeps that model's config.json keys and tokenizer.",
+        "A run started from an HF model (model.hf_path) keeps that model's config.json keys and tokenizer.\n"
+        "A LoRA run (model.lora) is written merged, and its adapters in PEFT's format in DIR/adapter.",
         "  jaxreplay export runs/demo --out exported/demo\n"
         "  jaxreplay export runs/qwen --out exported/qwen --step 400 --dtype bfloat16\n"
         "  jaxreplay export runs/qwen/config.yaml model.hf_path=models/qwen --checkpoint runs/qwen --out exported/qwen")

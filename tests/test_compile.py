@@ -48,6 +48,20 @@ def test_compile_on_the_local_devices_reports_the_demo_programs(tmp_path, capsys
     assert row("demo", report).startswith("| `demo` | local (1 x cpu) | data=1 fsdp=1 tensor=1 | 0.")
 
 
+def test_with_lora_the_optimizer_state_held_is_the_adapters_alone(tmp_path, capsys):
+    """Adam's two float32 moments of the adapters only, r (in + out) per adapted projection and
+    layer: with LoRA the base has no optimizer state, on the chips beside the samplers or anywhere."""
+    out = tmp_path / "fit.json"
+    lora = ["model.lora.targets=[q_proj,v_proj]", "model.lora.rank=4"]
+    assert main(["compile", DEMO, "--json", str(out), *lora]) == 0
+    report = json.loads(out.read_text())
+    d, kv, layers = 128, 2 * 32, 2  # configs/demo.yaml: d_model 128, 2 kv heads of 32, 2 layers
+    trainable = layers * 4 * ((d + d) + (d + kv))  # q_proj [d, d], v_proj [d, kv]
+    assert f"LoRA rank 4 on q_proj, v_proj: {trainable:,} trainable" in report["model"]
+    held = {p["held"] for p in report["programs"] if p["name"] != "train step"}
+    assert len(held) == 1 and 2 * 4 * trainable <= held.pop() <= 2 * 4 * trainable + 64  # + Adam's step counts
+
+
 def test_overrides_may_follow_the_options(tmp_path):
     out = tmp_path / "fit.json"
     assert main(["compile", DEMO, "--json", str(out), "train.batch_size=32", "train.micro_batch_size=8"]) == 0
@@ -107,7 +121,8 @@ def test_without_libtpu_the_error_names_the_extra_and_exits_2(capsys):
 
 
 @pytest.mark.parametrize("name, params", [("qwen2.5-0.5b", 494_032_768), ("qwen2.5-1.5b", 1_543_714_304),
-                                          ("qwen2.5-7b", 7_615_616_512), ("qwen3-0.6b", 596_049_920)])
+                                          ("qwen2.5-3b", 3_085_938_688), ("qwen2.5-7b", 7_615_616_512),
+                                          ("qwen3-0.6b", 596_049_920)])
 def test_the_shipped_architectures_are_the_published_models(name, params):
     """The parameter counts the model cards give, from the shipped config.json alone."""
     assert name in SHIPPED

@@ -8,6 +8,10 @@ import yaml
 from jaxreplay.config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+# The LoRA configs for real models, and the slice each is sized for (compile-checked: docs/memory.md)
+LORA_CONFIGS = {"qwen2.5_1.5b_instruct_gsm8k_colab_lora.yaml": ("qwen2.5-1.5b", "v5e-1"),
+                "qwen2.5_3b_instruct_gsm8k_colab_lora.yaml": ("qwen2.5-3b", "v5e-1"),
+                "pod_v5e-8_qwen2.5_7b_gsm8k_lora.yaml": ("qwen2.5-7b", "v5e-8")}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +49,23 @@ def test_the_paper_settings(model_dir):
 
 
 @pytest.mark.parametrize("name", ["qwen3_0.6b_math.yaml", "qwen2.5_7b_math.yaml",
-                                  "qwen2.5_0.5b_instruct_gsm8k_colab.yaml"])
+                                  "qwen2.5_0.5b_instruct_gsm8k_colab.yaml", *LORA_CONFIGS])
 def test_the_model_configs_ask_for_a_model_directory(name):
     with pytest.raises(ConfigError, match="model.hf_path"):
         load_config(CONFIGS / name)
+
+
+@pytest.mark.parametrize("name", sorted(LORA_CONFIGS))
+def test_the_lora_configs_train_adapters_on_a_bfloat16_base(name, model_dir, tmp_path):
+    """Every projection adapted on a frozen bfloat16 base, at a higher rate than full fine-tuning's,
+    labelled as compile-checked (none has been trained here)."""
+    architecture, topology = LORA_CONFIGS[name]
+    raw = yaml.safe_load((CONFIGS / name).read_text())
+    assert (raw["model"]["hf_config"], raw["mesh"]["topology"]) == (architecture, topology)
+    assert "COMPILE-CHECKED ONLY" in (CONFIGS / name).read_text().split("\nmodel:")[0]
+    config = load_config(CONFIGS / name, [f"model.hf_path={model_dir}", f"task.path={tmp_path}/{{split}}.parquet"])
+    lora = config.model.lora
+    assert set(lora.targets) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert (lora.rank, lora.alpha) == (16, 32.0) and config.model.param_dtype == "bfloat16"
+    full = load_config(CONFIGS / "qwen2.5_0.5b_instruct_gsm8k_colab.yaml", [f"model.hf_path={model_dir}"])
+    assert config.train.learning_rate == pytest.approx(10 * full.train.learning_rate)

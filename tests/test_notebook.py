@@ -192,6 +192,11 @@ def test_colab_notebook_runs_on_a_colab_like_runtime_and_keeps_its_numpy_and_jax
     assert [line.split(" {")[0] for line in final.splitlines()] == ["spi 1", "spi 2", "spi 4"]
     for spi in (1, 2, 4):
         assert (tmp_path / "runs" / f"spi{spi}" / "summary.json").exists()
+    lora = _text(next(c for c in executed if "export_checkpoint(lora_config" in "".join(c["source"])))
+    assert "LORA {'eval/accuracy_start'" in lora and (tmp_path / "runs" / "lora" / "summary.json").exists()
+    exported = json.loads(lora.split("EXPORT ")[1].strip().replace("'", '"'))
+    assert {"config.json", "model.safetensors", "adapter/adapter_config.json",
+            "adapter/adapter_model.safetensors"} <= set(exported)  # merged for transformers, adapters for PEFT
     reverb = json.loads((tmp_path / "runs" / "reverb" / "summary.json").read_text())
     assert reverb["replay/backend"] == "reverb" and reverb["steps"] > 0
     assert "REPLAY Reverb (sidecar): {'replay/backend': 'reverb'" in _text(executed[-2])

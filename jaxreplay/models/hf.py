@@ -9,7 +9,9 @@ slice is read on its own (`jax.make_array_from_callback`). Beyond the parameters
 themselves the host holds about one tensor at a time, never a full copy per device.
 
 Export (`save_hf_model`) writes config.json, safetensors (sharded above a size, with
-its index) and optionally the tokenizer: a directory `transformers` loads.
+its index) and optionally the tokenizer: a directory `transformers` loads. A LoRA model's
+adapters are written in PEFT's format too (`save_peft_adapters`), for `peft` to load onto
+the HF base.
 
 HF stores a linear weight as [out, in]; our kernels are [in, out], so kernels are
 transposed on the way in and out. Everything else keeps its layout.
@@ -446,6 +448,56 @@ def save_hf_model(path: str | Path, cfg: ModelConfig, params: nnx.State, *, toke
         shutil.copyfile(Path(base) / "generation_config.json", path / "generation_config.json")
     if tokenizer is not None:
         tokenizer.save(path)
+    return path
+
+
+# PEFT's files for one LoRA adapter, and its names of our two factors (jaxreplay/models/lora.py)
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+_PEFT_FACTORS = {"lora_a": "lora_A", "lora_b": "lora_B"}
+
+
+def peft_name(path: tuple) -> str:
+    """PEFT's tensor name of one of our adapter paths (a Linear's path, then lora_a or lora_b):
+    base_model.model.<the HF module>.lora_A.weight, as `PeftModel.save_pretrained` writes it."""
+    *owner, factor = path
+    module = hf_name(tuple(owner) + ("kernel",))[0].removesuffix(".weight")
+    return f"base_model.model.{module}.{_PEFT_FACTORS[factor]}.weight"
+
+
+def save_peft_adapters(path: str | Path, cfg: ModelConfig, params: nnx.State, *, base: str | Path | None = None,
+                       dtype: Optional[DType] = None) -> Path:
+    """Writes the LoRA adapters of `params` (`cfg.lora`'s) in PEFT's format at `path`: adapter_config.json
+    and adapter_model.safetensors, which `peft.PeftModel.from_pretrained` loads onto the HF base.
+
+    PEFT stores lora_A as [r, in] and lora_B as [out, r] with the delta (lora_alpha / r) * B @ A on a
+    weight [out, in]: our factors [in, r] and [r, out] transposed, as every kernel is. `base` (the HF
+    directory the base came from) is written as base_model_name_or_path. `dtype` casts the tensors.
+    """
+    from jaxreplay.models.lora import split_adapters
+
+    path = Path(path)
+    _check_destination(path, base, None)
+    adapters, _ = split_adapters(params)
+    flat = {tuple(p): value_of(var) for p, var in nnx.to_flat_state(adapters)}
+    if not flat:
+        raise HFModelError("no LoRA adapters to export: model.lora.targets is empty")
+    out_dtype = np.dtype(dtype_of(dtype)) if dtype is not None else None
+    tensors = {}
+    for p, x in sorted(flat.items(), key=lambda item: peft_name(item[0])):
+        x = np.asarray(jax.device_get(x)).T
+        tensors[peft_name(p)] = np.ascontiguousarray(x, dtype=out_dtype or x.dtype)
+    path.mkdir(parents=True, exist_ok=True)
+    _save_weights(tensors, path / PEFT_WEIGHTS)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None if base is None else str(base),
+        "r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": sorted({name.split(".")[-3] for name in tensors}),  # HF's module names
+        "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
+        "rank_pattern": {}, "alpha_pattern": {},
+    }
+    (path / PEFT_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return path
 
 

@@ -10,6 +10,8 @@ temporary and aliased bytes; their total is set against the device's HBM.
 
 Colocated runs hold everything at once: while the samplers run, the optimizer state
 (and the KL reference, if any) stays on the devices, so it is added to their totals.
+With `model.lora`, the optimizer state is the adapters' alone (`learn.trainable`) and the
+samplers apply the adapters on the fly, so the figures are those of the run as it trains.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 
 from jaxreplay.compat import flops_of
 from jaxreplay.config import Config, ConfigError, config_from_raw, load_raw
-from jaxreplay.models import sharding
+from jaxreplay.models import lora, sharding
 from jaxreplay.models.transformer import KV_CACHE_AXES
 from jaxreplay.models.transformer import abstract_model, count_params
 
@@ -147,7 +149,7 @@ def compile_config(config: Config, topology: Optional[str] = None, log=print) ->
     optimizer = make_optimizer(c.train)
     opt_abstract = jax.eval_shape(optimizer.init, abstract)
     opt_state = _placed(opt_abstract, sharding.param_shardings(mesh, opt_abstract))
-    ref = params if c.train.kl_coef > 0 else None
+    ref = params if c.train.kl_coef > 0 and not lora.enabled(m) else None  # LoRA's reference: the base itself
     held = _device_bytes(opt_state) + (_device_bytes(ref) if ref is not None else 0)
 
     programs = [_train_program(graphdef, c, optimizer, mesh, params, opt_state, ref, length, log)]
@@ -162,9 +164,11 @@ def compile_config(config: Config, topology: Optional[str] = None, log=print) ->
     return Report(
         target=topology or "local", device_kind=devices[0].device_kind, n_devices=len(devices),
         hbm=hbm_bytes(devices[0]), libtpu=libtpu_version() if topology else None, mesh=sharding.describe(mesh),
-        model=(f"{count_params(abstract):,} params ({family}-style, {m.n_layers} layers, d_model {m.d_model}, "
-               f"vocab {m.vocab_size}; {m.param_dtype} weights, {m.compute_dtype} compute)"
-               + (f" from {Path(m.hf_path).name}" if m.hf_path else "")),
+        model=(f"{count_params(lora.split_adapters(abstract)[1]):,} params ({family}-style, {m.n_layers} layers, "
+               f"d_model {m.d_model}, vocab {m.vocab_size}; {m.param_dtype} weights, {m.compute_dtype} compute)"
+               + (f" from {Path(m.hf_path).name}" if m.hf_path else "")
+               + (f"; LoRA rank {m.lora.rank} on {', '.join(m.lora.targets)}: {lora.count_trainable(abstract):,} "
+                  f"trainable" if lora.enabled(m) else "")),
         shapes=(f"train {c.train.batch_size} x {length} tokens (micro-batch {c.train.micro_batch_size or 'off'}, "
                 f"remat {c.train.remat}, logits chunk {c.train.logits_chunk_size or 'off'}); sampler {rows} x "
                 f"({p_len} prompt + {c.sampling.max_new_tokens} new) tokens (prefill chunk "
@@ -192,7 +196,7 @@ def _with_architecture(config: Config) -> Config:
 
     cfg = read_model_config(m.hf_path, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
                             max_seq_len=m.max_seq_len)
-    return dataclasses.replace(config, model=cfg)
+    return dataclasses.replace(config, model=dataclasses.replace(cfg, lora=m.lora))
 
 
 def _placed(tree: Any, shardings: Any) -> Any:
