@@ -79,6 +79,6 @@ def test_guess_digit_answers_and_needs_them():
 def test_bisection_always_wins_a_sloppy_player_sometimes_not():
     rng = np.random.default_rng(0)
     assert all(play(d, rng, 0.0)[-1][1] == "" and int(play(d, rng, 0.0)[-1][0]) == d for d in range(10))
-    wins = np.mean([int(play(d % 10, rng, 1.0)[-1][0]) == d % 10 for d in range(400)])
-    assert 0.2 < wins < 0.6
+    scan = [int(play(d, rng, 1.0)[-1][0]) == d for d in range(10)]
+    assert scan == [True] * 4 + [False] * 6  # the slip scans up: it finds 0-3 in four turns
     assert isinstance(GuessDigit().reset(1, 0)[0], Message)

@@ -7,9 +7,9 @@ a guess that ignores the answers wins in four about 40% of the time. A turn that
 digit ends the episode with reward 0 (info error "malformed_tool_call", counted).
 
 `GuessDigitTask` is the prompt stream (the hidden digits, one per item) with the task surface
-the loop needs, and the warm start's demonstrations: a sloppy scripted player that bisects
-with probability 1 - `warmstart.teacher_carry_error` and otherwise guesses at random among the
-digits it has not tried.
+the loop needs, and the warm start's demonstrations: a sloppy scripted player that bisects with
+probability 1 - `warmstart.teacher_carry_error` a turn and otherwise scans up from the lowest
+digit the answers left. Its greedy imitation scans (wins 40%); RL finds the bisection in it.
 """
 
 from __future__ import annotations
@@ -52,14 +52,12 @@ register_environment("guess_digit", GuessDigit)
 
 
 def play(secret: int, rng: np.random.Generator, sloppy: float, max_turns: int = 4) -> list[tuple[str, str]]:
-    """A scripted player's episode: [(its turn, the environment's answer)], the last answer ""."""
-    low, high, tried, out = 0, 9, set(), []
+    """A scripted player's episode: [(its turn, the environment's answer)], the last answer "".
+    Each turn it bisects what the answers left, or with probability `sloppy` slips into a scan
+    up from the lowest digit left (which wins in four turns only for 0-3)."""
+    low, high, out = 0, 9, []
     for _ in range(max_turns):
-        if rng.random() < sloppy:
-            guess = int(rng.choice([d for d in range(10) if d not in tried]))
-        else:
-            guess = (low + high) // 2
-        tried.add(guess)
+        guess = low if rng.random() < sloppy else (low + high) // 2  # the slip: a linear scan up
         if guess == secret:
             out.append((str(guess), ""))
             return out

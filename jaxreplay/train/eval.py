@@ -9,6 +9,7 @@ estimator 1 - C(n-c, k) / C(n, k) (Chen et al., 2021). The two pass@1 values dif
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -206,3 +207,47 @@ def run_eval(config: Config, *, checkpoint: Optional[str] = None, hf: Optional[s
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(results, indent=2) + "\n")
     return results
+
+
+TURNS_KEY = "eval/turns"  # multi-turn: mean model turns per evaluation episode
+
+
+class EpisodeEvaluator:
+    """Greedy evaluation of multi-turn episodes through the same engine and environments the
+    rollouts use: one episode per held-out item (reset with seed = its index), success = reward 1.
+    Its engine (group size 1) is built once and takes the weights it is given."""
+
+    def __init__(self, config: Config, task: Task, graphdef, params, *, live_vocab: int, mesh=None, slots: int = 64):
+        from jaxreplay.rollout.actor import make_episode_runner
+        from jaxreplay.rollout.engine import JaxEngine
+
+        one = dataclasses.replace(config, train=dataclasses.replace(config.train, group_size=1))
+        self.task, self.runner = task, make_episode_runner(one, task)
+        s, tok = config.sampling, task.tokenizer
+        self.engine = JaxEngine(graphdef, config.model, params, slots=slots, group_size=1, prompt_len=task.prompt_len,
+                                max_new_tokens=s.max_new_tokens, chunk_steps=s.engine_chunk_steps, greedy=True,
+                                stop_ids=tok.eos_ids, pad_id=tok.pad_id, kv_cache_dtype=s.kv_cache_dtype,
+                                prefill_chunk_size=s.prefill_chunk_size, live_vocab=live_vocab, mesh=mesh,
+                                turns=self.runner)
+
+    def __call__(self, params, stopping: Callable[[], Optional[int]] = lambda: None,
+                 problems: Optional[Sequence[Any]] = None) -> dict[str, float]:
+        from jaxreplay.rollout.engine import PromptGroup
+
+        problems = self.task.eval_problems if problems is None else problems
+        self.engine.update_weights(params, 0)
+        key = jax.random.key(0)  # greedy: never read
+        groups = []
+        for i, item in enumerate(problems):
+            tokens, mask = self.runner.open(i, item, i)
+            groups.append(PromptGroup(tag=i, tokens=tokens, mask=mask, key=key))
+        self.engine.submit(groups)
+        rewards, turns = np.zeros(len(problems)), np.zeros(len(problems))
+        while self.engine.pending():
+            if signum := stopping():
+                raise Preempted(f"{describe(signum)} during an evaluation", signum)
+            self.engine.step()
+            for group in self.engine.collect():
+                result = self.runner.result(group.tag)
+                rewards[group.tag], turns[group.tag] = result["reward"][0], result["turns"][0]
+        return {TEST_KEY: float((rewards == 1.0).mean()), TURNS_KEY: float(turns.mean())}
