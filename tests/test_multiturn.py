@@ -16,6 +16,8 @@ from jaxreplay.learn.scoring import sequence_scores
 from jaxreplay.models.transformer import init_params, score_hidden
 from jaxreplay.rollout.actor import make_streaming_actor
 from jaxreplay.tasks.registry import make_task
+from jaxreplay.train.metric_keys import KEYS as DOCUMENTED_KEYS
+from jaxreplay.train.metrics import read_metrics
 
 from test_train import ROOT
 
@@ -165,3 +167,32 @@ def test_a_resumed_actor_restarts_episodes_in_flight_from_reset_and_makes_the_sa
     for i in common:
         for k in a[i]:
             np.testing.assert_array_equal(a[i][k], b[i][k], err_msg=f"{k} of rollout {i}")
+
+
+RUN_MT = [*TINY_MT, "task.eval_size=16", "warmstart.steps=10", "train.batch_size=16", "train.eval_every=2",
+          "replay.max_size=64", "replay.min_size_to_sample=16", "checkpoint.every=2", "run.progress_bar=false"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_a_multi_turn_run_trains_evaluates_episodes_and_holds_the_limiter(tmp_path, placement):
+    """The driver's one path: episodes in, the limiter's ratio, greedy episode evaluation, the
+    documented records; disaggregated runs its actor on its own thread and mesh."""
+    import subprocess
+    import sys
+
+    from conftest import cpu_devices_env
+
+    extra = ["mesh.actor_devices=1", "mesh.data=-1"] if placement == "disaggregated" else []
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "jaxreplay", "train", str(DEMO_MT), *RUN_MT, *extra,
+                           "train.steps=4", f"run.dir={run_dir}", f"warmstart.cache_dir={tmp_path / 'ws'}"],
+                          env=cpu_devices_env(2), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "turns/episode" in proc.stdout + proc.stderr
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(5))
+    for r in records:
+        assert r.keys() <= DOCUMENTED_KEYS, r.keys() - DOCUMENTED_KEYS
+    assert "eval/turns" in records[0] and 0 <= records[-1]["eval/accuracy"] <= 1
+    assert records[-1]["episode/turns"] > 0 and "cost/mu" in records[-1]

@@ -14,6 +14,7 @@ digit the answers left. Its greedy imitation scans (wins 40%); RL finds the bise
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -28,8 +29,9 @@ PROMPT = ":"
 class GuessDigit:
     """One episode's state: the hidden digit and whether it was found."""
 
-    def __init__(self, max_turns: int = 4):
-        self.max_turns = max_turns
+    def __init__(self, max_turns: int = 4, latency_s: float = 0.0):
+        """`latency_s`: seconds each step sleeps, standing in for a tool's time (benchmarks)."""
+        self.max_turns, self.latency_s = max_turns, latency_s
         self.secret, self.turns = -1, 0
 
     def reset(self, item: Any, seed: int) -> tuple[Message, ...]:
@@ -37,6 +39,8 @@ class GuessDigit:
         return (Message("user", PROMPT),)
 
     def step(self, turn_text: str) -> Step:
+        if self.latency_s:
+            time.sleep(self.latency_s)
         self.turns += 1
         if len(turn_text) != 1 or not turn_text.isdigit():
             return Step(done=True, info={"error": "malformed_tool_call"})
