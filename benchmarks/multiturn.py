@@ -38,7 +38,7 @@ from jaxreplay.rollout.episodes import EpisodeRunner
 from jaxreplay.tasks.chat import PlainFormat
 from jaxreplay.tasks.environment import EnvPool, Message, Step, register_environment
 
-FULL = dict(episodes=64, group=4, slots=16, turns=4, median=0.1, sigma=1.0, rounds=3, new=64, chunk=4, warmup=2)
+FULL = dict(episodes=64, group=4, slots=16, turns=4, median=0.1, sigma=1.0, rounds=3, new=64, chunk=4, warmup=3)
 QUICK = dict(episodes=8, group=2, slots=4, turns=2, median=0.01, sigma=1.0, rounds=1, new=32, chunk=4, warmup=1)
 STOPS = tuple(range(1, 9))
 

@@ -213,6 +213,9 @@ class JaxEngine:
         # group whose rows all find slots straight into them.
         self.narrow_drain = self.lockstep_writes = self.long_drain_chunks = self.start_whole_groups = True
         self.answer_wait = 0.05  # seconds `step` waits for an environment when every row waits for one
+        # Multi-turn: rows waiting for their environments leave few live at any time, and a
+        # narrowed chunk would compile a program per live count; every chunk runs on all S slots.
+        self.narrow_drain = turns is None
         # Made in place: a pool laid out over a mesh is never whole on one device.
         pool_sharding, prefix_sharding = layout or (None, None)
         self.pool = jax.jit(lambda: _empty_pool(model_cfg, slots, prompt_len, max_new_tokens, pad_id, kv_cache_dtype),
@@ -413,7 +416,7 @@ class JaxEngine:
             resume.append((s, list(ids)))
         if not resume:
             return
-        b = 1 << (len(resume) - 1).bit_length()
+        b = self.slots  # one program for any number of rows (padding slots are dropped)
         width = max(8, 1 << (max(len(ids) for _, ids in resume) - 1).bit_length())
         slots = np.full((b,), self.slots, np.int32)
         ids = np.full((b, width), self.pad_id, np.int32)
