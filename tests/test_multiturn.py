@@ -6,6 +6,7 @@ asking for turns on the static sampler is refused."""
 from __future__ import annotations
 
 import functools
+import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -200,3 +201,9 @@ def test_a_multi_turn_run_trains_evaluates_episodes_and_holds_the_limiter(tmp_pa
         assert r.keys() <= DOCUMENTED_KEYS, r.keys() - DOCUMENTED_KEYS
     assert "eval/turns" in records[0] and 0 <= records[-1]["eval/accuracy"] <= 1
     assert records[-1]["episode/turns"] > 0 and "cost/mu" in records[-1]
+    if placement == "colocated":  # `jaxreplay eval` plays greedy episodes of the saved policy, as the loop does
+        proc = subprocess.run([sys.executable, "-m", "jaxreplay", "eval", str(DEMO_MT), *RUN_MT,
+                               "--checkpoint", str(run_dir)], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["episodes"] == 16 and 0 <= result["success_greedy"] <= 1 and result["turns_greedy"] > 0

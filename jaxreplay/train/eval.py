@@ -183,6 +183,17 @@ def run_eval(config: Config, *, checkpoint: Optional[str] = None, hf: Optional[s
         raise ValueError(f"prompts of {task.prompt_len} tokens plus sampling.max_new_tokens={s.max_new_tokens} "
                          f"exceed model.max_seq_len={cfg.max_seq_len}")
 
+    if config.environment.name:  # multi-turn: greedy episodes through the engine, as the training loop evaluates
+        one = dataclasses.replace(config, model=cfg)
+        scores = EpisodeEvaluator(one, task, graphdef, params, live_vocab=task.tokenizer.vocab_size)(params, pending)
+        results = {"task": config.task.name, "split": "test", "environment": config.environment.name, **source,
+                   "episodes": len(task.eval_problems), "success_greedy": scores[TEST_KEY],
+                   "turns_greedy": scores[TURNS_KEY], "max_new_tokens": s.max_new_tokens,
+                   "seconds": round(time.perf_counter() - start, 1)}
+        if out is not None:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(results, indent=2) + "\n")
+        return results
     sampler = eval_sampler_factory(graphdef, cfg, s.max_new_tokens, task.tokenizer, kv_cache_dtype=s.kv_cache_dtype,
                                    prefill_chunk_size=s.prefill_chunk_size)
     samples = len(task.eval_problems) * (1 + max(ks))
