@@ -82,3 +82,36 @@ def test_bisection_always_wins_a_sloppy_player_sometimes_not():
     scan = [int(play(d, rng, 1.0)[-1][0]) == d for d in range(10)]
     assert scan == [True] * 4 + [False] * 6  # the slip scans up: it finds 0-3 in four turns
     assert isinstance(GuessDigit().reset(1, 0)[0], Message)
+
+
+def test_episode_limits_and_reward_rules():
+    """The turn limit truncates an episode the environment did not end; a cut turn truncates it;
+    `final` scores the last step, `sum` every step; the model's turn reaches `step` as its text."""
+    from jaxreplay.rollout.episodes import EpisodeRunner
+    from jaxreplay.tasks.arithmetic import CharTokenizer
+    from jaxreplay.tasks.chat import PlainFormat
+
+    tok = CharTokenizer()
+    for rule, expected in (("final", [3.0, 0.0]), ("sum", [1.0 + 1.0 + 3.0, 0.0])):
+        runner = EpisodeRunner(EnvPool("mt_envs:Echo", {"turns": 3}), PlainFormat(tok), tok, group_size=2,
+                               prompt_len=3, max_turns=3, reward=rule)
+        tokens, mask = runner.open("g", item=0, seed=0)
+        assert tokens.tolist() == [0, 0, tok.encode(":")[0]] and mask.tolist() == [False, False, True]
+        turn = np.asarray(tok.encode("1") + [tok.EOS])
+        runner.ended("g", 0, turn, cut=False)
+        runner.ended("g", 1, np.asarray(tok.encode("12")), cut=True)  # the token limit cut row 1's first turn
+        assert runner.answers(0.0) == [("g", 0, tok.encode("+"))]
+        runner.ended("g", 0, turn, cut=False)
+        assert runner.answers(0.0) == [("g", 0, tok.encode("+"))]
+        runner.ended("g", 0, turn, cut=False)
+        assert runner.answers(0.0) == [("g", 0, None)]  # Echo ends at its third turn
+        result = runner.result("g")
+        assert result["reward"].tolist() == expected
+        assert result["turns"].tolist() == [3, 0] and result["truncated"].tolist() == [False, True]
+    runner = EpisodeRunner(EnvPool("mt_envs:Echo", {"turns": 9}), PlainFormat(tok), tok, group_size=1,
+                           prompt_len=1, max_turns=2)
+    runner.open("h", 0, 0)
+    for _ in range(2):
+        runner.ended("h", 0, np.asarray([tok.EOS]), cut=False)
+        last = runner.answers(0.0)
+    assert last == [("h", 0, None)] and runner.result("h")["truncated"].tolist() == [True]
