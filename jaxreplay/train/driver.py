@@ -481,6 +481,8 @@ def _summary(run: Run, recorder: RunRecorder, run_dir: rundir.RunDir, log: Calla
         "time/replay_s": round(p.time_replay_s, 2),
         **run.accounting.metrics(),
     }
+    if "episode/turns" in run.actor_stats:  # multi-turn: the latest episodes' mean turns
+        summary["episode/turns"] = run.actor_stats["episode/turns"]
     if placement.kind == "multihost":  # each process's own account, beside the job's summary
         summary.update({"num_processes": placement.processes, "params_sha256_start": run.digest_start,
                         "params_sha256": params_digest(run.params)})
@@ -494,5 +496,6 @@ def _summary(run: Run, recorder: RunRecorder, run_dir: rundir.RunDir, log: Calla
         f"{summary['eval/accuracy_start']:.3f} -> {summary['eval/accuracy_end']:.3f} | replay/ratio "
         f"{summary['replay/ratio']:.2f} (target {summary['replay/samples_per_insert_target']:g}) | "
         f"generate {summary['time/generate_s']}s, train {summary['time/train_s']}s, "
-        f"replay {summary['time/replay_s']}s | {run_dir}")
+        f"replay {summary['time/replay_s']}s | "
+        + (f"turns/episode {summary['episode/turns']:.2f} | " if "episode/turns" in summary else "") + f"{run_dir}")
     return summary

@@ -211,6 +211,17 @@ def run_eval(config: Config, *, checkpoint: Optional[str] = None, hf: Optional[s
         raise ValueError(f"prompts of {task.prompt_len} tokens plus sampling.max_new_tokens={s.max_new_tokens} "
                          f"exceed model.max_seq_len={cfg.max_seq_len}")
 
+    if config.environment.name:  # multi-turn: greedy episodes through the engine, as the training loop evaluates
+        one = dataclasses.replace(config, model=cfg)
+        scores = EpisodeEvaluator(one, task, graphdef, params, live_vocab=task.tokenizer.vocab_size)(params, pending)
+        results = {"task": config.task.name, "split": "test", "environment": config.environment.name, **source,
+                   "episodes": len(task.eval_problems), "success_greedy": scores[TEST_KEY],
+                   "turns_greedy": scores[TURNS_KEY], "max_new_tokens": s.max_new_tokens,
+                   "seconds": round(time.perf_counter() - start, 1)}
+        if out is not None:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(results, indent=2) + "\n")
+        return results
     sampler = eval_sampler_factory(graphdef, cfg, s.max_new_tokens, task.tokenizer, kv_cache_dtype=s.kv_cache_dtype,
                                    prefill_chunk_size=s.prefill_chunk_size)
     samples = len(task.eval_problems) * (1 + max(ks))
@@ -235,3 +246,47 @@ def run_eval(config: Config, *, checkpoint: Optional[str] = None, hf: Optional[s
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(results, indent=2) + "\n")
     return results
+
+
+TURNS_KEY = "eval/turns"  # multi-turn: mean model turns per evaluation episode
+
+
+class EpisodeEvaluator:
+    """Greedy evaluation of multi-turn episodes through the same engine and environments the
+    rollouts use: one episode per held-out item (reset with seed = its index), success = reward 1.
+    Its engine (group size 1) is built once and takes the weights it is given."""
+
+    def __init__(self, config: Config, task: Task, graphdef, params, *, live_vocab: int, mesh=None, slots: int = 64):
+        from jaxreplay.rollout.actor import make_episode_runner
+        from jaxreplay.rollout.engine import JaxEngine
+
+        one = dataclasses.replace(config, train=dataclasses.replace(config.train, group_size=1))
+        self.task, self.runner = task, make_episode_runner(one, task)
+        s, tok = config.sampling, task.tokenizer
+        self.engine = JaxEngine(graphdef, config.model, params, slots=slots, group_size=1, prompt_len=task.prompt_len,
+                                max_new_tokens=s.max_new_tokens, chunk_steps=s.engine_chunk_steps, greedy=True,
+                                stop_ids=tok.eos_ids, pad_id=tok.pad_id, kv_cache_dtype=s.kv_cache_dtype,
+                                prefill_chunk_size=s.prefill_chunk_size, live_vocab=live_vocab, mesh=mesh,
+                                turns=self.runner)
+
+    def __call__(self, params, stopping: Callable[[], Optional[int]] = lambda: None,
+                 problems: Optional[Sequence[Any]] = None) -> dict[str, float]:
+        from jaxreplay.rollout.engine import PromptGroup
+
+        problems = self.task.eval_problems if problems is None else problems
+        self.engine.update_weights(params, 0)
+        key = jax.random.key(0)  # greedy: never read
+        groups = []
+        for i, item in enumerate(problems):
+            tokens, mask = self.runner.open(i, item, i)
+            groups.append(PromptGroup(tag=i, tokens=tokens, mask=mask, key=key))
+        self.engine.submit(groups)
+        rewards, turns = np.zeros(len(problems)), np.zeros(len(problems))
+        while self.engine.pending():
+            if signum := stopping():
+                raise Preempted(f"{describe(signum)} during an evaluation", signum)
+            self.engine.step()
+            for group in self.engine.collect():
+                result = self.runner.result(group.tag)
+                rewards[group.tag], turns[group.tag] = result["reward"][0], result["turns"][0]
+        return {TEST_KEY: float((rewards == 1.0).mean()), TURNS_KEY: float(turns.mean())}

@@ -37,6 +37,15 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     ("completion_length", "mean completion length (tokens) of the latest actor batch", "every step"),
     ("reward/errors", "reward calls of the latest actor batch that raised (scored 0 and logged, not fatal)",
      "every step"),
+    ("episode/turns", "multi-turn: mean model turns per episode of the latest actor batch", "`environment.name` set"),
+    ("episode/truncated", "multi-turn: share of the latest actor batch's episodes cut by `environment.max_turns` or "
+                          "`sampling.max_new_tokens`", "`environment.name` set"),
+    ("env/errors/exception", "multi-turn: environment calls of the latest actor batch that raised (the episode ends)",
+     "`environment.name` set"),
+    ("env/errors/timeout", "multi-turn: environment calls of the latest actor batch past `environment.step_timeout_s` "
+                           "(the episode ends)", "`environment.name` set"),
+    ("env/errors/malformed_tool_call", "multi-turn: turns the environment answered with info error "
+                                       "`malformed_tool_call`", "`environment.name` set"),
     # The sampled training batch (train/run.py).
     ("batch/reward_mean", "mean reward of the sampled (possibly replayed) training batch", "every step"),
     ("batch/version_min", "oldest policy version that generated a row of the batch", "every step"),
@@ -97,6 +106,8 @@ METRICS: tuple[tuple[str, str, str], ...] = (
      "step 0, every `train.eval_every` steps (or `train.eval_every_tokens`), the last step"),
     ("eval/validation_accuracy", "greedy exact-match accuracy on the validation split (`task.validation_size` > 0): "
      "what learning rates are chosen on", "with eval/accuracy"),
+    ("eval/turns", "multi-turn: mean model turns per greedy evaluation episode (eval/accuracy is their success "
+                   "rate: reward 1)", "with eval/accuracy, `environment.name` set"),
 )
 
 KEYS = frozenset(key for key, _, _ in METRICS)

@@ -43,6 +43,9 @@ from jaxreplay.train.rundir import RunDir
 from jaxreplay.train.stack import Stack
 
 ACTOR_STATS = ("reward_mean", "reward_std", "accuracy", "completion_length", "reward/errors")
+# Multi-turn runs' too (rollout/actor.py episode_stats), when the latest rollouts held episodes.
+EPISODE_STATS = ("episode/turns", "episode/truncated", "env/errors/exception", "env/errors/timeout",
+                 "env/errors/malformed_tool_call")
 
 
 @dataclasses.dataclass
@@ -201,7 +204,7 @@ class Run:
         p.tokens_generated += stats["tokens"]
         p.time_generate_s += stats["seconds"]
         self.accounting.on_generate(every, stats["seconds"])
-        self.actor_stats = {k: stats[k] for k in ACTOR_STATS}
+        self.actor_stats = {k: stats[k] for k in ACTOR_STATS + EPISODE_STATS if k in stats}
         if self.config.replay.drop_zero_advantage_groups and items is not None:  # single-process only (config)
             items, dropped = rollouts.drop_flat_groups(items, self.config.train.group_size)
             self.accounting.on_drop(dropped)

@@ -28,7 +28,7 @@ from jaxreplay.rollout.weights import weight_sync
 from jaxreplay.tasks.base import Task
 from jaxreplay.tasks.registry import make_task
 from jaxreplay.train import distributed
-from jaxreplay.train.eval import evaluations
+from jaxreplay.train.eval import EpisodeEvaluator, evaluations
 from jaxreplay.train.guards import stop_poll
 from jaxreplay.train.placement import Placement
 from jaxreplay.train.warmstart import warm_start
@@ -82,12 +82,25 @@ def build_stack(config: Config, placement: Placement, log: Callable[[str], None]
         optimizer=optimizer, opt_state=sharding.shard_params(optimizer.init(params), learner_mesh),
         train_step=make_train_step(graphdef, c, optimizer, learner_mesh, live_vocab=live),
         actor=Actor(c, task, placement.rollout_sampler(sample_fn), shard=shard),
-        evaluate=lambda p: evaluations(p, task, greedy, stopping),
+        evaluate=_episode_evaluation(c, task, graphdef, params, live, placement, stopping) if c.environment.name
+        else lambda p: evaluations(p, task, greedy, stopping),
         to_actor=_to_mesh(c, placement) if placement.actor_mesh is not learner_mesh else (lambda p: p),
         stream=make_streaming_actor(graphdef, c, task, params, stop_ids=tok.eos_ids, pad_id=tok.pad_id, shard=shard,
                                     live_vocab=live, mesh=placement.engine_mesh)
         if c.sampling.engine == "continuous" else None,
     )
+
+
+def _episode_evaluation(c: Config, task: Task, graphdef, params, live: int, placement: Placement, stopping):
+    """Multi-turn runs evaluate episodes through the engine (built at the first evaluation)."""
+    evaluator = []
+
+    def evaluate(p):
+        if not evaluator:
+            evaluator.append(EpisodeEvaluator(c, task, graphdef, p, live_vocab=live, mesh=placement.engine_mesh))
+        return evaluator[0](p, stopping)
+
+    return evaluate
 
 
 def _policy(c: Config, placement: Placement, log: Callable[[str], None]):

@@ -1,0 +1,209 @@
+"""Multi-turn episodes through the rollout engine: a row's turns and its environment's answers
+interleave in one sequence; only the model's tokens are trained, each with the log-prob the
+learner re-scores; an environment that raises or times out ends its episode, counted; a config
+asking for turns on the static sampler is refused."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxreplay.config import ConfigError, load_config, validate
+from jaxreplay.learn.scoring import sequence_scores
+from jaxreplay.models.transformer import init_params, score_hidden
+from jaxreplay.rollout.actor import make_streaming_actor
+from jaxreplay.tasks.registry import make_task
+from jaxreplay.train.metric_keys import KEYS as DOCUMENTED_KEYS
+from jaxreplay.train.metrics import read_metrics
+
+from test_train import ROOT
+
+DEMO_MT = ROOT / "configs" / "demo_multiturn.yaml"
+TINY_MT = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+           "model.d_ff=64", "train.prompts_per_step=4", "train.group_size=4", "sampling.engine_chunk_steps=2"]
+
+
+def test_turns_on_the_static_sampler_are_refused_at_the_edge():
+    with pytest.raises(ConfigError, match="environment.name: multi-turn episodes .* need sampling.engine: continuous"):
+        validate(load_config(DEMO_MT, ["sampling.engine=static"]))
+    with pytest.raises(ConfigError, match="environment.name: unknown environment 'nope'"):
+        validate(load_config(DEMO_MT, ["environment.name=nope"]))
+    with pytest.raises(ConfigError, match="task.name: guess_digit is scored by its environment"):
+        validate(load_config(DEMO_MT, ["environment.name="]))
+    validate(load_config(DEMO_MT))
+
+
+def run_episodes(overrides=(), advances=40, params_seed=0):
+    """Rows of the groups that complete in `advances` chunks under fixed random weights."""
+    config = load_config(DEMO_MT, [*TINY_MT, *overrides])
+    task = make_task(config.task)
+    graphdef, params = init_params(config.model, params_seed)
+    tok = task.tokenizer
+    actor = make_streaming_actor(graphdef, config, task, params, stop_ids=tok.eos_ids, pad_id=tok.pad_id,
+                                 live_vocab=tok.vocab_size)
+    rows, stats = [], []
+    for _ in range(advances):
+        got, s = actor.advance(params, 0)
+        if got is not None:
+            rows.append(got)
+            stats.append(s)
+    actor.episodes.pool.shutdown()
+    assert rows, "no group completed"
+    return config, task, graphdef, params, {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}, stats
+
+
+@functools.lru_cache(maxsize=None)
+def zero_latency_run():
+    return run_episodes()
+
+
+def test_episodes_interleave_model_and_environment_tokens_and_train_only_the_models():
+    config, task, _, _, rows, stats = zero_latency_run()
+    tok, p = task.tokenizer, task.prompt_len
+    eos, answers = tok.EOS, set(tok.encode("+-"))
+    multi = 0
+    for tokens, attention, completion in zip(rows["tokens"], rows["attention_mask"], rows["completion_mask"]):
+        body, trained = tokens[p:][attention[p:]], completion[p:][attention[p:]]
+        assert attention[p:].sum() == len(body) and not attention[p:][len(body):].any(), "one contiguous sequence"
+        # every token after a model turn's EOS is the environment's answer, then the model again
+        for i in range(len(body)):
+            after_eos = i > 0 and body[i - 1] == eos and trained[i - 1]
+            assert trained[i] != after_eos, (tok.decode(body), i)
+            if after_eos:
+                assert body[i] in answers
+        multi += (~trained).sum() > 0
+        assert completion[:p].sum() == 0
+    assert multi >= 4, "the fixture should give several multi-turn episodes"
+    turns = np.mean([s["episode/turns"] for s in stats])  # turns that ended on EOS (random weights often run on)
+    assert 0 < turns <= config.environment.max_turns
+
+
+def test_behaviour_log_probs_of_episodes_equal_the_learners_rescoring():
+    config, task, graphdef, params, rows, _ = zero_latency_run()
+    h, unembed = score_hidden(graphdef, params, jnp.asarray(rows["tokens"]), jnp.asarray(rows["attention_mask"]))
+    learner, _ = sequence_scores(h, jnp.asarray(rows["tokens"]), unembed, temperature=config.sampling.temperature,
+                                 with_entropy=False, live_vocab=task.tokenizer.vocab_size)
+    mask = rows["completion_mask"]
+    np.testing.assert_allclose(np.where(mask, rows["logprobs"], 0.0), np.where(mask, np.asarray(learner), 0.0),
+                               atol=1e-5)
+
+
+def test_rewards_are_the_environments_and_advantages_compare_one_groups_episodes():
+    config, task, _, _, rows, _ = zero_latency_run()
+    g = config.train.group_size
+    tok, p = task.tokenizer, task.prompt_len
+    for i, (tokens, completion, reward) in enumerate(zip(rows["tokens"], rows["completion_mask"], rows["reward"])):
+        turns = tok.decode([t for t, c in zip(tokens[p:], completion[p:]) if c and t != tok.EOS])
+        # a winning episode's last model turn is the only guess the environment did not answer
+        assert reward in (0.0, 1.0)
+    adv = rows["advantage"].reshape(-1, g)
+    np.testing.assert_allclose(adv.mean(axis=1), 0.0, atol=1e-5)
+
+
+def by_id(rows):
+    return {int(i): {k: v[n] for k, v in rows.items()} for n, i in enumerate(rows["rollout_id"])}
+
+
+def test_environment_latency_changes_the_schedule_never_a_row():
+    """Steps that take a random few ms in worker threads: rows wait in their slots while others
+    decode, and under fixed weights every episode equals the zero-latency run's (each token's key
+    is its row's and its place's, whatever chunk it is drawn in)."""
+    *_, fast, _ = zero_latency_run()
+    *_, slow, _ = run_episodes(["environment.name=mt_envs:SlowGuess", "environment.workers=3",
+                                "environment.options={sleep: 0.02}"], advances=300)
+    fast, slow = by_id(fast), by_id(slow)
+    common = sorted(set(fast) & set(slow))
+    assert len(common) >= 16
+    for i in common:
+        for k in ("tokens", "attention_mask", "completion_mask", "logprobs", "reward", "advantage"):
+            np.testing.assert_array_equal(fast[i][k], slow[i][k], err_msg=f"{k} of rollout {i}")
+
+
+def test_an_environment_that_raises_ends_its_episode_counted_and_the_run_goes_on():
+    *_, rows, stats = run_episodes(["environment.name=mt_envs:SlowGuess", "environment.workers=2",
+                                    "environment.options={sleep: 0.0, raise_at: 2}"], advances=60)
+    assert sum(s["env/errors/exception"] for s in stats) > 0
+    assert len(rows["reward"]) >= 16 and np.isfinite(rows["advantage"]).all()
+
+
+def test_an_environment_that_hangs_in_a_worker_process_is_killed_counted_and_the_run_goes_on():
+    *_, rows, stats = run_episodes(["environment.name=mt_envs:SlowGuess", "environment.workers=2",
+                                    "environment.processes=true", "environment.step_timeout_s=1",
+                                    "environment.options={sleep: 0.0, hang_at: 1, hang_item: 3}"], advances=60)
+    assert sum(s["env/errors/timeout"] for s in stats) > 0
+    assert len(rows["reward"]) >= 16 and np.isfinite(rows["advantage"]).all()
+
+
+def test_a_resumed_actor_restarts_episodes_in_flight_from_reset_and_makes_the_same_rows():
+    """Position after 10 chunks; a fresh actor resumed there regenerates the groups in flight from
+    reset(item, seed) and continues the prompt stream: with a deterministic zero-latency
+    environment, every rollout both make is bit-equal."""
+    config = load_config(DEMO_MT, TINY_MT)
+    task = make_task(config.task)
+    graphdef, params = init_params(config.model, 0)
+    tok = task.tokenizer
+    make = lambda: make_streaming_actor(graphdef, config, task, params, stop_ids=tok.eos_ids, pad_id=tok.pad_id,
+                                        live_vocab=tok.vocab_size)
+    first, rows_a, rows_b = make(), [], []
+    for n in range(40):
+        got, stats = first.advance(params, 0)
+        if n == 9:
+            position = stats["position"]
+            assert position.in_flight, "the fixture should checkpoint with episodes in flight"
+        if got is not None:
+            rows_a.append(got)
+    second = make()
+    second.resume(position)
+    for _ in range(30):
+        got, _ = second.advance(params, 0)
+        if got is not None:
+            rows_b.append(got)
+    a = by_id({k: np.concatenate([r[k] for r in rows_a]) for k in rows_a[0]})
+    b = by_id({k: np.concatenate([r[k] for r in rows_b]) for k in rows_b[0]})
+    g = config.train.group_size
+    regenerated = {k * g for k in position.in_flight}
+    assert regenerated & set(b), "an in-flight group completed after the resume"
+    common = sorted(set(a) & set(b))
+    assert len(common) >= 16
+    for i in common:
+        for k in a[i]:
+            np.testing.assert_array_equal(a[i][k], b[i][k], err_msg=f"{k} of rollout {i}")
+
+
+RUN_MT = [*TINY_MT, "task.eval_size=16", "warmstart.steps=10", "train.batch_size=16", "train.eval_every=2",
+          "replay.max_size=64", "replay.min_size_to_sample=16", "checkpoint.every=2", "run.progress_bar=false"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_a_multi_turn_run_trains_evaluates_episodes_and_holds_the_limiter(tmp_path, placement):
+    """The driver's one path: episodes in, the limiter's ratio, greedy episode evaluation, the
+    documented records; disaggregated runs its actor on its own thread and mesh."""
+    import subprocess
+    import sys
+
+    from conftest import cpu_devices_env
+
+    extra = ["mesh.actor_devices=1", "mesh.data=-1"] if placement == "disaggregated" else []
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "jaxreplay", "train", str(DEMO_MT), *RUN_MT, *extra,
+                           "train.steps=4", f"run.dir={run_dir}", f"warmstart.cache_dir={tmp_path / 'ws'}"],
+                          env=cpu_devices_env(2), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "turns/episode" in proc.stdout + proc.stderr
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(5))
+    for r in records:
+        assert r.keys() <= DOCUMENTED_KEYS, r.keys() - DOCUMENTED_KEYS
+    assert "eval/turns" in records[0] and 0 <= records[-1]["eval/accuracy"] <= 1
+    assert records[-1]["episode/turns"] > 0 and "cost/mu" in records[-1]
+    if placement == "colocated":  # `jaxreplay eval` plays greedy episodes of the saved policy, as the loop does
+        proc = subprocess.run([sys.executable, "-m", "jaxreplay", "eval", str(DEMO_MT), *RUN_MT,
+                               "--checkpoint", str(run_dir)], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["episodes"] == 16 and 0 <= result["success_greedy"] <= 1 and result["turns_greedy"] > 0
