@@ -10,8 +10,34 @@ from jaxreplay.models.transformer import init_params
 WORDS = ["<pad>", "<s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(32, 127)] + ["\n"]
 
 
-def write_char_tokenizer(path: Path) -> None:
-    """101 ids; EOS = <|im_end|>; `{% if add_generation_prompt %}` opens the assistant turn."""
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+# Qwen-style ChatML with tools (HF renders with trim_blocks: a newline right after a block tag is dropped), written here after Qwen2.5/Qwen3's behaviour: the tools' descriptions in
+# the system turn, consecutive tool results grouped in one user turn as <tool_response> blocks, and (as
+# Qwen3's does) `<think>...</think>` dropped from every assistant turn before the last user message.
+QWEN_TOOLS = (
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}{% if not tools %}<|im_start|>system\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% elif m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if loop.index0 < ns.last_user %}{{ m.content.split('</think>')[-1].lstrip('\n') }}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_char_tokenizer(path: Path, chat_template: str = CHATML) -> None:
+    """101 ids; EOS = <|im_end|>; `{% if add_generation_prompt %}` opens the assistant turn.
+    `chat_template`: plain ChatML, or QWEN_TOOLS (a tool role and tools)."""
     import tokenizers
     import transformers
     from tokenizers import decoders, models, pre_tokenizers
@@ -22,8 +48,7 @@ def write_char_tokenizer(path: Path) -> None:
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="<|im_end|>",
         additional_special_tokens=["<|im_start|>", "<|endoftext|>"])
-    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.chat_template = chat_template
     fast.save_pretrained(str(path))
 
 
