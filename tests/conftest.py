@@ -68,6 +68,7 @@ NEEDS = {
 # skipped where missing, and under --lane-check such a skip fails (that lane should have it).
 DEFAULT_LANE_NEEDS = {
     "needs_reasoning_gym": (("reasoning_gym",), "pip install 'jaxreplay[reasoning_gym]'; pycosat needs a C compiler"),
+    "needs_skyrl": (("skyrl_gym",), "pip install 'jaxreplay[skyrl]'"),
 }
 REVERB_ANYWHERE = "reverb"  # Reverb in process (the Reverb lane) or through its sidecar (the default lane): both
 LANE_MARKS = (*NEEDS, "tier", REVERB_ANYWHERE)  # the Reverb lane's selection: CI's -m is these joined by "or"
