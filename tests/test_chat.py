@@ -8,7 +8,7 @@ from jaxreplay.tasks.arithmetic import CharTokenizer
 from jaxreplay.tasks.chat import PlainFormat, TemplateFormat, chat_format_for, message_dicts
 from jaxreplay.tasks.environment import Message
 from jaxreplay.tasks.tools import CALCULATOR, ToolEnvironment, ToolRegistry
-from tests.tiny_hf import QWEN_TOOLS, write_char_tokenizer
+from tests.tiny_hf import LLAMA3_TOOLS, QWEN_TOOLS, write_char_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +107,32 @@ def test_plain_format_concatenates_text():
     assert fmt.first_ids((Message("user", "1+2"), Message("user", "="))) == tok.encode("1+2=")
     assert fmt.next_ids((Message("user", "+"),)) == tok.encode("+")
     assert fmt.turn_end_ids == tuple(tok.eos_ids)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama3_tools")
+    write_char_tokenizer(path, LLAMA3_TOOLS, llama3=True)
+    return load_tokenizer(path)
+
+
+def test_llama3_style_template_tool_results_under_ipython_and_eom_ends_a_turn(llama):
+    """A turn closed by <|eot_id|> with nothing after it; the model may end a tool-calling turn
+    with <|eom_id|> (the second stop id), which the format keeps and does not close again."""
+    fmt = chat_format_for(llama, tools=TOOLS)
+    eot, eom = llama.eos_ids
+    call = '{"name": "calculator", "parameters": {"expression": "6*7"}}'
+    turn1 = [llama.hf.convert_tokens_to_ids("<|python_tag|>")] + llama.encode(call) + [eom]
+    env = ToolEnvironment(ToolRegistry([CALCULATOR]), call_format="llama3")
+    env.reset(("6*7=", "42"), seed=0)
+    step = env.step(llama.decode(turn1))
+    assert step.observation == (Message("tool", "42", name="calculator"),)
+    turn2 = llama.encode("42") + [eot]
+    ids, spans = episode(fmt, llama, [turn1, turn2], [step.observation])
+    assert [ids[a:b] for a, b in spans] == [turn1, turn2]
+    between = llama.hf.decode(ids[spans[0][1]:spans[1][0]])
+    assert between == ("<|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|>"
+                       "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    first = llama.hf.decode(fmt.first_ids(FIRST))
+    assert first.startswith("<s><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n")
+    assert env.step(llama.decode(turn2)).reward == 1.0
