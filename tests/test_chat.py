@@ -7,7 +7,7 @@ from jaxreplay.models.tokenizer import load_tokenizer
 from jaxreplay.tasks.arithmetic import CharTokenizer
 from jaxreplay.tasks.chat import PlainFormat, TemplateFormat, chat_format_for, message_dicts
 from jaxreplay.tasks.environment import Message
-from jaxreplay.tasks.tools import CALCULATOR, ToolEnvironment, ToolRegistry
+from jaxreplay.tasks.tools import CALCULATOR, ToolEnvironment, ToolRegistry, calculator_environment
 from tests.tiny_hf import LLAMA3_TOOLS, QWEN_TOOLS, write_char_tokenizer
 
 
@@ -38,6 +38,8 @@ def episode(fmt, tok, turns, observations):
 
 def test_template_format_is_chosen_for_a_tokenizer_with_a_template(tok):
     assert isinstance(chat_format_for(tok, tools=TOOLS), TemplateFormat)
+    shown = chat_format_for(tok, environment=calculator_environment).first_ids(FIRST)  # the factory's tools
+    assert shown == chat_format_for(tok, tools=TOOLS).first_ids(FIRST) != chat_format_for(tok).first_ids(FIRST)
     assert isinstance(chat_format_for(CharTokenizer()), PlainFormat)
     assert chat_format_for(tok).turn_end_ids == tok.eos_ids
 

@@ -102,9 +102,12 @@ class TemplateFormat:
         return ids[end + 1:]
 
 
-def chat_format_for(tokenizer: Any, **template_kwargs: Any) -> ChatFormat:
+def chat_format_for(tokenizer: Any, *, environment: Any = None, **template_kwargs: Any) -> ChatFormat:
     """The tokenizer's chat format: its chat template where it has one, else plain text.
-    `template_kwargs` (tools=..., enable_thinking=...) reach the template."""
+    `template_kwargs` (tools=..., enable_thinking=...) reach the template, after those the
+    `environment` factory carries as its `chat_template_kwargs` attribute (a tool environment's
+    `tools`), so the model sees the tools it may call."""
     if not getattr(tokenizer, "has_chat_template", False):
         return PlainFormat(tokenizer)
-    return TemplateFormat(tokenizer, **template_kwargs)
+    return TemplateFormat(tokenizer, **{**dict(getattr(environment, "chat_template_kwargs", None) or {}),
+                                        **template_kwargs})

@@ -299,9 +299,12 @@ CALCULATOR = Tool(
 
 
 def calculator_environment(**options: Any) -> ToolEnvironment:
-    """The shipped tool environment (`environment: calculator`): the task's question, one
-    calculator tool, the final answer scored by `reward` (exact_match unless the options say)."""
+    """The shipped tool environment (`environment.name: calculator`): the task's question, one
+    calculator tool, the final answer scored by `reward` (exact_match unless the options say).
+    A factory of your own tells the chat template its tools the same way: `chat_template_kwargs`."""
     return ToolEnvironment(ToolRegistry([CALCULATOR]), **options)
 
 
+# What the chat template shows the model (chat.chat_format_for(tokenizer, environment=factory) reads it).
+calculator_environment.chat_template_kwargs = {"tools": ToolRegistry([CALCULATOR]).schemas()}
 register_environment("calculator", calculator_environment)
