@@ -6,6 +6,7 @@ import time
 import pytest
 
 from jaxreplay.tasks.arithmetic import Problem
+from jaxreplay.tasks.datasets import Example
 from jaxreplay.tasks.environment import Message, make_environment
 from jaxreplay.tasks.tools import (CALCULATOR, MalformedToolCall, Tool, ToolCall, ToolEnvironment, ToolRegistry,
                                    calculate, parse_llama3, parse_qwen)
@@ -70,6 +71,8 @@ def test_tool_environment_runs_calls_then_scores_the_answer():
     assert env.step("408") == type(step)(reward=1.0, done=True)
     env.reset({"question": "12*34=", "answer": "408"}, seed=1)
     assert env.step("407").reward == 0.0 and env.step("407").done
+    assert env.reset(Example(0, "6*7=", "42", (1, 2)), seed=2)[-1] == Message("user", "6*7=")  # a dataset's item
+    assert env.step("42").reward == 1.0
 
 
 def slow(seconds):

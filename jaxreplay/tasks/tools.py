@@ -188,12 +188,13 @@ def run_tool(tool: Tool, arguments: Mapping[str, Any], timeout_s: float) -> str:
 
 def item_question(item: Any) -> str:
     """The question of a task item: a (prompt, answer) pair, a mapping with "question" or
-    "prompt", or an object with `.text` (the arithmetic task's problems)."""
+    "prompt", or an object with `.text` (the arithmetic task's problems) or `.prompt` (a dataset's
+    examples, before the task's prompt template)."""
     if isinstance(item, (tuple, list)) and len(item) == 2:
         return str(item[0])
     if isinstance(item, Mapping):
         return str(item["question"] if "question" in item else item["prompt"])
-    return str(item.text)
+    return str(item.text if hasattr(item, "text") else item.prompt)
 
 
 def item_answer(item: Any) -> str:
