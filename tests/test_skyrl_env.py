@@ -39,3 +39,19 @@ def test_code_executing_environments_are_refused_by_default():
         make_environment("skyrl", {"env": "lcb"})
     with pytest.raises(ValueError, match="has no environment"):
         make_environment("skyrl", {"env": "chess"})
+
+
+def test_skyrl_runs_in_a_worker_process_by_its_import_name():
+    from jaxreplay.tasks.environment import EnvPool
+    pool = EnvPool("jaxreplay.tasks.skyrl_env:SkyRLEnvironment", {"max_turns": 2}, workers=1, processes=True,
+                   timeout=60)
+    try:
+        env = pool.create()
+        assert pool.reset([env], ("6*7=", "42"), seed=0) == [(Message("user", "6*7="),)]
+        pool.step(env, "#### 42")
+        got = []
+        while not got:
+            got = pool.results(60)
+        assert got[0][1].done and got[0][1].reward == 1.0
+    finally:
+        pool.shutdown()

@@ -139,3 +139,26 @@ def test_a_hung_tool_leaves_the_environment_usable():
     assert env.step(qwen("hang")).info["error"] == "timeout"
     assert env.step(qwen("calculator", expression="2+2")).observation[0].content == "4"
     gate.set()
+
+
+def test_the_calculator_runs_in_a_killable_worker_process():
+    """Named as module:factory, the tool environment runs in the pool's spawned worker: what it
+    says (tool messages) crosses the process boundary intact."""
+    from jaxreplay.tasks.environment import EnvPool
+    pool = EnvPool("jaxreplay.tasks.tools:calculator_environment", {"on_malformed": "penalise"}, workers=1,
+                   processes=True, timeout=30)
+    try:
+        env = pool.create()
+        assert pool.reset([env], ("12*34=", "408"), seed=0) == [(Message("user", "12*34="),)]
+        answers = []
+        for turn in (qwen("calculator", expression="12*34"), "<tool_call>oops", "408"):
+            pool.step(env, turn)
+            got = []
+            while not got:
+                got = pool.results(30)
+            answers.append(got[0][1])
+        assert answers[0].observation == (Message("tool", "408", name="calculator"),)
+        assert answers[1].info["error"] == "malformed_tool_call" and not answers[1].done
+        assert answers[2].done and answers[2].reward == 1.0
+    finally:
+        pool.shutdown()
