@@ -108,8 +108,9 @@ class TaskConfig:
     """
 
     # `arithmetic` (the embedded task), `gsm8k` or `math` (local files in `task.path`, else TFDS), `jsonl` or
-    # `parquet` (local files), `reasoning_gym` (a reasoning-gym generator: `task.dataset`; the reasoning_gym extra)
-    name: Literal["arithmetic", "gsm8k", "math", "jsonl", "parquet", "reasoning_gym"] = "arithmetic"
+    # `parquet` (local files), `reasoning_gym` (a reasoning-gym generator: `task.dataset`; the reasoning_gym extra),
+    # `guess_digit` (the multi-turn demo's hidden digits: needs `environment.name: guess_digit`)
+    name: Literal["arithmetic", "gsm8k", "math", "jsonl", "parquet", "reasoning_gym", "guess_digit"] = "arithmetic"
     # reasoning_gym: the generator's name (`products`, `chain_sum`, `gcd`, `base_conversion`, `number_sorting`, ...);
     # null for the other tasks
     dataset: Optional[str] = None
@@ -225,6 +226,33 @@ class SamplingConfig:
     # continuous: decode steps per jitted chunk; between chunks the host refills slots, hands completed
     # groups to the table and sees stop signals.
     engine_chunk_steps: int = 8
+
+
+@dataclass(frozen=True)
+class EnvironmentConfig:
+    """Multi-turn episodes (docs/multiturn.md): an environment answers each model turn.
+
+    The task's items are the episodes' `reset(item, seed)`; the G rows of a group are G instances
+    reset alike. Needs `sampling.engine: continuous`; `sampling.max_new_tokens` bounds an episode's
+    model and environment tokens together. Off (single-turn) while `name` is empty.
+    """
+
+    # a registered environment (`guess_digit`), or `package.module:factory` of your own; "" = single-turn rows
+    name: str = ""
+    # keyword arguments of the environment's factory
+    options: dict[str, Any] = field(default_factory=dict)
+    # model turns per episode; an episode still going after them is truncated
+    max_turns: int = 4
+    # the episode's reward: `final` (the last step's) or `sum` (over its steps)
+    reward: Literal["final", "sum"] = "final"
+    # environment workers running steps off the decode loop (0: each step at once in the actor's thread, no timeout:
+    # for deterministic zero-latency environments)
+    workers: int = 4
+    # run the workers as processes, killed and restarted when a step times out (for environments that may block
+    # forever; a thread cannot be killed). The environment must be importable by name in a fresh process
+    processes: bool = False
+    # seconds a reset or step may take; past it the episode ends with info error `timeout` (counted)
+    step_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -475,6 +503,7 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -856,6 +885,7 @@ RANGES: dict[str, Interval] = {
     "sampling.temperature": Interval(1e-3), "sampling.top_p": Interval(0, 1, lo_open=True),
     "sampling.top_k": NON_NEGATIVE, "sampling.max_new_tokens": POSITIVE, "sampling.prefill_chunk_size": NON_NEGATIVE,
     "sampling.engine_slots": NON_NEGATIVE, "sampling.engine_chunk_steps": POSITIVE,
+    "environment.max_turns": POSITIVE, "environment.workers": NON_NEGATIVE, "environment.step_timeout_s": POSITIVE,
     # Past ~100, priority ** exponent underflows float64 for the 1e-3 priority floor (replay.writer).
     "replay.priority_exponent": Interval(0, 100), "replay.max_size": POSITIVE,
     "replay.max_times_sampled": NON_NEGATIVE, "replay.samples_per_insert": POSITIVE,
@@ -891,6 +921,7 @@ OWNERS = (
     "jaxreplay.replay.writer",
     "jaxreplay.replay.multiprocess",
     "jaxreplay.rollout.actor",
+    "jaxreplay.rollout.episodes",
 )
 _OWNER_CHECKS: dict[str, Callable[[Config], None]] = {}
 _MACHINE_CHECKS: dict[str, Callable[[Config], None]] = {}

@@ -23,9 +23,12 @@ from jax.sharding import Mesh
 from jaxreplay.config import Config, ConfigError, owner_check
 from jaxreplay.rollout.advantages import ADVANTAGES
 from jaxreplay.rollout.engine import JaxEngine, PromptGroup, RolloutEngine
+from jaxreplay.rollout.episodes import EpisodeRunner
 from jaxreplay.rollout.rollouts import make_rows, row_spec
 from jaxreplay.rollout.sampling import Rollout, completion_ids
 from jaxreplay.tasks.base import Task, score
+from jaxreplay.tasks.chat import chat_format_for
+from jaxreplay.tasks.environment import STEP_ERRORS, EnvPool
 
 SampleFn = Callable[..., Rollout]
 
@@ -141,8 +144,11 @@ class StreamingActor:
     A row's `policy_version` is the version of its first token (staleness counts from it), its
     `last_version` that of its last."""
 
-    def __init__(self, config: Config, task: Task, engine: RolloutEngine, *, shard: tuple[int, int] = (0, 1)):
-        self.config, self.task, self.engine, self.shard = config, task, engine, shard
+    def __init__(self, config: Config, task: Task, engine: RolloutEngine, *, shard: tuple[int, int] = (0, 1),
+                 episodes: Optional[EpisodeRunner] = None):
+        """`episodes`: multi-turn (environment.name): each group's prompt is its environments'
+        first observation and its rewards are the episodes' (the engine must take its turns)."""
+        self.config, self.task, self.engine, self.shard, self.episodes = config, task, engine, shard, episodes
         self.per_shard = config.train.prompts_per_step // shard[1]
         self.capacity = groups_in_flight(config, shard[1])
         self.spec = row_spec(config, task.prompt_len)
@@ -184,7 +190,11 @@ class StreamingActor:
         keys = jax.vmap(fold)(where[:, 0], where[:, 1])  # one dispatch, not two a group
         groups = []
         for k, (step, prompt), key in zip(numbers, where.tolist(), keys):
-            tokens, mask = self.task.encode_prompts([self._batch(step)[prompt]])
+            if self.episodes is not None:  # reset(item, seed): the same for a regenerated group
+                tokens, mask = self.episodes.open(k, self._batch(step)[prompt], episode_seed(self.config.run.seed, k))
+                tokens, mask = tokens[None], mask[None]
+            else:
+                tokens, mask = self.task.encode_prompts([self._batch(step)[prompt]])
             groups.append(PromptGroup(tag=k, tokens=tokens[0], mask=mask[0], key=key))
             self._in_flight.append(k)
             self._started = max(self._started, k + 1)
@@ -212,7 +222,13 @@ class StreamingActor:
         cat = lambda name: np.concatenate([getattr(group.rollout, name) for group in completed])
         rollout = Rollout(tokens=cat("tokens"), attention_mask=cat("attention_mask"),
                           completion_mask=cat("completion_mask"), logprobs=cat("logprobs"))
-        rewards, reward_errors = score(self.task, problems, completion_ids(rollout), g)
+        extra = {}
+        if self.episodes is not None:
+            results = [self.episodes.result(group.tag) for group in completed]
+            rewards, reward_errors = np.concatenate([r["reward"] for r in results]), 0
+            extra = episode_stats(results)
+        else:
+            rewards, reward_errors = score(self.task, problems, completion_ids(rollout), g)
         advantages = ADVANTAGES[c.train.advantage](rewards.reshape(-1, g)).reshape(-1)
         items = make_rows(
             self.spec, tokens=rollout.tokens, attention_mask=rollout.attention_mask,
@@ -220,7 +236,7 @@ class StreamingActor:
             reward=rewards, policy_version=np.concatenate([group.first_version for group in completed]),
             last_version=np.concatenate([group.last_version for group in completed]),
             rollout_id=np.concatenate(ids))
-        return items, {**rollout_stats(items), "reward/errors": reward_errors}
+        return items, {**rollout_stats(items), "reward/errors": reward_errors, **extra}
 
 
 def make_streaming_actor(graphdef, config: Config, task: Task, params, *, stop_ids: Sequence[int], pad_id: int,
@@ -229,10 +245,35 @@ def make_streaming_actor(graphdef, config: Config, task: Task, params, *, stop_i
     """A `StreamingActor` over the in-JAX engine, sampling as `sampling.make_run_samplers`' rollout
     sampler; its slot pool laid out over `mesh` (the weights it is given must lie on it)."""
     s = config.sampling
+    episodes = make_episode_runner(config, task) if config.environment.name else None
     engine = JaxEngine(graphdef, config.model, params, slots=engine_slots(config, shard[1]),
                        group_size=config.train.group_size, prompt_len=task.prompt_len,
                        max_new_tokens=s.max_new_tokens, chunk_steps=s.engine_chunk_steps, temperature=s.temperature,
                        top_p=s.top_p, top_k=s.top_k, stop_ids=stop_ids, pad_id=pad_id,
                        kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size, live_vocab=live_vocab,
-                       mesh=mesh)
-    return StreamingActor(config, task, engine, shard=shard)
+                       mesh=mesh, turns=episodes)
+    return StreamingActor(config, task, engine, shard=shard, episodes=episodes)
+
+
+def make_episode_runner(config: Config, task: Task) -> EpisodeRunner:
+    """The environments of a multi-turn run (`environment.*`), this process's own instances."""
+    e = config.environment
+    pool = EnvPool(e.name, e.options, workers=e.workers, processes=e.processes, timeout=e.step_timeout_s)
+    return EpisodeRunner(pool, chat_format_for(task.tokenizer), task.tokenizer, group_size=config.train.group_size,
+                         prompt_len=task.prompt_len, max_turns=e.max_turns, reward=e.reward)
+
+
+def episode_seed(run_seed: int, group: int) -> int:
+    """The seed a group's environments are reset with: a function of the run's seed and the
+    group's place in the prompt stream, so a resumed group restarts the same episodes."""
+    return (run_seed * 1_000_003 + group) % 2**31
+
+
+def episode_stats(results: Sequence[Mapping]) -> dict[str, float]:
+    """Turns per episode, the truncated share and the environments' errors of scored groups."""
+    turns = np.concatenate([r["turns"] for r in results])
+    out = {"episode/turns": float(turns.mean()),
+           "episode/truncated": float(np.concatenate([r["truncated"] for r in results]).mean())}
+    for kind in STEP_ERRORS:
+        out[f"env/errors/{kind}"] = sum(r["errors"].get(kind, 0) for r in results)
+    return out

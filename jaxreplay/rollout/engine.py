@@ -91,6 +91,21 @@ class RolloutEngine(Protocol):
         """Groups submitted and not yet collected (queued, decoding, or complete)."""
 
 
+class TurnTaker(Protocol):
+    """What answers a row's turns (multi-turn episodes, rollout/episodes.py). A row that stops on
+    a stop id has ended a turn: it keeps its slot and its K/V while the answer is computed; the
+    answer's ids are fed onto it (`forced_until`) and it decodes on. `None` ends the episode."""
+
+    def ended(self, tag: Any, row: int, turn_ids: np.ndarray, cut: bool) -> None:
+        """Row `row` of group `tag` ended a turn with `turn_ids` (the model's ids of that turn,
+        its stop id last). `cut`: the token limit ended it (or left no room for the answer):
+        the episode is over and truncated, no answer is expected."""
+
+    def answers(self, wait: float) -> list[tuple[Any, int, Optional[list[int]]]]:
+        """(tag, row, ids to append, or None when the episode is over) of the turns answered
+        since the last call, waiting up to `wait` seconds for one when none is ready."""
+
+
 class Pool(NamedTuple):
     """The device state of S slots. A row's sequence lies as the static sampler's: its prompt
     left-padded in columns 0..P-1, completion token t in column P + t."""
@@ -102,8 +117,9 @@ class Pool(NamedTuple):
     versions: jax.Array  # [S, N] int32: the version that drew each completion token, -1 elsewhere
     n_prompt: jax.Array  # [S] int32: real prompt tokens (RoPE positions continue from there)
     emitted: jax.Array  # [S] int32: completion tokens drawn so far
-    done: jax.Array  # [S] bool: stopped, or free
+    done: jax.Array  # [S] bool: stopped, or free (or waiting for its environment's answer)
     keys: jax.Array  # [S] typed keys: the row's key
+    forced_until: jax.Array  # [S] int32: completion tokens before this index are an environment's, fed not drawn
 
 
 class Prefixes(NamedTuple):
@@ -125,6 +141,8 @@ class _Group:
     entry: int = -1  # its prefix entry while rows wait for slots
     to_place: int = 0  # the next row to put in a slot
     rows: dict = dataclasses.field(default_factory=dict)  # row j -> (tokens, mask, logprobs, versions) once stopped
+    env_cols: dict = dataclasses.field(default_factory=dict)  # row j -> [(start, end)] completion columns fed by its environment
+    turn_start: dict = dataclasses.field(default_factory=dict)  # row j -> the completion column its current turn began at
 
 
 @dataclasses.dataclass
@@ -142,6 +160,8 @@ class EngineStats:
     decode_steps: int = 0
     narrow_chunks: int = 0
     cache_columns: int = 0
+    turns: int = 0  # multi-turn: turns that ended on a stop id and went to their environment
+    appended_tokens: int = 0  # environment tokens fed onto rows
 
 
 class JaxEngine:
@@ -163,7 +183,7 @@ class JaxEngine:
                  max_new_tokens: int, chunk_steps: int = 8, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, greedy: bool = False, stop_ids: Sequence[int] = (), pad_id: int = 0,
                  kv_cache_dtype: Optional[str] = None, prefill_chunk_size: int = 0, version: int = 0,
-                 live_vocab: int = 0, mesh: Optional[Mesh] = None):
+                 live_vocab: int = 0, mesh: Optional[Mesh] = None, turns: Optional[TurnTaker] = None):
         if group_size <= 0 or slots <= 0:
             raise ValueError(f"slots ({slots}) and group_size ({group_size}) must be positive")
         if chunk_steps <= 0 or max_new_tokens <= 0:
@@ -174,12 +194,15 @@ class JaxEngine:
             raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds model "
                              f"max_seq_len {model_cfg.max_seq_len}")
         self.group_size, self.slots, self.prompt_len, self.max_new_tokens = group_size, slots, prompt_len, max_new_tokens
+        self.turns, self.stop_ids = turns, frozenset(int(i) for i in stop_ids)
+        self._parked: dict[tuple[Any, int], int] = {}  # (tag, row) -> slot, while its environment answers
+        self._ending: set[int] = set()  # slots whose episode ended: taken out as they are
         self.chunk_steps, self.pad_id = chunk_steps, pad_id
         self.params, self.version = params, version
         self.stats = EngineStats()
         entries = -(-slots // group_size) + 1  # enough prompts to fill every slot, and one more
         layout = _layout(mesh, model_cfg, slots, entries, prompt_len, max_new_tokens, kv_cache_dtype)
-        self._prefill, self._place, self._start, self._decode = _programs(
+        self._prefill, self._place, self._start, self._decode, self._append = _programs(
             graphdef, model_cfg, group_size, prompt_len, max_new_tokens, chunk_steps,
             (bool(greedy), float(temperature), int(top_k), float(top_p), int(live_vocab)),
             tuple(int(s) for s in stop_ids), pad_id, kv_cache_dtype, prefill_chunk_size, layout)
@@ -189,6 +212,7 @@ class JaxEngine:
         # all rows when they are in step, chunks of 2K steps when no group waits, and prefill a
         # group whose rows all find slots straight into them.
         self.narrow_drain = self.lockstep_writes = self.long_drain_chunks = self.start_whole_groups = True
+        self.answer_wait = 0.05  # seconds `step` waits for an environment when every row waits for one
         # Made in place: a pool laid out over a mesh is never whole on one device.
         pool_sharding, prefix_sharding = layout or (None, None)
         self.pool = jax.jit(lambda: _empty_pool(model_cfg, slots, prompt_len, max_new_tokens, pad_id, kv_cache_dtype),
@@ -214,7 +238,11 @@ class JaxEngine:
             self._queue.append(_Group(g))
 
     def step(self) -> None:
+        if self.turns is not None:
+            self._take_answers(0.0)
         self._start_queued()
+        if self.turns is not None and self._parked and not (~self._done).any():
+            self._take_answers(self.answer_wait)  # nothing to decode: wait for an environment
         if (~self._done).any():
             slots, k = self._live_slots(), self._chunk_steps()
             width = self._width(k)
@@ -256,6 +284,9 @@ class JaxEngine:
         quarter of N (at most 4 chunk programs), at most P + N. With k dividing N/4 a full batch
         steps through the static sampler's phase widths exactly."""
         live = ~self._done
+        if self._parked:  # a waiting row's last column stays in the window: a step's clamped write never lands
+            live = live.copy()  # on its K/V (see _decode_chunk)
+            live[list(self._parked.values())] = True
         need = int(self._emitted[live].max()) + k - 1 if live.any() else 1
         quarter = -(-self.max_new_tokens // 4)
         return self.prompt_len + min(self.max_new_tokens, -(-need // quarter) * quarter)
@@ -270,13 +301,15 @@ class JaxEngine:
             b //= 2
         if b == self.slots:
             return np.arange(b, dtype=np.int32)
-        rest = np.flatnonzero(self._done)[:b - len(live)]
+        idle = self._done.copy()
+        idle[list(self._parked.values())] = False
+        rest = np.concatenate([np.flatnonzero(idle), list(self._parked.values())]).astype(np.int64)[:b - len(live)]
         return np.concatenate([live, rest]).astype(np.int32)
 
     def _lockstep(self) -> bool:
         """Whether every live row has drawn as many tokens as the others (then the chunk writes
         one cache column for all rows)."""
-        return self.lockstep_writes and len(set(self._emitted[~self._done].tolist())) == 1
+        return self.lockstep_writes and not self._parked and len(set(self._emitted[~self._done].tolist())) == 1
 
     def _start_queued(self) -> None:
         """Starts queued groups in free slots, in submission order: rows already waiting for
@@ -360,10 +393,44 @@ class JaxEngine:
         """Keys made on the host's default device, replicated over the engine's mesh if it has one."""
         return keys if self._replicated is None else jax.device_put(keys, self._replicated)
 
+    def _take_answers(self, wait: float) -> None:
+        """Feeds the environments' answers onto their waiting rows (in one call), or lets rows
+        whose episode ended be taken out. An answer that leaves no room for a model token
+        before the token limit cuts the episode there."""
+        resume = []
+        for tag, j, ids in self.turns.answers(wait if self._parked else 0.0):
+            s = self._parked.pop((tag, j))
+            g, _ = self._slot_row[s]
+            e = int(self._emitted[s])
+            if ids is not None and e + len(ids) >= self.max_new_tokens:
+                self.turns.ended(tag, j, np.zeros((0,), np.int32), cut=True)
+                ids = None
+            if ids is None:
+                self._ending.add(s)
+                continue
+            g.env_cols.setdefault(j, []).append((e, e + len(ids)))
+            g.turn_start[j] = e + len(ids)
+            resume.append((s, list(ids)))
+        if not resume:
+            return
+        b = 1 << (len(resume) - 1).bit_length()
+        width = max(8, 1 << (max(len(ids) for _, ids in resume) - 1).bit_length())
+        slots = np.full((b,), self.slots, np.int32)
+        ids = np.full((b, width), self.pad_id, np.int32)
+        lengths = np.zeros((b,), np.int32)
+        self._done = self._done.copy()  # the host's copy of the device's flags (read-only as fetched)
+        for i, (s, new) in enumerate(resume):
+            slots[i], lengths[i] = s, len(new)
+            ids[i, :len(new)] = new
+            self._done[s] = False
+            self.stats.appended_tokens += len(new)
+        self.pool = self._append(self.pool, slots, ids, lengths)
+
     def _take_stopped(self) -> None:
         """Copies every stopped row out of its slot and frees the slot; groups whose rows have
         all stopped are complete, in submission order."""
-        stopped = [s for s, row in enumerate(self._slot_row) if row is not None and self._done[s]]
+        parked = set(self._parked.values())
+        stopped = [s for s, row in enumerate(self._slot_row) if row is not None and self._done[s] and s not in parked]
         if not stopped:
             return
         # Gathered in a power-of-two count of rows (the first repeated), so the program is one of
@@ -372,12 +439,25 @@ class JaxEngine:
         fields = jax.device_get(_gather(self.pool, np.asarray(padded, np.int32)))
         for k, s in enumerate(stopped):
             g, j = self._slot_row[s]
+            if self.turns is not None and s not in self._ending:
+                e, start = int(self._emitted[s]), g.turn_start.get(j, 0)
+                turn = fields[0][k][self.prompt_len + start:self.prompt_len + e]
+                ended = len(turn) > 0 and int(turn[-1]) in self.stop_ids
+                self.turns.ended(g.prompt.tag, j, turn, cut=not ended)
+                if ended:
+                    self.stats.turns += 1
+                    self._parked[(g.prompt.tag, j)] = s
+                    continue
+            self._ending.discard(s)
             g.rows[j] = tuple(f[k] for f in fields)
             self._slot_row[s] = None
         g_size = self.group_size
         for g in [g for g in self._open if len(g.rows) == g_size]:
             tokens, mask, logprobs, versions = (np.stack([g.rows[j][i] for j in range(g_size)]) for i in range(4))
             completion = mask & (np.arange(mask.shape[1]) >= self.prompt_len)[None, :]
+            for j, spans in g.env_cols.items():  # an environment's tokens are attended, never trained
+                for start, end in spans:
+                    completion[j, self.prompt_len + start:self.prompt_len + end] = False
             self._completed.append(CompletedGroup(
                 g.prompt.tag, Rollout(tokens=tokens, attention_mask=mask, completion_mask=completion,
                                       logprobs=logprobs), token_versions=versions))
@@ -407,6 +487,7 @@ class EnginePrograms(NamedTuple):
     place: Any  # waiting rows from prefix entries into slots
     start: Any  # prompts straight into their rows' slots
     decode: Any  # one chunk of decode steps
+    append: Any  # environment tokens onto waiting rows (multi-turn)
 
 
 @functools.lru_cache(maxsize=32)
@@ -433,7 +514,8 @@ def _programs(graphdef, cfg: ModelConfig, g: int, p: int, n_new: int, k_steps: i
                       out_shardings=None if layout is None else (pool_out, scalar)),
         decode=jax.jit(functools.partial(_decode_chunk, graphdef, cfg, choose, stops, p, n_new, 2 * k_steps),
                        static_argnums=(0, 1), donate_argnums=3,
-                       out_shardings=None if layout is None else (pool_out, scalar)))
+                       out_shardings=None if layout is None else (pool_out, scalar)),
+        append=jax.jit(functools.partial(_append_tokens, p), donate_argnums=0, out_shardings=pool_out))
 
 
 def _layout(mesh: Optional[Mesh], cfg: ModelConfig, slots: int, entries: int, p: int, n_new: int,
@@ -510,7 +592,8 @@ def _empty_pool(cfg: ModelConfig, slots: int, p: int, n: int, pad_id: int, kv_ca
                 tokens=jnp.full((slots, length), pad_id, jnp.int32), mask=jnp.zeros((slots, length), bool),
                 logprobs=jnp.zeros((slots, length), jnp.float32), versions=jnp.full((slots, n), -1, jnp.int32),
                 n_prompt=jnp.zeros((slots,), jnp.int32), emitted=jnp.zeros((slots,), jnp.int32),
-                done=jnp.ones((slots,), bool), keys=jax.random.split(jax.random.key(0), slots))
+                done=jnp.ones((slots,), bool), keys=jax.random.split(jax.random.key(0), slots),
+                forced_until=jnp.zeros((slots,), jnp.int32))
 
 
 def _stopped(token: jax.Array, stops: np.ndarray) -> jax.Array:
@@ -577,7 +660,21 @@ def _place_rows(choose, stops, p: int, n_new: int, pad_id: int, pool: Pool, pref
         emitted=put(pool.emitted, jnp.ones((n,), jnp.int32)),
         done=put(pool.done, _stopped(token, stops) | (n_new == 1)),
         keys=put(pool.keys, row_keys),
+        forced_until=put(pool.forced_until, jnp.zeros((n,), jnp.int32)),
     )
+
+
+def _append_tokens(p: int, pool: Pool, slots, ids, lengths) -> Pool:
+    """Environment ids [b, L] (the first `lengths` [b] of each row) into the completion columns
+    after each waiting row's last token; the rows decode again, feeding them first (one per
+    step, `forced_until`) and drawing after. Slots past the pool are padding and dropped."""
+    emitted = pool.emitted.at[slots].get(mode="fill", fill_value=0)
+    cols = p + emitted[:, None] + jnp.arange(ids.shape[1])[None, :]
+    cols = jnp.where(jnp.arange(ids.shape[1])[None, :] < lengths[:, None], cols, pool.tokens.shape[1])
+    rows = jnp.broadcast_to(slots[:, None], cols.shape)
+    return pool._replace(tokens=pool.tokens.at[rows, cols].set(ids, mode="drop"),
+                         forced_until=pool.forced_until.at[slots].set(emitted + lengths, mode="drop"),
+                         done=pool.done.at[slots].set(False, mode="drop"))
 
 
 def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int, k_max: int, width: int,
@@ -630,8 +727,15 @@ def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int,
         rot = Rotation(*(jax.lax.dynamic_slice_in_dim(x, k, 1, axis=1) for x in rotations))
         h, window = model.hidden(token, rot, pool.mask[:, :width], window, index)
         new, logp = choose(model.unembed(h)[:, 0], jax.lax.dynamic_index_in_dim(ahead, k, axis=1, keepdims=False))
+        # An environment's token (multi-turn): fed in its column, not drawn; log-prob 0, never a stop.
+        forced = pool.emitted < pool.forced_until
         if lockstep:
             col = jnp.minimum(col, n_new - 1)
+            new = jnp.where(forced, jax.lax.dynamic_slice_in_dim(pool.tokens, p + col, 1, axis=1)[:, 0], new)
+        else:
+            new = jnp.where(forced, pool.tokens[rows, p + jnp.minimum(pool.emitted, n_new - 1)], new)
+        logp = jnp.where(forced, 0.0, logp)
+        if lockstep:
 
             def keep(buf, value, offset=p):
                 old = jax.lax.dynamic_slice_in_dim(buf, offset + col, 1, axis=1)[:, 0]
@@ -645,7 +749,7 @@ def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int,
         pool = pool._replace(
             tokens=keep(pool.tokens, new), mask=keep(pool.mask, live),
             logprobs=keep(pool.logprobs, logp), versions=keep(pool.versions, version, 0), emitted=emitted,
-            done=pool.done | (live & (_stopped(new, stops) | (emitted >= n_new))))
+            done=pool.done | (live & ((_stopped(new, stops) & ~forced) | (emitted >= n_new))))
         return k + 1, pool, window
 
     k, pool, window = jax.lax.while_loop(lambda c: (c[0] < k_steps) & ~jnp.all(c[1].done), step,

@@ -16,6 +16,9 @@ def make_task(config: TaskConfig, tokenizer: Optional[Tokenizer] = None, *, trai
     `train=False`: evaluation only, no training problem is read or drawn."""
     if config.name == "arithmetic":
         return ArithmeticTask(config)
+    if config.name == "guess_digit":
+        from jaxreplay.tasks.guess import GuessDigitTask
+        return GuessDigitTask(config)
     tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
     if config.name == "reasoning_gym":
         return ReasoningGymTask(config, tokenizer, train=train)
@@ -30,7 +33,10 @@ def validate_task(c: Config) -> None:
         for key, unset in (("dataset", None), ("dataset_config", {})):
             if getattr(c.task, key) != unset:
                 raise ConfigError(f"task.{key}: is for task.name=reasoning_gym only (task.name is {c.task.name})")
-    if c.task.name == "arithmetic":
+    if c.task.name == "guess_digit":
+        if not c.environment.name:
+            raise ConfigError("task.name: guess_digit is scored by its environment: set environment.name: guess_digit")
+    elif c.task.name == "arithmetic":
         arithmetic.validate_config(c)
     elif c.task.name == "reasoning_gym":
         procedural.validate_config(c)
@@ -44,4 +50,6 @@ def validate_task(c: Config) -> None:
 
 def prompt_len(config: TaskConfig) -> int:
     """Tokens in every (left-padded) prompt row of the task, known from the config alone."""
+    if config.name == "guess_digit":
+        return 2  # GuessDigitTask.prompt_len: its first observation, `:`
     return arithmetic.prompt_length(config) if config.name == "arithmetic" else config.max_prompt_len
