@@ -26,8 +26,9 @@ what differs between the tiers). The default lane runs every test; the Reverb la
 (`-m "needs_reverb or needs_tf or needs_torch or tier"`) only those, so no tier-independent test
 runs twice. `--lane-check` (CI's default lane) fails a test that skips for want of Reverb,
 TensorFlow or torch without the marker that sends it to the Reverb lane: it would run nowhere.
-`needs_reasoning_gym` (the reasoning_gym extra, whose pycosat builds only with a C compiler) is the
-default lane's own: CI installs it there, tests skip without it, and `--lane-check` fails such a skip.
+`needs_reasoning_gym` (the reasoning_gym extra, whose pycosat builds only with a C compiler) and
+`needs_skyrl` (the skyrl extra) are the default lane's own: CI installs them there, tests skip
+without them, and `--lane-check` fails such a skip.
 `needs_sidecar` tests run Reverb in its sidecar process (jaxreplay/replay/sidecar.py) and skip
 where no Python for it is found; CI builds one (`make venv-sidecar`) for the default lane, whose
 `--lane-check` therefore fails such a skip. `reverb` tests run on both lanes: in process on the
@@ -68,6 +69,7 @@ NEEDS = {
 # skipped where missing, and under --lane-check such a skip fails (that lane should have it).
 DEFAULT_LANE_NEEDS = {
     "needs_reasoning_gym": (("reasoning_gym",), "pip install 'jaxreplay[reasoning_gym]'; pycosat needs a C compiler"),
+    "needs_skyrl": (("skyrl_gym",), "pip install 'jaxreplay[skyrl]'"),
 }
 REVERB_ANYWHERE = "reverb"  # Reverb in process (the Reverb lane) or through its sidecar (the default lane): both
 LANE_MARKS = (*NEEDS, "tier", REVERB_ANYWHERE)  # the Reverb lane's selection: CI's -m is these joined by "or"

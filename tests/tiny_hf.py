@@ -1,6 +1,7 @@
 """Tiny Hugging Face model directories made here (no hub): weights from our own exporter and a
 character-level tokenizer with a ChatML chat template."""
 
+import json
 from pathlib import Path
 
 from jaxreplay.config import ModelConfig
@@ -10,21 +11,63 @@ from jaxreplay.models.transformer import init_params
 WORDS = ["<pad>", "<s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(32, 127)] + ["\n"]
 
 
-def write_char_tokenizer(path: Path) -> None:
-    """101 ids; EOS = <|im_end|>; `{% if add_generation_prompt %}` opens the assistant turn."""
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+# Qwen-style ChatML with tools, written here after Qwen2.5/Qwen3's behaviour: the tools' descriptions in the
+# system turn, consecutive tool results grouped in one user turn as <tool_response> blocks, and (as Qwen3's
+# does) `<think>...</think>` dropped from every assistant turn before the last user message. HF renders with
+# trim_blocks (a newline right after a block tag is dropped), hence {{ '\\n' }} after one.
+QWEN_TOOLS = (
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}{% if not tools %}<|im_start|>system\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% elif m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if loop.index0 < ns.last_user %}{{ m.content.split('</think>')[-1].lstrip('\n') }}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+# Llama 3.1-style headers, written here after its template: tools as JSON in the system turn, a tool's
+# result under the `ipython` header, each turn closed by <|eot_id|> with no newline after it.
+LLAMA3_TOOLS = (
+    "<s>{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|eot_id|>{% endif %}"
+    "{% for m in messages %}<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}<|end_header_id|>"
+    "{{ '\\n\\n' }}{{ m.content | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{{ '\\n\\n' }}{% endif %}")
+LLAMA3_SPECIAL = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+
+
+def write_char_tokenizer(path: Path, chat_template: str = CHATML, *, llama3: bool = False) -> None:
+    """101 ids; EOS = <|im_end|>; `{% if add_generation_prompt %}` opens the assistant turn.
+    `chat_template`: plain ChatML, or QWEN_TOOLS (a tool role and tools). With `llama3`, five more
+    ids (LLAMA3_SPECIAL) and EOS = <|eot_id|>, then <|eom_id|> (generation_config.json): for LLAMA3_TOOLS."""
     import tokenizers
     import transformers
     from tokenizers import decoders, models, pre_tokenizers
 
-    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
+    words = WORDS + (LLAMA3_SPECIAL if llama3 else [])
+    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>", "<|endoftext|>"])
-    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="<|eot_id|>" if llama3 else "<|im_end|>",
+        additional_special_tokens=["<|im_start|>", "<|endoftext|>"] + (["<|im_end|>", *LLAMA3_SPECIAL] if llama3
+                                                                       else []))
+    fast.chat_template = chat_template
     fast.save_pretrained(str(path))
+    if llama3:
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [words.index("<|eot_id|>"),
+                                                                                  words.index("<|eom_id|>")]}))
 
 
 def write_model(path: Path, *, vocab_size: int = 128, max_seq_len: int = 256, tokenizer: bool = True,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from jaxreplay import storage
 from jaxreplay.models.errors import HFModelError
@@ -77,6 +77,17 @@ class HFTokenizer:
         messages = ([{"role": "system", "content": system}] if system is not None else [])
         messages.append({"role": "user", "content": user})
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
+                    tools: Optional[Sequence[Mapping[str, Any]]] = None, **template_kwargs: Any) -> str:
+        """`messages` ({"role", "content"[, "name"]} dicts, roles as HF names them: system, user,
+        assistant, tool) through the chat template, as text; `tools` are function descriptions
+        the template shows the model. Multi-turn chat formats (tasks/chat.py) render with it."""
+        if not self.has_chat_template:
+            raise HFModelError(f"tokenizer {self.name_or_path} has no chat template: use plain prompts")
+        return self.hf.apply_chat_template([dict(m) for m in messages], tools=None if tools is None else list(tools),
+                                           tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **template_kwargs)
 
     def encode_prompt(self, text: str, *, chat: bool, system: Optional[str] = None,
                       **template_kwargs: Any) -> list[int]:
