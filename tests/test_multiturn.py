@@ -37,6 +37,13 @@ def test_turns_on_the_static_sampler_are_refused_at_the_edge():
     validate(load_config(DEMO_MT))
 
 
+def test_environment_options_it_cannot_build_from_are_refused_at_the_edge():
+    with pytest.raises(ConfigError, match=r"environment.options: guess_digit does not build from \{'no_such_option': 1\}"):
+        validate(load_config(DEMO_MT, ["environment.options={no_such_option: 1}"]))
+    with pytest.raises(ConfigError, match="environment.options: calculator does not build from"):
+        validate(load_config(DEMO_MT, ["environment.name=calculator", "environment.options={on_malformed: explode}"]))
+
+
 def run_episodes(overrides=(), advances=40, params_seed=0):
     """Rows of the groups that complete in `advances` chunks under fixed random weights."""
     config = load_config(DEMO_MT, [*TINY_MT, *overrides])

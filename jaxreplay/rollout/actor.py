@@ -28,7 +28,7 @@ from jaxreplay.rollout.rollouts import make_rows, row_spec
 from jaxreplay.rollout.sampling import Rollout, completion_ids
 from jaxreplay.tasks.base import Task, score
 from jaxreplay.tasks.chat import chat_format_for
-from jaxreplay.tasks.environment import STEP_ERRORS, EnvPool
+from jaxreplay.tasks.environment import STEP_ERRORS, EnvPool, resolve
 
 SampleFn = Callable[..., Rollout]
 
@@ -259,7 +259,7 @@ def make_episode_runner(config: Config, task: Task) -> EpisodeRunner:
     """The environments of a multi-turn run (`environment.*`), this process's own instances."""
     e = config.environment
     pool = EnvPool(e.name, e.options, workers=e.workers, processes=e.processes, timeout=e.step_timeout_s)
-    return EpisodeRunner(pool, chat_format_for(task.tokenizer), task.tokenizer, group_size=config.train.group_size,
+    return EpisodeRunner(pool, chat_format_for(task.tokenizer, environment=resolve(e.name)), task.tokenizer, group_size=config.train.group_size,
                          prompt_len=task.prompt_len, max_turns=e.max_turns, reward=e.reward)
 
 

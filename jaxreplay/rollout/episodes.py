@@ -146,7 +146,8 @@ class EpisodeRunner:
 @owner_check
 def check_environment(c: Config) -> None:
     """`environment.*`: episodes need the engine (only it keeps a row's K/V while its environment
-    answers), and the environment must be found by its name."""
+    answers), the environment must be found by its name, and one must build from `environment.options`
+    (a bad option said here, once, not as every episode ending in an `exception` error)."""
     e = c.environment
     if not e.name:
         return
@@ -154,6 +155,13 @@ def check_environment(c: Config) -> None:
         raise ConfigError(f"environment.name: multi-turn episodes ({e.name}) need sampling.engine: continuous "
                           f"(got {c.sampling.engine})")
     try:
-        resolve(e.name)
+        factory = resolve(e.name)
     except ValueError as err:
         raise ConfigError(f"environment.name: {err}") from None
+    try:
+        probe = factory(**dict(e.options))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"environment.options: {e.name} does not build from {dict(e.options)}: {err}") from None
+    close = getattr(probe, "close", None)
+    if callable(close):
+        close()

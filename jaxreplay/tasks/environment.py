@@ -72,7 +72,8 @@ def make_environment(name: str, options: Optional[Mapping[str, Any]] = None) -> 
 # -- names a config can give ----------------------------------------------------------------------
 
 # Environments shipped with the package, imported (and so registered) when first named.
-BUILTIN = {"guess_digit": "jaxreplay.tasks.guess"}
+BUILTIN = {"guess_digit": "jaxreplay.tasks.guess", "calculator": "jaxreplay.tasks.tools",
+           "skyrl": "jaxreplay.tasks.skyrl_env"}
 
 
 def resolve(name: str) -> Callable[..., Environment]:
