@@ -132,6 +132,14 @@ class Run:
             params = self._engine_params(params, version)
         return stream.advance(params, version)
 
+    def restart_stream(self) -> None:
+        """Streaming, after a checkpoint: the groups in flight restart from their first token, as
+        a resume from that checkpoint restarts them, so the run goes on exactly as a resumed one
+        would (at the cost of the chunks they had decoded). Not for the disaggregated placement,
+        whose actor thread decodes while the learner saves (its resume is exact in counts only)."""
+        if self.stack.stream is not None and self._stream_resumed:
+            self.stack.stream.restart()
+
     def _saved_position(self) -> Position:
         """This process's engine position in the checkpoint (multi-host: its entry of the
         leader-written `engine_positions`; the leader's own fields describe only itself)."""
