@@ -264,3 +264,37 @@ def test_a_multi_turn_run_resumed_with_episodes_in_flight_equals_the_run_never_s
     assert progress_a.learner_step == 6 and progress_a.replay_counters
     for x, y in zip(jax_leaves(state_a), jax_leaves(state_b), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.slow
+def test_two_processes_each_run_their_own_environments_and_both_fill_the_table(tmp_path):
+    """Multi-host (two processes over gloo standing in for a pod's hosts): each process opens its
+    own environment instances for its own slice of the prompt stream, and its episodes enter its
+    own shard of the table; the limiter counts both, and the done line says turns per episode."""
+    import subprocess
+    import sys
+
+    from conftest import cpu_devices_env
+    from test_resume import _finish, _free_port
+
+    run_dir = tmp_path / "run"
+    common = [*RUN_MT, "warmstart.steps=0", "train.eval_every=1000", "mesh.data=-1", "replay.backend=inprocess",
+              "train.steps=3", "distributed.enabled=true", "distributed.num_processes=2",
+              f"distributed.coordinator_address=127.0.0.1:{_free_port()}", f"run.dir={run_dir}"]
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxreplay.cli", "train", str(DEMO_MT), *common,
+                               f"distributed.process_id={i}"], cwd=ROOT, env=cpu_devices_env(2),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    results = _finish(procs, 300)
+    assert [rc for rc, _ in results] == [0, 0], [out[-2000:] for _, out in results]
+    assert "turns/episode" in results[0][1]
+    processes = [json.loads((run_dir / f"process-{i}.json").read_text()) for i in range(2)]
+    inserted = [p["rows_inserted"] for p in processes]
+    assert all(n > 0 for n in inserted), inserted
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["replay/inserts"] == sum(inserted)
+    # The episode statistics are of both processes' episodes, the same on each.
+    assert processes[0]["episode/turns"] == processes[1]["episode/turns"] == summary["episode/turns"] > 0
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(4))
+    assert all(r.keys() <= DOCUMENTED_KEYS and "episode/turns" in r for r in records[1:])
+    assert all(isinstance(r["env/errors/malformed_tool_call"], int) for r in records[1:])
