@@ -182,6 +182,42 @@ def test_a_resumed_actor_restarts_episodes_in_flight_from_reset_and_makes_the_sa
             np.testing.assert_array_equal(a[i][k], b[i][k], err_msg=f"{k} of rollout {i}")
 
 
+def test_a_restart_drops_episodes_whose_steps_still_run_and_makes_the_same_rows():
+    """What a run does at each checkpoint: the actor drops its groups in flight, episodes whose
+    steps still run in worker threads included (their answers, when they come, are ignored), and
+    regenerates them from reset(item, seed): under fixed weights every rollout equals the
+    zero-latency run's, and none is made twice."""
+    *_, fast, _ = zero_latency_run()
+    config = load_config(DEMO_MT, [*TINY_MT, "environment.name=mt_envs:SlowGuess", "environment.workers=3",
+                                   "environment.options={sleep: 0.05}"])
+    task = make_task(config.task)
+    graphdef, params = init_params(config.model, 0)
+    tok = task.tokenizer
+    actor = make_streaming_actor(graphdef, config, task, params, stop_ids=tok.eos_ids, pad_id=tok.pad_id,
+                                 live_vocab=tok.vocab_size)
+    rows, restarts = [], 0
+    try:
+        for _ in range(400):
+            got, _ = actor.advance(params, 0)
+            if got is not None:
+                rows.append(got)
+            if actor.engine._parked and restarts < 2 and len(rows) > 2 * restarts:  # rows wait for their steps
+                actor.restart()
+                restarts += 1
+    finally:
+        actor.episodes.pool.shutdown()
+    assert restarts == 2
+    ids = np.concatenate([r["rollout_id"] for r in rows])
+    assert len(ids) == len(set(ids.tolist())), "a rollout made twice"
+    slow = by_id({k: np.concatenate([r[k] for r in rows]) for k in rows[0]})
+    fast = by_id(fast)
+    common = sorted(set(fast) & set(slow))
+    assert len(common) >= 16
+    for i in common:
+        for k in ("tokens", "attention_mask", "completion_mask", "logprobs", "reward", "advantage"):
+            np.testing.assert_array_equal(fast[i][k], slow[i][k], err_msg=f"{k} of rollout {i}")
+
+
 RUN_MT = [*TINY_MT, "task.eval_size=16", "warmstart.steps=10", "train.batch_size=16", "train.eval_every=2",
           "replay.max_size=64", "replay.min_size_to_sample=16", "checkpoint.every=2", "run.progress_bar=false"]
 
