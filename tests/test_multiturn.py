@@ -5,6 +5,7 @@ asking for turns on the static sampler is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -181,6 +182,42 @@ def test_a_resumed_actor_restarts_episodes_in_flight_from_reset_and_makes_the_sa
             np.testing.assert_array_equal(a[i][k], b[i][k], err_msg=f"{k} of rollout {i}")
 
 
+def test_a_restart_drops_episodes_whose_steps_still_run_and_makes_the_same_rows():
+    """What a run does at each checkpoint: the actor drops its groups in flight, episodes whose
+    steps still run in worker threads included (their answers, when they come, are ignored), and
+    regenerates them from reset(item, seed): under fixed weights every rollout equals the
+    zero-latency run's, and none is made twice."""
+    *_, fast, _ = zero_latency_run()
+    config = load_config(DEMO_MT, [*TINY_MT, "environment.name=mt_envs:SlowGuess", "environment.workers=3",
+                                   "environment.options={sleep: 0.05}"])
+    task = make_task(config.task)
+    graphdef, params = init_params(config.model, 0)
+    tok = task.tokenizer
+    actor = make_streaming_actor(graphdef, config, task, params, stop_ids=tok.eos_ids, pad_id=tok.pad_id,
+                                 live_vocab=tok.vocab_size)
+    rows, restarts = [], 0
+    try:
+        for _ in range(400):
+            got, _ = actor.advance(params, 0)
+            if got is not None:
+                rows.append(got)
+            if actor.engine._parked and restarts < 2 and len(rows) > 2 * restarts:  # rows wait for their steps
+                actor.restart()
+                restarts += 1
+    finally:
+        actor.episodes.pool.shutdown()
+    assert restarts == 2
+    ids = np.concatenate([r["rollout_id"] for r in rows])
+    assert len(ids) == len(set(ids.tolist())), "a rollout made twice"
+    slow = by_id({k: np.concatenate([r[k] for r in rows]) for k in rows[0]})
+    fast = by_id(fast)
+    common = sorted(set(fast) & set(slow))
+    assert len(common) >= 16
+    for i in common:
+        for k in ("tokens", "attention_mask", "completion_mask", "logprobs", "reward", "advantage"):
+            np.testing.assert_array_equal(fast[i][k], slow[i][k], err_msg=f"{k} of rollout {i}")
+
+
 RUN_MT = [*TINY_MT, "task.eval_size=16", "warmstart.steps=10", "train.batch_size=16", "train.eval_every=2",
           "replay.max_size=64", "replay.min_size_to_sample=16", "checkpoint.every=2", "run.progress_bar=false"]
 
@@ -214,3 +251,86 @@ def test_a_multi_turn_run_trains_evaluates_episodes_and_holds_the_limiter(tmp_pa
         assert proc.returncode == 0, proc.stderr[-2000:]
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         assert result["episodes"] == 16 and 0 <= result["success_greedy"] <= 1 and result["turns_greedy"] > 0
+
+
+def train_mt(tmp_path, name, *overrides):
+    from jaxreplay.train.driver import train
+
+    config = load_config(DEMO_MT, [*RUN_MT, f"run.dir={tmp_path / name}", f"warmstart.cache_dir={tmp_path / 'ws'}",
+                                   *overrides])
+    return config, train(config, log=lambda _: None)
+
+
+@pytest.mark.slow
+def test_a_multi_turn_run_resumed_with_episodes_in_flight_equals_the_run_never_stopped(tmp_path):
+    """2 steps, then the same command with train.steps=6, equals 6 steps straight: with a
+    deterministic zero-latency environment (workers 0), the episodes in flight at the checkpoint
+    restart from reset(item, seed) under the checkpoint's weights and nothing is trained or
+    counted twice: every step recorded once with the same metrics, the same limiter counters
+    and prompt position, and bit-equal params, optimizer state and waiting rows."""
+    from jaxreplay.learn.learner import make_optimizer
+    from jaxreplay.rollout.rollouts import row_spec
+    from jaxreplay.train.checkpoint import Checkpointer
+    from jaxreplay.train.run import checkpoint_tree
+    from test_train import jax_leaves
+
+    # AsymRE: its advantage r - (V + dV) is never zero, so every step moves the params.
+    same = ["environment.workers=0", "replay.selector=fifo", "train.eval_every=3", "train.loss=asymre",
+            "train.advantage=group_centered"]
+    straight, _ = train_mt(tmp_path, "straight", *same, "train.steps=6")
+    train_mt(tmp_path, "resumed", *same, "train.steps=2")
+    resumed, _ = train_mt(tmp_path, "resumed", *same, "train.steps=6")
+    a, b = read_metrics(straight.run.dir), read_metrics(resumed.run.dir)
+    assert [r["step"] for r in b] == list(range(7))
+    assert b[2]["engine/groups_in_flight"] > 0, "the checkpoint should hold episodes in flight"
+    assert sum(r["grad_norm"] > 0 for r in a[1:]) >= 3, "the runs must actually learn for this to test anything"
+    for ra, rb in zip(a, b, strict=True):
+        for key in ra.keys() & rb.keys():
+            if not key.startswith(("time/", "cost/")):
+                assert ra[key] == rb[key], (ra["step"], key)
+
+    task = make_task(straight.task)
+    graphdef, params = init_params(straight.model, 0)
+    like = checkpoint_tree(params, make_optimizer(straight.train).init(params), None,
+                           row_spec(straight, task.prompt_len), straight.rollouts_per_step)
+    (state_a, progress_a), (state_b, progress_b) = [
+        Checkpointer(tmp_path / name / "checkpoints", keep=2).restore(like) for name in ("straight", "resumed")]
+    untimed = lambda p: {k: v for k, v in dataclasses.asdict(p).items() if not k.startswith("time_") and k not in ("accounting", "replay_checkpoint")}
+    assert untimed(progress_a) == untimed(progress_b)  # steps, versions, prompt position, limiter counters
+    assert progress_a.learner_step == 6 and progress_a.replay_counters
+    for x, y in zip(jax_leaves(state_a), jax_leaves(state_b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.slow
+def test_two_processes_each_run_their_own_environments_and_both_fill_the_table(tmp_path):
+    """Multi-host (two processes over gloo standing in for a pod's hosts): each process opens its
+    own environment instances for its own slice of the prompt stream, and its episodes enter its
+    own shard of the table; the limiter counts both, and the done line says turns per episode."""
+    import subprocess
+    import sys
+
+    from conftest import cpu_devices_env
+    from test_resume import _finish, _free_port
+
+    run_dir = tmp_path / "run"
+    common = [*RUN_MT, "warmstart.steps=0", "train.eval_every=1000", "mesh.data=-1", "replay.backend=inprocess",
+              "train.steps=3", "distributed.enabled=true", "distributed.num_processes=2",
+              f"distributed.coordinator_address=127.0.0.1:{_free_port()}", f"run.dir={run_dir}"]
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxreplay.cli", "train", str(DEMO_MT), *common,
+                               f"distributed.process_id={i}"], cwd=ROOT, env=cpu_devices_env(2),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    results = _finish(procs, 300)
+    assert [rc for rc, _ in results] == [0, 0], [out[-2000:] for _, out in results]
+    assert "turns/episode" in results[0][1]
+    processes = [json.loads((run_dir / f"process-{i}.json").read_text()) for i in range(2)]
+    inserted = [p["rows_inserted"] for p in processes]
+    assert all(n > 0 for n in inserted), inserted
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["replay/inserts"] == sum(inserted)
+    # The episode statistics are of both processes' episodes, the same on each.
+    assert processes[0]["episode/turns"] == processes[1]["episode/turns"] == summary["episode/turns"] > 0
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(4))
+    assert all(r.keys() <= DOCUMENTED_KEYS and "episode/turns" in r for r in records[1:])
+    assert all(isinstance(r["env/errors/malformed_tool_call"], int) for r in records[1:])

@@ -167,6 +167,18 @@ class StreamingActor:
         self._started = position.started
         self._submit(list(position.in_flight))
 
+    def restart(self) -> None:
+        """What a resume from a checkpoint taken now does, without one: every group in flight is
+        dropped (its episodes too) and submitted again, to draw from its first token (from
+        reset(item, seed)) under the weights of the next `advance`. A run restarts its actor at
+        each checkpoint, so that it goes on exactly as a run resumed there."""
+        position = self.position
+        self.engine.clear()
+        if self.episodes is not None:
+            self.episodes.forget()
+        self._started, self._in_flight = 0, []
+        self.resume(position)
+
     def advance(self, params, version: int) -> tuple[Optional[dict[str, np.ndarray]], dict]:
         """One chunk: refill, decode under `params` (policy `version`), score what completed.
         Returns (rows, or None when no group completed; stats with "seconds" and "position")."""

@@ -90,6 +90,9 @@ class RolloutEngine(Protocol):
     def pending(self) -> int:
         """Groups submitted and not yet collected (queued, decoding, or complete)."""
 
+    def clear(self) -> None:
+        """Drops every group submitted and not yet collected, and frees their slots."""
+
 
 class TurnTaker(Protocol):
     """What answers a row's turns (multi-turn episodes, rollout/episodes.py). A row that stops on
@@ -195,8 +198,6 @@ class JaxEngine:
                              f"max_seq_len {model_cfg.max_seq_len}")
         self.group_size, self.slots, self.prompt_len, self.max_new_tokens = group_size, slots, prompt_len, max_new_tokens
         self.turns, self.stop_ids = turns, frozenset(int(i) for i in stop_ids)
-        self._parked: dict[tuple[Any, int], int] = {}  # (tag, row) -> slot, while its environment answers
-        self._ending: set[int] = set()  # slots whose episode ended: taken out as they are
         self.chunk_steps, self.pad_id = chunk_steps, pad_id
         self.params, self.version = params, version
         self.stats = EngineStats()
@@ -218,10 +219,20 @@ class JaxEngine:
         self.narrow_drain = turns is None
         # Made in place: a pool laid out over a mesh is never whole on one device.
         pool_sharding, prefix_sharding = layout or (None, None)
-        self.pool = jax.jit(lambda: _empty_pool(model_cfg, slots, prompt_len, max_new_tokens, pad_id, kv_cache_dtype),
-                            out_shardings=pool_sharding)()
-        self.prefixes = jax.jit(lambda: _empty_prefixes(model_cfg, entries, prompt_len, pad_id, kv_cache_dtype),
-                                out_shardings=prefix_sharding)()
+        self._empty = (jax.jit(lambda: _empty_pool(model_cfg, slots, prompt_len, max_new_tokens, pad_id, kv_cache_dtype),
+                               out_shardings=pool_sharding),
+                       jax.jit(lambda: _empty_prefixes(model_cfg, entries, prompt_len, pad_id, kv_cache_dtype),
+                               out_shardings=prefix_sharding))
+        self._entries = entries
+        self.clear()
+
+    def clear(self) -> None:
+        """Empty slots and prefix entries, no group queued, open or complete: as built. A
+        streaming actor's restart at a checkpoint (what a resume there does)."""
+        entries, slots = self._entries, self.slots
+        self.pool, self.prefixes = self._empty[0](), self._empty[1]()
+        self._parked: dict[tuple[Any, int], int] = {}  # (tag, row) -> slot, while its environment answers
+        self._ending: set[int] = set()  # slots whose episode ended: taken out as they are
         self._queue: collections.deque[_Group] = collections.deque()
         self._waiting: list[_Group] = []  # prefilled, some rows not placed yet, in submission order
         self._free_entries = list(range(entries))

@@ -99,6 +99,8 @@ class EpisodeRunner:
     def answers(self, wait: float) -> list[tuple[Any, int, Optional[list[int]]]]:
         out, self._ready = self._ready, []
         for env, step in self.pool.results(0.0 if out else wait):
+            if env not in self._owner:  # its episode was dropped (`forget`) while the step ran
+                continue
             tag, row = self._owner[env]
             out.append((tag, row, self._answer(self._groups[tag], row, step)))
         return out
@@ -135,7 +137,7 @@ class EpisodeRunner:
                 "errors": dict(ep.errors)}
 
     def forget(self) -> None:
-        """Drops every open episode (their instances are closed): a resume regenerates them."""
+        """Drops every open episode (their instances are closed): a resume or restart regenerates them."""
         for ep in self._groups.values():
             for row in range(len(ep.envs)):
                 self._finish(ep, row)

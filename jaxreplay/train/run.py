@@ -132,6 +132,14 @@ class Run:
             params = self._engine_params(params, version)
         return stream.advance(params, version)
 
+    def restart_stream(self) -> None:
+        """Streaming, after a checkpoint: the groups in flight restart from their first token, as
+        a resume from that checkpoint restarts them, so the run goes on exactly as a resumed one
+        would (at the cost of the chunks they had decoded). Not for the disaggregated placement,
+        whose actor thread decodes while the learner saves (its resume is exact in counts only)."""
+        if self.stack.stream is not None and self._stream_resumed:
+            self.stack.stream.restart()
+
     def _saved_position(self) -> Position:
         """This process's engine position in the checkpoint (multi-host: its entry of the
         leader-written `engine_positions`; the leader's own fields describe only itself)."""
@@ -156,22 +164,25 @@ class Run:
         coordination service (each process acts at the same turns, so all gather each chunk;
         the gather waits `distributed.timeout_s` at most). Returns (every process's rows'
         reward, completion and sequence lengths, or None when no process completed a group;
-        every process's reward errors). Only these cross processes: the rows stay in their
-        process's shard."""
+        every process's reward errors, and multi-turn, the episode statistics of every process's
+        episodes). Only these cross processes: the rows stay in their process's shard."""
         self._chunks += 1
-        mine = {"reward": [], "completion": [], "sequence": [], "errors": 0}
+        mine = {"reward": [], "completion": [], "sequence": [], "errors": 0, "episodes": {}}
         if items is not None:
             mine = {"reward": np.asarray(items["reward"], float).tolist(),
                     "completion": np.asarray(items["completion_mask"]).sum(axis=1).tolist(),
                     "sequence": np.asarray(items["attention_mask"]).sum(axis=1).tolist(),
-                    "errors": int(stats.get("reward/errors", 0))}
+                    "errors": int(stats.get("reward/errors", 0)),
+                    "episodes": {k: (int if k.startswith("env/errors/") else float)(stats[k])
+                                 for k in EPISODE_STATS if k in stats}}
         every = [json.loads(v) for v in self.coordinator.gather(f"chunk/{self._chunks}", json.dumps(mine))]
         errors = sum(e["errors"] for e in every)
         reward = np.asarray([r for e in every for r in e["reward"]], np.float32)
         if not len(reward):
-            return None, errors
+            return None, errors, {}
         column = lambda name: np.asarray([n for e in every for n in e[name]], np.int64)[:, None]
-        return {"reward": reward, "completion_mask": column("completion"), "attention_mask": column("sequence")}, errors
+        return ({"reward": reward, "completion_mask": column("completion"), "attention_mask": column("sequence")},
+                errors, _episodes_of_every([(len(e["reward"]), e["episodes"]) for e in every]))
 
     def commit(self, items: Optional[rollouts.Rows], stats: dict[str, Any]) -> None:
         """The generated batch becomes `pending` (less its zero-advantage groups with
@@ -184,8 +195,8 @@ class Run:
             p.engine_started, p.engine_in_flight = position.started, list(position.in_flight)
             p.actor_step = position.started // self.stack.stream.per_shard
             if self.placement.kind == "multihost":  # processes complete groups at different chunks
-                every, errors = self._stream_commit(items, stats)
-                stats = {**stats, "reward/errors": errors}
+                every, errors, episodes = self._stream_commit(items, stats)
+                stats = {**stats, "reward/errors": errors, **episodes}
                 done = every is not None
             else:
                 done = items is not None
@@ -433,6 +444,17 @@ def above_bars(log: Callable[[str], None]) -> Callable[[str], None]:
             log(line)
 
     return write
+
+
+def _episodes_of_every(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """Multi-turn, multi-host: the episode statistics of every process's completed episodes,
+    from each process's (episodes, statistics): means weighted by episodes, error counts summed."""
+    parts = [(n, e) for n, e in parts if n and e]
+    if not parts:
+        return {}
+    total = sum(n for n, _ in parts)
+    return {k: sum(e[k] for _, e in parts) if k.startswith("env/errors/") else sum(n * e[k] for n, e in parts) / total
+            for k in EPISODE_STATS if all(k in e for _, e in parts)}
 
 
 def checkpoint_tree(params: Any, opt_state: Any, pending: Optional[rollouts.Rows], spec: rollouts.RowSpec,

@@ -92,10 +92,14 @@ def build_stack(config: Config, placement: Placement, log: Callable[[str], None]
 
 
 def _episode_evaluation(c: Config, task: Task, graphdef, params, live: int, placement: Placement, stopping):
-    """Multi-turn runs evaluate episodes through the engine (built at the first evaluation)."""
+    """Multi-turn runs evaluate episodes through the engine (built at the first evaluation).
+    Multi-host, each process plays every episode on its own devices, as its streaming actor
+    does: the weights are copied whole onto them first (a collective; all evaluate together)."""
     evaluator = []
 
     def evaluate(p):
+        if placement.kind == "multihost":
+            p = sharding.to_process_local(p, placement.engine_mesh)
         if not evaluator:
             evaluator.append(EpisodeEvaluator(c, task, graphdef, p, live_vocab=live, mesh=placement.engine_mesh))
         return evaluator[0](p, stopping)

@@ -100,6 +100,7 @@ def run_turns(run: Run, tables: TurnTables) -> None:
                           time.perf_counter() - t0)
                 if tables.checkpoint_due(run):
                     _save(run, tables)
+                    run.restart_stream()  # goes on as a run resumed from this checkpoint would
             else:
                 run.act(run.params, run.progress.policy_version)
                 tables.acted()
