@@ -115,23 +115,25 @@ def test_rewards_are_the_environments_and_advantages_compare_one_groups_episodes
     np.testing.assert_allclose(adv.mean(axis=1), 0.0, atol=1e-5)
 
 
-# An environment whose answers are 4 ids: prefilled onto the row, not fed one per decode step.
-LONG_ANSWERS = ["environment.name=mt_envs:Echo", "environment.options={turns: 3, reply: '+-+-'}"]
+# Environments whose answers are several ids: prefilled onto the row, not fed one per decode step.
+# A 10-id answer is prefilled as 16 inputs (9 real): a row's last ones run past the cache's end.
+LONG_ANSWERS = ["environment.name=mt_envs:Echo", "environment.options={turns: 3, reply: '+-+-+-+-+-'}"]
+SHORT_ANSWERS = ["environment.name=mt_envs:Echo", "environment.options={turns: 3, reply: '+-+-'}"]
 
 
 def test_multi_token_answers_are_prefilled_and_make_the_rows_feeding_them_makes():
     """The same episodes with the answers prefilled in one call as fed one per decode step:
     equal tokens, masks, versions and rewards, log-probs within float error; the prefill program
-    ran 3 of each answer's 4 inputs (the last is fed by the decode step before the draw)."""
+    ran 9 of each answer's 10 inputs (the last is fed by the decode step before the draw)."""
     fed_stats, prefilled_stats = [], []
     *_, fed, _ = run_episodes(LONG_ANSWERS, prefill_answers=False, engine_stats=fed_stats)
     *_, prefilled, _ = run_episodes(LONG_ANSWERS, engine_stats=prefilled_stats)
     (fed_stats,), (prefilled_stats,) = fed_stats, prefilled_stats
     assert prefilled_stats.answer_prefills > 0 == fed_stats.answer_prefills
-    assert 4 * prefilled_stats.prefilled_tokens == 3 * prefilled_stats.appended_tokens > 0, "3 of 4 ids' inputs"
+    assert 10 * prefilled_stats.prefilled_tokens == 9 * prefilled_stats.appended_tokens > 0, "9 of 10 inputs"
     fed, prefilled = by_id(fed), by_id(prefilled)
     common = sorted(set(fed) & set(prefilled))
-    assert len(common) >= 16 and sum((~fed[i]["completion_mask"] & fed[i]["attention_mask"]).sum() > 4
+    assert len(common) >= 16 and sum((~fed[i]["completion_mask"] & fed[i]["attention_mask"]).sum() > 10
                                      for i in common) >= 4, "several episodes with answers"
     for i in common:
         for k in ("tokens", "attention_mask", "completion_mask", "policy_version", "last_version", "reward"):
@@ -140,7 +142,8 @@ def test_multi_token_answers_are_prefilled_and_make_the_rows_feeding_them_makes(
 
 
 def test_behaviour_log_probs_after_chunk_prefilled_answers_equal_the_learners_rescoring():
-    config, task, graphdef, params, rows, _ = run_episodes([*LONG_ANSWERS, "sampling.prefill_chunk_size=2"])
+    # 4-id answers: 3 inputs, a call of 4 made 6 to run in chunks of 3
+    config, task, graphdef, params, rows, _ = run_episodes([*SHORT_ANSWERS, "sampling.prefill_chunk_size=3"])
     h, unembed = score_hidden(graphdef, params, jnp.asarray(rows["tokens"]), jnp.asarray(rows["attention_mask"]))
     learner, _ = sequence_scores(h, jnp.asarray(rows["tokens"]), unembed, temperature=config.sampling.temperature,
                                  with_entropy=False, live_vocab=task.tokenizer.vocab_size)
