@@ -94,7 +94,8 @@ class RolloutEngine(Protocol):
 class TurnTaker(Protocol):
     """What answers a row's turns (multi-turn episodes, rollout/episodes.py). A row that stops on
     a stop id has ended a turn: it keeps its slot and its K/V while the answer is computed; the
-    answer's ids are put after it (all but the last prefilled in one call) and it decodes on. `None` ends the episode."""
+    answer's ids are put after it (`_feed_answers` prefills all but the last) and it decodes on.
+    `None` ends the episode."""
 
     def ended(self, tag: Any, row: int, turn_ids: np.ndarray, cut: bool) -> None:
         """Row `row` of group `tag` ended a turn with `turn_ids` (the model's ids of that turn,
@@ -712,8 +713,7 @@ def _append_tokens(p: int, pool: Pool, slots, ids, lengths) -> Pool:
                          done=pool.done.at[slots].set(False, mode="drop"))
 
 
-def _feed_answers(graphdef, p: int, chunk: int, length: int, params, pool: Pool, slots, counts,
-                     version) -> Pool:
+def _feed_answers(graphdef, p: int, chunk: int, length: int, params, pool: Pool, slots, counts, version) -> Pool:
     """The rows in `slots` [R] (past the pool: padding, dropped) run `counts` [R] (at most
     `length`) inputs through the model at once from their last token's column on: K/V written
     in those columns, the tokens after them (the answer's, already in place) become the row's,
