@@ -45,14 +45,16 @@ def test_environment_options_it_cannot_build_from_are_refused_at_the_edge():
         validate(load_config(DEMO_MT, ["environment.name=calculator", "environment.options={on_malformed: explode}"]))
 
 
-def run_episodes(overrides=(), advances=40, params_seed=0):
-    """Rows of the groups that complete in `advances` chunks under fixed random weights."""
+def run_episodes(overrides=(), advances=40, params_seed=0, prefill_answers=True, engine_stats=None):
+    """Rows of the groups that complete in `advances` chunks under fixed random weights;
+    `engine_stats`, a list, gets the engine's counters."""
     config = load_config(DEMO_MT, [*TINY_MT, *overrides])
     task = make_task(config.task)
     graphdef, params = init_params(config.model, params_seed)
     tok = task.tokenizer
     actor = make_streaming_actor(graphdef, config, task, params, stop_ids=tok.eos_ids, pad_id=tok.pad_id,
                                  live_vocab=tok.vocab_size)
+    actor.engine.prefill_answers = prefill_answers
     rows, stats = [], []
     for _ in range(advances):
         got, s = actor.advance(params, 0)
@@ -60,6 +62,8 @@ def run_episodes(overrides=(), advances=40, params_seed=0):
             rows.append(got)
             stats.append(s)
     actor.episodes.pool.shutdown()
+    if engine_stats is not None:
+        engine_stats.append(actor.engine.stats)
     assert rows, "no group completed"
     return config, task, graphdef, params, {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}, stats
 
@@ -110,6 +114,44 @@ def test_rewards_are_the_environments_and_advantages_compare_one_groups_episodes
         assert reward in (0.0, 1.0)
     adv = rows["advantage"].reshape(-1, g)
     np.testing.assert_allclose(adv.mean(axis=1), 0.0, atol=1e-5)
+
+
+# Environments whose answers are several ids: prefilled onto the row, not fed one per decode step.
+# A 10-id answer is prefilled as 16 inputs (9 real): a row's last ones run past the cache's end.
+LONG_ANSWERS = ["environment.name=mt_envs:Echo", "environment.options={turns: 3, reply: '+-+-+-+-+-'}"]
+SHORT_ANSWERS = ["environment.name=mt_envs:Echo", "environment.options={turns: 3, reply: '+-+-'}"]
+
+
+def test_multi_token_answers_are_prefilled_and_make_the_rows_feeding_them_makes():
+    """The same episodes with the answers prefilled in one call as fed one per decode step:
+    equal tokens, masks, versions and rewards, log-probs within float error; the prefill program
+    ran 9 of each answer's 10 inputs (the last is fed by the decode step before the draw)."""
+    fed_stats, prefilled_stats = [], []
+    *_, fed, _ = run_episodes(LONG_ANSWERS, prefill_answers=False, engine_stats=fed_stats)
+    *_, prefilled, _ = run_episodes(LONG_ANSWERS, engine_stats=prefilled_stats)
+    (fed_stats,), (prefilled_stats,) = fed_stats, prefilled_stats
+    assert prefilled_stats.answer_prefills > 0 == fed_stats.answer_prefills
+    assert 10 * prefilled_stats.prefilled_tokens == 9 * prefilled_stats.appended_tokens > 0, "9 of 10 inputs"
+    fed, prefilled = by_id(fed), by_id(prefilled)
+    common = sorted(set(fed) & set(prefilled))
+    assert len(common) >= 16 and sum((~fed[i]["completion_mask"] & fed[i]["attention_mask"]).sum() > 10
+                                     for i in common) >= 4, "several episodes with answers"
+    for i in common:
+        for k in ("tokens", "attention_mask", "completion_mask", "policy_version", "last_version", "reward"):
+            np.testing.assert_array_equal(fed[i][k], prefilled[i][k], err_msg=f"{k} of rollout {i}")
+        np.testing.assert_allclose(fed[i]["logprobs"], prefilled[i]["logprobs"], atol=1e-5)
+
+
+def test_behaviour_log_probs_after_chunk_prefilled_answers_equal_the_learners_rescoring():
+    # 4-id answers: 3 inputs, a call of 4 made 6 to run in chunks of 3
+    config, task, graphdef, params, rows, _ = run_episodes([*SHORT_ANSWERS, "sampling.prefill_chunk_size=3"])
+    h, unembed = score_hidden(graphdef, params, jnp.asarray(rows["tokens"]), jnp.asarray(rows["attention_mask"]))
+    learner, _ = sequence_scores(h, jnp.asarray(rows["tokens"]), unembed, temperature=config.sampling.temperature,
+                                 with_entropy=False, live_vocab=task.tokenizer.vocab_size)
+    mask = rows["completion_mask"]
+    assert (rows["attention_mask"] & ~mask).sum() > (rows["attention_mask"][:, :task.prompt_len]).sum() + 4
+    np.testing.assert_allclose(np.where(mask, rows["logprobs"], 0.0), np.where(mask, np.asarray(learner), 0.0),
+                               atol=1e-5)
 
 
 def by_id(rows):

@@ -97,7 +97,8 @@ class RolloutEngine(Protocol):
 class TurnTaker(Protocol):
     """What answers a row's turns (multi-turn episodes, rollout/episodes.py). A row that stops on
     a stop id has ended a turn: it keeps its slot and its K/V while the answer is computed; the
-    answer's ids are fed onto it (`forced_until`) and it decodes on. `None` ends the episode."""
+    answer's ids are put after it (`_feed_answers` prefills all but the last) and it decodes on.
+    `None` ends the episode."""
 
     def ended(self, tag: Any, row: int, turn_ids: np.ndarray, cut: bool) -> None:
         """Row `row` of group `tag` ended a turn with `turn_ids` (the model's ids of that turn,
@@ -164,7 +165,9 @@ class EngineStats:
     narrow_chunks: int = 0
     cache_columns: int = 0
     turns: int = 0  # multi-turn: turns that ended on a stop id and went to their environment
-    appended_tokens: int = 0  # environment tokens fed onto rows
+    appended_tokens: int = 0  # environment tokens put onto rows
+    answer_prefills: int = 0  # calls of the program that prefills answers (multi-token ones only)
+    prefilled_tokens: int = 0  # tokens those calls ran through the model (real ones, not padding)
 
 
 class JaxEngine:
@@ -203,7 +206,7 @@ class JaxEngine:
         self.stats = EngineStats()
         entries = -(-slots // group_size) + 1  # enough prompts to fill every slot, and one more
         layout = _layout(mesh, model_cfg, slots, entries, prompt_len, max_new_tokens, kv_cache_dtype)
-        self._prefill, self._place, self._start, self._decode, self._append = _programs(
+        self._prefill, self._place, self._start, self._decode, self._append, self._feed = _programs(
             graphdef, model_cfg, group_size, prompt_len, max_new_tokens, chunk_steps,
             (bool(greedy), float(temperature), int(top_k), float(top_p), int(live_vocab)),
             tuple(int(s) for s in stop_ids), pad_id, kv_cache_dtype, prefill_chunk_size, layout)
@@ -213,6 +216,9 @@ class JaxEngine:
         # all rows when they are in step, chunks of 2K steps when no group waits, and prefill a
         # group whose rows all find slots straight into them.
         self.narrow_drain = self.lockstep_writes = self.long_drain_chunks = self.start_whole_groups = True
+        # Multi-turn: an answer of L ids is prefilled (its first L - 1 inputs in one call) rather
+        # than fed one per decode step: the row pays 2 steps for it, not L + 1.
+        self.prefill_answers = True
         self.answer_wait = 0.05  # seconds `step` waits for an environment when every row waits for one
         # Multi-turn: rows waiting for their environments leave few live at any time, and a
         # narrowed chunk would compile a program per live count; every chunk runs on all S slots.
@@ -408,9 +414,10 @@ class JaxEngine:
         return keys if self._replicated is None else jax.device_put(keys, self._replicated)
 
     def _take_answers(self, wait: float) -> None:
-        """Feeds the environments' answers onto their waiting rows (in one call), or lets rows
+        """Puts the environments' answers onto their waiting rows (in one call), or lets rows
         whose episode ended be taken out. An answer that leaves no room for a model token
-        before the token limit cuts the episode there."""
+        before the token limit cuts the episode there. Answers of more than one id are then
+        prefilled (`_feed_answers`)."""
         resume = []
         for tag, j, ids in self.turns.answers(wait if self._parked else 0.0):
             s = self._parked.pop((tag, j))
@@ -439,6 +446,28 @@ class JaxEngine:
             self._done[s] = False
             self.stats.appended_tokens += len(new)
         self.pool = self._append(self.pool, slots, ids, lengths)
+        if self.prefill_answers:
+            self._prefill_answers([(s, len(new) - 1) for s, new in resume if len(new) > 1])
+
+    def _prefill_answers(self, rows: list[tuple[int, int]]) -> None:
+        """Runs `count` inputs of each (slot, count) row through the model in one call: its
+        last token and its answer's ids but the last two, whose K/V the row lacks. The row then
+        stands before its answer's last id, which the next chunk feeds as before (one step,
+        `forced_until`) before the step that draws. Calls are R rows x L inputs, both powers
+        of two (L at least 4): a few programs, each compiled once."""
+        if not rows:
+            return
+        r = 1 << (len(rows) - 1).bit_length()
+        length = max(4, 1 << (max(c for _, c in rows) - 1).bit_length())
+        slots = np.full((r,), self.slots, np.int32)  # padding rows point past the pool: dropped
+        counts = np.zeros((r,), np.int32)
+        self._emitted = self._emitted.copy()  # the host's copy of the device's (read-only as fetched)
+        for i, (s, c) in enumerate(rows):
+            slots[i], counts[i] = s, c
+            self._emitted[s] += c
+            self.stats.prefilled_tokens += c
+        self.pool = self._feed(length, self.params, self.pool, slots, counts, jnp.int32(self.version))
+        self.stats.answer_prefills += 1
 
     def _take_stopped(self) -> None:
         """Copies every stopped row out of its slot and frees the slot; groups whose rows have
@@ -502,6 +531,7 @@ class EnginePrograms(NamedTuple):
     start: Any  # prompts straight into their rows' slots
     decode: Any  # one chunk of decode steps
     append: Any  # environment tokens onto waiting rows (multi-turn)
+    feed: Any  # answers' tokens prefilled onto their rows (multi-turn)
 
 
 @functools.lru_cache(maxsize=32)
@@ -529,7 +559,9 @@ def _programs(graphdef, cfg: ModelConfig, g: int, p: int, n_new: int, k_steps: i
         decode=jax.jit(functools.partial(_decode_chunk, graphdef, cfg, choose, stops, p, n_new, 2 * k_steps),
                        static_argnums=(0, 1), donate_argnums=3,
                        out_shardings=None if layout is None else (pool_out, scalar)),
-        append=jax.jit(functools.partial(_append_tokens, p), donate_argnums=0, out_shardings=pool_out))
+        append=jax.jit(functools.partial(_append_tokens, p), donate_argnums=0, out_shardings=pool_out),
+        feed=jax.jit(functools.partial(_feed_answers, graphdef, p, prefill_chunk_size), static_argnums=0,
+                     donate_argnums=2, out_shardings=pool_out))
 
 
 def _layout(mesh: Optional[Mesh], cfg: ModelConfig, slots: int, entries: int, p: int, n_new: int,
@@ -681,7 +713,8 @@ def _place_rows(choose, stops, p: int, n_new: int, pad_id: int, pool: Pool, pref
 def _append_tokens(p: int, pool: Pool, slots, ids, lengths) -> Pool:
     """Environment ids [b, L] (the first `lengths` [b] of each row) into the completion columns
     after each waiting row's last token; the rows decode again, feeding them first (one per
-    step, `forced_until`) and drawing after. Slots past the pool are padding and dropped."""
+    step, `forced_until`, after `_feed_answers` ran all but the last) and drawing after.
+    Slots past the pool are padding and dropped."""
     emitted = pool.emitted.at[slots].get(mode="fill", fill_value=0)
     cols = p + emitted[:, None] + jnp.arange(ids.shape[1])[None, :]
     cols = jnp.where(jnp.arange(ids.shape[1])[None, :] < lengths[:, None], cols, pool.tokens.shape[1])
@@ -689,6 +722,47 @@ def _append_tokens(p: int, pool: Pool, slots, ids, lengths) -> Pool:
     return pool._replace(tokens=pool.tokens.at[rows, cols].set(ids, mode="drop"),
                          forced_until=pool.forced_until.at[slots].set(emitted + lengths, mode="drop"),
                          done=pool.done.at[slots].set(False, mode="drop"))
+
+
+def _feed_answers(graphdef, p: int, chunk: int, length: int, params, pool: Pool, slots, counts, version) -> Pool:
+    """The rows in `slots` [R] (past the pool: padding, dropped) run `counts` [R] (at most
+    `length`) inputs through the model at once from their last token's column on: K/V written
+    in those columns, the tokens after them (the answer's, already in place) become the row's,
+    as the decode steps that fed them would have made them (log-prob 0, this version). With
+    `chunk` > 0, `chunk` inputs at a time. The rows' cache is gathered with `length` spare
+    columns, so a write never runs past its end (where it would be moved back onto real ones)."""
+    model = nnx.merge(graphdef, params)
+    n_cols = pool.tokens.shape[1]
+    if 0 < chunk < length:
+        length = -(-length // chunk) * chunk
+    take = jnp.minimum(slots, pool.tokens.shape[0] - 1)
+    emitted, n_prompt = pool.emitted[take], pool.n_prompt[take]
+    first = p + emitted - 1  # the column of the row's last token: the first input
+    offsets = jnp.arange(length)[None, :]
+    spare = lambda x, axis: jnp.pad(x, [(0, length if a == axis else 0) for a in range(x.ndim)])
+    inputs = jnp.take_along_axis(spare(pool.tokens[take], 1), first[:, None] + offsets, axis=1)
+    positions = (n_prompt + emitted - 1)[:, None] + offsets
+    col = jnp.arange(n_cols + length)[None, :]
+    new = (col > first[:, None]) & (col <= (first + counts)[:, None])  # the columns the inputs' steps would fill
+    mask = spare(pool.mask[take], 1) | new
+    cache = jax.tree.map(lambda x: spare(x[take], 2), pool.cache)
+    if 0 < chunk < length:
+
+        def one(k, cache):
+            part = lambda x: jax.lax.dynamic_slice_in_dim(x, k * chunk, chunk, axis=1)
+            return model.hidden(part(inputs), part(positions), mask, cache, first + k * chunk)[1]
+
+        cache = jax.lax.fori_loop(0, length // chunk, one, cache)
+    else:
+        cache = model.hidden(inputs, positions, mask, cache, first)[1]
+    new = new[:, :n_cols]
+    put = lambda buf, value: buf.at[slots].set(value.astype(buf.dtype), mode="drop")
+    return pool._replace(
+        cache=jax.tree.map(lambda full, rows: put(full, rows[:, :, :n_cols]), pool.cache, cache),
+        mask=put(pool.mask, mask[:, :n_cols]),
+        logprobs=put(pool.logprobs, jnp.where(new, 0.0, pool.logprobs[take])),
+        versions=put(pool.versions, jnp.where(new[:, p:], version, pool.versions[take])),
+        emitted=put(pool.emitted, emitted + counts))
 
 
 def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int, k_max: int, width: int,
