@@ -38,7 +38,7 @@ from jaxreplay.train.calibrate import calibrated, measure_mu
 from jaxreplay.train.checkpoint import (
     CheckpointError, Checkpointer, DamagedStep, Progress, base_digest, progress_of, restored_params, write_failure,
     write_failure_message)
-from jaxreplay.train.eval import TEST_KEY
+from jaxreplay.train.eval import TEST_KEY, TURNS_KEY
 from jaxreplay.train.guards import Preempted, PreemptionNotice
 from jaxreplay.train.placement import Placement, params_digest, placement_for
 from jaxreplay.train.recorder import CONFIG_FILE, RunRecorder, last_summary, resume_config, run_settings
@@ -387,7 +387,7 @@ def _run_state(stack, placement: Placement, run_dir: rundir.RunDir, start: float
 
 
 def _evaluate_at_start(run: Run, log: Callable[[str], None]) -> None:
-    scores = run.evaluate()
+    scores = run.eval_scores = run.evaluate()
     run.progress.warmstart_accuracy = run.progress.eval_accuracy = scores[TEST_KEY]
     if run.recorder:
         run.recorder.write(0, scores)
@@ -481,8 +481,10 @@ def _summary(run: Run, recorder: RunRecorder, run_dir: rundir.RunDir, log: Calla
         "time/replay_s": round(p.time_replay_s, 2),
         **run.accounting.metrics(),
     }
-    if "episode/turns" in run.actor_stats:  # multi-turn: the latest episodes' mean turns
+    if "episode/turns" in run.actor_stats:  # multi-turn: the latest actor batch's mean turns (a few episodes)
         summary["episode/turns"] = run.actor_stats["episode/turns"]
+    if TURNS_KEY in run.eval_scores:  # and the latest evaluation's, over the whole test split: the done line's
+        summary[TURNS_KEY] = run.eval_scores[TURNS_KEY]
     if placement.kind == "multihost":  # each process's own account, beside the job's summary
         summary.update({"num_processes": placement.processes, "params_sha256_start": run.digest_start,
                         "params_sha256": params_digest(run.params)})
@@ -497,5 +499,5 @@ def _summary(run: Run, recorder: RunRecorder, run_dir: rundir.RunDir, log: Calla
         f"{summary['replay/ratio']:.2f} (target {summary['replay/samples_per_insert_target']:g}) | "
         f"generate {summary['time/generate_s']}s, train {summary['time/train_s']}s, "
         f"replay {summary['time/replay_s']}s | "
-        + (f"turns/episode {summary['episode/turns']:.2f} | " if "episode/turns" in summary else "") + f"{run_dir}")
+        + (f"turns/episode {summary[TURNS_KEY]:.2f} | " if TURNS_KEY in summary else "") + f"{run_dir}")
     return summary

@@ -68,6 +68,7 @@ class Run:
     coordinator: Any = None  # multi-host: the job's coordination service (train/distributed.py)
     pending: Optional[rollouts.Rows] = None  # generated rollouts the table has not admitted yet
     actor_stats: dict = dataclasses.field(default_factory=dict)
+    eval_scores: dict = dataclasses.field(default_factory=dict)  # the latest evaluation's (the done line's turns)
     last_saved: tuple[int, float] = (-1, 0.0)  # (learner step, perf_counter) of the latest checkpoint
     actor_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     final_table: dict = dataclasses.field(default_factory=dict)  # `replay_record` once the schedule ends
@@ -305,6 +306,7 @@ class Run:
         step = p.learner_step
         if self._eval_due() and (scores := self.evaluate()) is not None:  # None: cut short by a stop signal
             record.update(scores)
+            self.eval_scores = scores
             p.eval_accuracy = scores[TEST_KEY]
             p.eval_tokens = p.tokens_generated
         if self.recorder:
