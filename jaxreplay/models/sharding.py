@@ -241,8 +241,54 @@ def param_shardings(mesh: Mesh, tree: Any) -> Any:
 
 
 def shard_params(params: Any, mesh: Mesh) -> Any:
-    """`params` (or any tree `param_shardings` accepts) placed on `mesh`."""
-    return jax.device_put(params, param_shardings(mesh, params))
+    """`params` (or any tree `param_shardings` accepts) placed on `mesh`.
+
+    Multi-host, the host values among them (each process passes its own copy: a fresh init,
+    a scalar of an optimizer state) are checked to be the same on every process, as
+    `jax.device_put` checks them, but in one program for the whole tree, waited for on every
+    local device. `jax.device_put` checks leaf by leaf (`multihost_utils.assert_equal`: one
+    broadcast per leaf, waited for on the first local device only), and on CPU (jax 0.4.34) a
+    device still in one leaf's broadcast then pairs its collectives with a peer's next leaf's:
+    gloo aborts the job (`op.preamble.length <= op.nbytes`)."""
+    shardings = param_shardings(mesh, params)
+    if jax.process_count() == 1:
+        return jax.device_put(params, shardings)
+    leaves, treedef = jax.tree.flatten(params)
+    targets = treedef.flatten_up_to(shardings)
+    host = [i for i, (x, s) in enumerate(zip(leaves, targets)) if not s.is_fully_addressable and _is_host_value(x)]
+    if host:  # checked before anything of the tree is placed: no program of this call runs during the check
+        assert_same_on_every_process([leaves[i] for i in host], "passed to device_put")
+    rest = [i for i in range(len(leaves)) if i not in set(host)]
+    placed = dict(zip(rest, jax.device_put([leaves[i] for i in rest], [targets[i] for i in rest])))
+    if host:  # as `jax.device_put` places them once checked: no collective
+        to_mesh = jax.jit(_identity, out_shardings=[targets[i] for i in host])
+        placed.update(zip(host, to_mesh([leaves[i] for i in host])))
+    return jax.tree.unflatten(treedef, [placed[i] for i in range(len(leaves))])
+
+
+def _is_host_value(x: Any) -> bool:
+    """A value each process holds whole of its own (what `jax.device_put` checks multi-host): not a
+    jax.Array, or one on this process's devices that was never placed (committed) anywhere."""
+    return not isinstance(x, jax.Array) or (x.is_fully_addressable and not getattr(x, "_committed", True))
+
+
+def assert_same_on_every_process(values: Sequence[Any], what: str) -> None:
+    """Raises AssertionError unless every process passes the same `values` (process 0's are
+    broadcast to all and compared). One program for them all, waited for on every local device,
+    so that no device is still in it when the caller's next collective starts (see `shard_params`)."""
+    values = [np.asarray(v) for v in values]
+    values = [v.astype(jax.dtypes.canonicalize_dtype(v.dtype), copy=False) for v in values]
+    rows = process_rows()
+    leader = jax.process_index() == 0
+    stacked = [jax.make_array_from_process_local_data(rows, (v if leader else np.zeros_like(v))[None])
+               for v in values]
+    summed = jax.jit(lambda xs: [x.sum(axis=0, dtype=x.dtype) for x in xs],
+                     out_shardings=[replicated(rows.mesh)] * len(values))(stacked)
+    expected = [np.asarray(x.addressable_data(0)) for x in jax.block_until_ready(summed)]
+    for mine, theirs in zip(values, expected):
+        if not np.all(np.equal(mine, theirs)):
+            raise AssertionError(f"{type(mine)} {what} is not the same on each process: process 0 passes "
+                                 f"{theirs}; process {jax.process_index()} passes {mine}")
 
 
 def cache_sharding(mesh: Mesh, axes: Sequence[str], shape: Sequence[int]) -> NamedSharding:
