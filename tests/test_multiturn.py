@@ -154,6 +154,16 @@ def test_behaviour_log_probs_after_chunk_prefilled_answers_equal_the_learners_re
                                atol=1e-5)
 
 
+def assert_same_row_field(a, b, key, rollout):
+    """Tokens, masks, rewards and advantages exactly; log-probs to a float32 ulp or two: on jax 0.11.2
+    (the gpu-image lane) XLA:CPU's log-prob of a token moves by 1 ulp (2.4e-7) with which rows share
+    its decode chunk, which a schedule decides."""
+    if key == "logprobs":
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6, err_msg=f"{key} of rollout {rollout}")
+    else:
+        np.testing.assert_array_equal(a, b, err_msg=f"{key} of rollout {rollout}")
+
+
 def by_id(rows):
     return {int(i): {k: v[n] for k, v in rows.items()} for n, i in enumerate(rows["rollout_id"])}
 
@@ -170,7 +180,7 @@ def test_environment_latency_changes_the_schedule_never_a_row():
     assert len(common) >= 16
     for i in common:
         for k in ("tokens", "attention_mask", "completion_mask", "logprobs", "reward", "advantage"):
-            np.testing.assert_array_equal(fast[i][k], slow[i][k], err_msg=f"{k} of rollout {i}")
+            assert_same_row_field(fast[i][k], slow[i][k], k, i)
 
 
 def test_an_environment_that_raises_ends_its_episode_counted_and_the_run_goes_on():
@@ -221,7 +231,7 @@ def test_a_resumed_actor_restarts_episodes_in_flight_from_reset_and_makes_the_sa
     assert len(common) >= 16
     for i in common:
         for k in a[i]:
-            np.testing.assert_array_equal(a[i][k], b[i][k], err_msg=f"{k} of rollout {i}")
+            assert_same_row_field(a[i][k], b[i][k], k, i)
 
 
 def test_a_restart_drops_episodes_whose_steps_still_run_and_makes_the_same_rows():
@@ -257,7 +267,7 @@ def test_a_restart_drops_episodes_whose_steps_still_run_and_makes_the_same_rows(
     assert len(common) >= 16
     for i in common:
         for k in ("tokens", "attention_mask", "completion_mask", "logprobs", "reward", "advantage"):
-            np.testing.assert_array_equal(fast[i][k], slow[i][k], err_msg=f"{k} of rollout {i}")
+            assert_same_row_field(fast[i][k], slow[i][k], k, i)
 
 
 RUN_MT = [*TINY_MT, "task.eval_size=16", "warmstart.steps=10", "train.batch_size=16", "train.eval_every=2",
