@@ -258,7 +258,8 @@ def shard_params(params: Any, mesh: Mesh) -> Any:
     host = [i for i, (x, s) in enumerate(zip(leaves, targets)) if not s.is_fully_addressable and _is_host_value(x)]
     if host:  # checked before anything of the tree is placed: no program of this call runs during the check
         assert_same_on_every_process([leaves[i] for i in host], "passed to device_put")
-    rest = [i for i in range(len(leaves)) if i not in set(host)]
+    checked = set(host)
+    rest = [i for i in range(len(leaves)) if i not in checked]
     placed = dict(zip(rest, jax.device_put([leaves[i] for i in rest], [targets[i] for i in rest])))
     if host:  # as `jax.device_put` places them once checked: no collective
         to_mesh = jax.jit(_identity, out_shardings=[targets[i] for i in host])
