@@ -6,8 +6,8 @@ def markdown_tables(md: str, two_column_labels=()) -> dict:
     `two_column_labels` (a stage-1 table's (arm, lr))."""
     tables, heading, header = {}, None, None
     for line in md.splitlines():
-        if line.startswith("## "):
-            heading, header = line[3:], None
+        if line.startswith(("## ", "### ")):
+            heading, header = line.lstrip("#")[1:], None
         elif line.startswith("|") and not line.startswith("|---"):
             cells = [c.strip() for c in line.strip("|").split(" | ")]
             if header is None:

@@ -115,6 +115,50 @@ def test_where_on_policy_still_learns_the_regime_claims_are_regime_not_reached_w
     assert rows["replay keeps the final accuracy on the full pool"]["verdict"] == "fails"  # not a regime claim
 
 
+def test_two_baselines_split_the_report_into_pools_each_setting_paired_with_its_own_pools_baseline(tmp_path):
+    study = tmp_path / "study"
+    dirs = _study(study, PLATEAU)
+    claims = {**CLAIMS, "full_final_own_pool": {**CLAIMS["full_final"], "text": "the same, its baseline left to its pool"}}
+    del claims["full_final_own_pool"]["baseline"]
+    (study / "claims.yaml").write_text(yaml.safe_dump(claims, sort_keys=False))
+    both = "on_policy_small,on_policy_full"
+    report(sorted(dirs), tmp_path / "out", baseline=both)
+    md = (tmp_path / "out" / "report.md").read_text()
+    small, full = md.split("## Pool of `on_policy_small`: task.train_size=512")[1].split(
+        "## Pool of `on_policy_full`: task.train_size=2048")
+    for text, base, other, mine, diff in ((small, "on_policy_small", "replay_full", "replay_small", "0.04 [0.025, 0.055]"),
+                                          (full, "on_policy_full", "replay_small", "replay_full", "-0.04 [-0.04, -0.04]")):
+        paired = markdown_tables(text)[f"Paired by seed: each run minus the {base} run of the same seed"]
+        assert list(paired) == [mine]  # the other pool's settings are not paired with this baseline
+        assert paired[mine][f"final − {base}'s"].startswith(diff + "; IQM")
+        assert other not in markdown_tables(text)["Per setting"]
+        assert f"![" in text and f"]({base}_accuracy_vs_tokens.png)" in text
+        assert (tmp_path / "out" / f"{base}_accuracy_vs_tokens.png").exists()
+    assert not (tmp_path / "out" / "accuracy_vs_tokens.png").exists()
+    assert "`on_policy_small` for task.train_size=512 (on_policy_small, replay_small)" in md
+    rows = markdown_tables(md)["Claims and verdicts"]
+    own = rows["the same, its baseline left to its pool"]
+    assert own["paired numbers"].startswith("IQM -0.04 [-0.04, -0.04]") and own["verdict"] == "fails"
+    assert own["rule (declared in the sweep file)"] == "paired IQM of final − on_policy_full's > -0.03"
+    assert f"`jaxreplay report runs/*/* --out . --baseline {both}`" in md
+    copies = sorted(p for p in (tmp_path / "out" / "runs").glob("*/*") if p.is_dir())
+    report(copies, tmp_path / "again", baseline=both)
+    assert (tmp_path / "again" / "report.md").read_text() == md
+    # settings that fit no pool, or baselines nothing tells apart, are refused before anything is written
+    mid = study / "replay_mid" / "seed0"  # a third pool size, which neither baseline has
+    mid.mkdir(parents=True)
+    for f in ("metrics.jsonl", "summary.json"):
+        (mid / f).write_text((study / "replay_small" / "seed0" / f).read_text())
+    config = yaml.safe_load((study / "replay_small" / "seed0" / "config.yaml").read_text())
+    config["task"]["train_size"], config["run"]["dir"] = 1024, str(mid)
+    (mid / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match="setting replay_mid matches none of the baselines' pools on task.train_size"):
+        report([*sorted(dirs), mid], tmp_path / "bad", baseline=both)
+    with pytest.raises(ConfigError, match="a baseline named twice"):
+        report(sorted(dirs), tmp_path / "bad", baseline="on_policy_small,on_policy_small")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_the_rule_and_the_contrast_are_declared_in_the_sweep_file_and_checked_before_any_run(tmp_path):
     path = tmp_path / "sweep.yaml"
     body = {"base": str(DEMO), "out": "runs", "seeds": [0], "claims": CLAIMS, "regime": REGIME,

@@ -43,7 +43,9 @@ def add_parsers(sub: argparse._SubParsersAction, command_parser: Callable[..., a
     report.add_argument("run_dirs", nargs="+", metavar="run_dir",
                         help="run directories (seeds of one setting share a parent folder)")
     report.add_argument("--out", required=True, metavar="DIR", help="directory for report.md and the PNGs (required)")
-    report.add_argument("--baseline", metavar="SETTING", help="setting to compare against (default: the on-policy one)")
+    report.add_argument("--baseline", metavar="SETTING[,SETTING]",
+                        help="setting to compare against (default: the on-policy one); several split the settings "
+                             "into pools, each paired with the baseline whose config it shares where they differ")
     add_mu_argument(report, "generation / training cost per rollout to model compute at, besides the measured one")
     report.add_argument("--sweep", metavar="FILE", help="the sweep file whose claims to decide, or whose `select` rule "
                         "picks each arm's learning rate in stage 1 (default: the claims.yaml or select.yaml its sweep "

@@ -1,4 +1,4 @@
-"""`jaxreplay report RUN_DIR... --out DIR [--baseline NAME] [--mu 5.28,6.84] [--sweep FILE]`.
+"""`jaxreplay report RUN_DIR... --out DIR [--baseline NAME[,NAME]] [--mu 5.28,6.84] [--sweep FILE]`.
 
 The report first copies what it reads into OUT/runs/SETTING/RUN (report_data.copy_run)
 and then builds every table and plot from those copies alone, so `jaxreplay report
@@ -8,7 +8,8 @@ table holds a path or a time of day).
 Every comparison is paired by seed with the baseline (on-policy unless `--baseline`):
 a sweep's seed fixes the warm start and the prompt stream. Accuracy measures are
 differences from the same seed's baseline run; costs to a target are ratios to what
-the same seed's baseline spent. Targets are 50, 75 and 90% of that seed's baseline gain
+the same seed's baseline spent. Several baselines (a study over training pools) split the
+settings into pools (`split_pools`), each with its own sections. Targets are 50, 75 and 90% of that seed's baseline gain
 (its peak minus its start); a run that never reaches one is right-censored: "> budget",
 +inf in medians and IQMs, and the count that did is shown. Each cell gives the median
 [IQR] and rliable's IQM with a 95% stratified bootstrap interval (report_stats).
@@ -46,7 +47,7 @@ from jaxreplay.research.report_claims import (
     CLAIMS_FILE, REPLICATION_FILE, TARGET_FRACTIONS, Claim, parse_claims, verdict)
 from jaxreplay.research.report_data import (
     EVAL_FILE, SUMMARY_FILE, RunData, Setting, copy_run, declared, group_settings, load_runs, measured_mu,
-    pick_baseline)
+    pick_baseline, setting_key)
 from jaxreplay.research.report_select import (
     SELECT_FILE, SELECTED_FILE, Rule, arm_grid, choose, learning_rate, load_rule, lr_tag, stage1_rows,
     validation_scores, write_selected)
@@ -54,6 +55,7 @@ from jaxreplay.research.report_stats import (
     bootstrap_ci, cell, clean, first_reach, fmt, fmt_value, iqm, largest_fall, summary_cell)
 from jaxreplay.train.eval import PASS1_KEY, PASSK_KEY
 
+LR_KEY = "train.learning_rate"
 END_WINDOW = 10  # "entropy at the end": the mean over a run's last END_WINDOW logged steps, per-batch noise damped
 BUDGET_FRACTIONS = (0.25, 0.5, 1.0)  # where the speed table reads each run's accuracy, as shares of the common budget
 COST_AXES = (("tokens", "generated tokens"), ("rollouts", "generated rollouts"))
@@ -66,6 +68,51 @@ def start_and_peak(run: RunData) -> tuple[float, float]:
     """A run's first evaluation (its start, the warm start in a sweep) and its best one."""
     acc = run.evals()[1]
     return float(acc[0]), float(np.max(acc))
+
+
+def split_pools(settings: Sequence[Setting], baseline: Optional[str]) -> list[tuple[Setting, list[Setting]]]:
+    """[(baseline, its pool's settings)]: one baseline (on-policy unless named) pairs with every setting.
+
+    Several (`--baseline A,B`, a study over training pools) split the settings: each joins the baseline
+    whose config agrees with its own on every key where the baselines' configs differ, the learning rate
+    aside (stage 1 may choose a different rate per pool). A setting matching none or several is refused."""
+    names = baseline.split(",") if baseline else [None]
+    if len(names) == 1:
+        return [(pick_baseline(settings, names[0]), list(settings))]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--baseline {baseline}: a baseline named twice")
+    bases = [pick_baseline(settings, n) for n in names]
+    flat = {s.name: _flat(setting_key(s.runs[0].config)) for s in settings}
+    keys = sorted(k for k in set().union(*(flat[b.name] for b in bases)) if k != LR_KEY
+                  and len({repr(flat[b.name].get(k)) for b in bases}) > 1)
+    if not keys:
+        raise ConfigError(f"--baseline {baseline}: the baselines' configs differ in nothing but the learning rate, "
+                          "so nothing tells their pools apart")
+    home = {}
+    for s in settings:
+        match = [b for b in bases if all(flat[s.name].get(k) == flat[b.name].get(k) for k in keys)]
+        if len(match) != 1:
+            raise ConfigError(f"--baseline {baseline}: setting {s.name} matches {'none' if not match else 'several'} "
+                              f"of the baselines' pools on {', '.join(keys)}")
+        home[s.name] = match[0]
+    return [(b, [s for s in settings if home[s.name] is b]) for b in bases]
+
+
+def pool_label(pool: Setting, pools: Sequence[tuple[Setting, list[Setting]]]) -> str:
+    """What sets a pool apart: its baseline's values of the keys where the baselines differ (learning rate aside)."""
+    flat = {b.name: _flat(setting_key(b.runs[0].config)) for b, _ in pools}
+    keys = sorted(k for k in set().union(*flat.values()) if k != LR_KEY and len({repr(f.get(k)) for f in flat.values()}) > 1)
+    return ", ".join(f"{k}={flat[pool.name].get(k)}" for k in keys)
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def target(base_run: RunData, fraction: float) -> float:
@@ -331,18 +378,20 @@ def baseline_values(claim: Claim, settings: Sequence[Setting], base: Setting) ->
 
 
 def claims_table(claims: Sequence[Claim], settings: Sequence[Setting], base: Setting,
-                 regime: Optional[report_regime.RegimeResult] = None) -> str:
+                 regime: Optional[report_regime.RegimeResult] = None,
+                 pool_of: Optional[dict[str, Setting]] = None) -> str:
     """Each claim's rule, paired numbers and verdict; a claim marked `regime` is "regime not reached"
-    (with the rule's numbers) where `regime`, the exhaustion rule's result, is not met."""
+    (with the rule's numbers) where `regime`, the exhaustion rule's result, is not met. A claim naming no
+    baseline is paired with its first setting's pool's (`pool_of`: setting name -> baseline), else `base`."""
     by_name = {s.name: s for s in settings}
     rows = []
     for c in claims:
         missing = [n for n in dict.fromkeys(c.names) if n not in by_name]
-        rule = c.describe(base.name)
+        own_base = by_name[c.baseline] if c.baseline in by_name else (pool_of or {}).get(c.settings[0], base)
+        rule = c.describe(own_base.name)
         if missing:
             rows.append([c.text, rule, "n/a", f"not reported: no runs of {', '.join(missing)}"])
             continue
-        own_base = by_name[c.baseline] if c.baseline else base
         strata = claim_values(c, by_name, own_base)
         values = [v for stratum in strata for v in stratum]
         if not values:
@@ -446,10 +495,14 @@ def _regime_on(regime: Optional[report_regime.Regime], settings: Sequence[Settin
     return report_regime.decide(regime, settings)
 
 
-def _replication_section(claims: Sequence[Claim], settings: Sequence[Setting], replicated: Sequence[Setting],
-                         base: Setting, regime: Optional[report_regime.Regime] = None) -> list[str]:
+def _replication_section(claims: Sequence[Claim], pools: Sequence[tuple[Setting, list[Setting]]],
+                         replicated: Sequence[Setting], regime: Optional[report_regime.Regime] = None) -> list[str]:
+    settings = [s for _, members in pools for s in members]
+    base = pools[0][0]
     seeds, declared_seeds = _seeds(replicated), _seeds(settings)
-    rebase = next((s for s in replicated if s.name == base.name), None)
+    again = {s.name: s for s in replicated}
+    rebase = again.get(base.name)
+    pool_of = {s.name: again[b.name] for b, members in pools if b.name in again for s in members}
     doc = ["## Replication on new seeds (apart from the declared seeds, never pooled with them)", "",
            f"Seeds {', '.join(map(str, seeds))}: the same settings, learning rates and budgets as the declared seeds "
            f"({', '.join(map(str, declared_seeds))}), run by `jaxreplay sweep FILE --replicate "
@@ -458,30 +511,30 @@ def _replication_section(claims: Sequence[Claim], settings: Sequence[Setting], r
            "alone, by the same rules.", ""]
     if claims:
         doc += ["## Replication: the claims decided again on its seeds alone", "",
-                claims_table(claims, replicated, rebase, _regime_on(regime, replicated)) if rebase is not None else
-                f"Not decided: the replication has no runs of the baseline {base.name}.\n"]
-    return doc + ["## Replication beside the declared seeds", "", replication_table(settings, replicated, base)]
+                claims_table(claims, replicated, rebase, _regime_on(regime, replicated), pool_of)
+                if rebase is not None else f"Not decided: the replication has no runs of the baseline {base.name}.\n"]
+    tables = [replication_table(members, replicated, b) for b, members in pools]
+    return doc + ["## Replication beside the declared seeds", "", "\n".join(tables)]
 
 
-def _how_to_read(settings: Sequence[Setting], base: Setting, mu: Optional[float], given: Sequence[float],
-                 size: int, command: str) -> list[str]:
+def _how_to_read(settings: Sequence[Setting], pools: Sequence[tuple[Setting, list[Setting]]], mu: Optional[float],
+                 given: Sequence[float], size: int, command: str) -> list[str]:
     runs = [r for s in settings for r in s.runs]
     timed = sum(r.timed for r in runs)
     mus = [m for r in runs if (m := r.last("cost/mu")) is not None]
     measured = (f"measured µ = {fmt(mu)}: the median of the last cost/mu of the {len(mus)} runs that logged it "
                 f"(range {fmt(min(mus))} to {fmt(max(mus))})" if mu is not None else
                 "no run logged cost/mu, so only the given µ are modelled")
+    pairs_line, targets_head = _pairs_lines(pools)
     return [
         "- **Statistic:** `median [q25, q75]` over seeds (linear interpolation between seeds); where paired, also "
         "`IQM m [lo, hi]`: the interquartile mean (the mean after cutting a quarter of the seeds from each end, "
         "rliable's IQM) with its 95% percentile interval from a stratified bootstrap (seeds redrawn with "
         "replacement within each setting, 10,000 replicates, seed 0). Plot bands are the IQR after interpolating "
         "each seed's curve linearly onto one x grid.",
-        f"- **Pairs:** every comparison is with `{base.name}`'s run of the same seed, which shares the warm start "
-        "and the prompt stream.",
-        f"- **Targets:** 50%, 75% and 90% of the same seed's `{base.name}` gain (its peak minus its start). A run "
-        "reaches one at its first evaluation at or above it; what it spent until then is divided by what the "
-        f"seed's `{base.name}` run spent. A run that never reaches it is `> budget` (+inf in medians and IQMs); "
+        pairs_line,
+        targets_head + "reaches one at its first evaluation at or above it; what it spent until then is divided by "
+        f"what the seed's {_base_words(pools)} run spent. A run that never reaches it is `> budget` (+inf in medians and IQMs); "
         "`k/n` counts the seeds that did.",
         "- **Compute:** trained rollouts + µ × generated rollouts, in units of training one rollout (the paper's "
         f"cost per update B + µR). {measured[0].upper() + measured[1:]}. Given with --mu: "
@@ -495,6 +548,25 @@ def _how_to_read(settings: Sequence[Setting], base: Setting, mu: Optional[float]
         "config.yaml, summary.json, eval.json and metrics.jsonl trimmed to the keys read): "
         f"`{command}` in this folder writes this file again, byte for byte.",
     ]
+
+
+def _base_words(pools: Sequence[tuple[Setting, list[Setting]]]) -> str:
+    return f"`{pools[0][0].name}`" if len(pools) == 1 else "pool's baseline"
+
+
+def _pairs_lines(pools: Sequence[tuple[Setting, list[Setting]]]) -> tuple[str, str]:
+    """The Pairs line and the start of the Targets line (whose end is shared)."""
+    if len(pools) == 1:
+        name = pools[0][0].name
+        return (f"- **Pairs:** every comparison is with `{name}`'s run of the same seed, which shares the warm start "
+                "and the prompt stream.",
+                f"- **Targets:** 50%, 75% and 90% of the same seed's `{name}` gain (its peak minus its start). A run ")
+    listed = "; ".join(f"`{b.name}` for {pool_label(b, pools)} ({', '.join(s.name for s in members)})"
+                       for b, members in pools)
+    return (f"- **Pairs:** every comparison is with the run of the same seed of the setting's pool's baseline, which "
+            f"shares the warm start and the prompt stream: {listed}. A claim naming its own baseline (or a contrast "
+            "between pools) says so in its rule.",
+            "- **Targets:** 50%, 75% and 90% of the same seed's pool's baseline gain (its peak minus its start). A run ")
 
 
 def _folders(command: str) -> str:
@@ -608,7 +680,7 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
         raise ConfigError("claims marked `regime` need the sweep's exhaustion rule (its `regime`, written to "
                           f"{report_regime.REGIME_FILE} beside the runs); none found")
     originals = group_settings(load_runs(run_dirs))
-    pick_baseline(originals, baseline)  # refuse a bad --baseline before writing anything
+    split_pools(originals, baseline)  # refuse a bad --baseline before writing anything
     stage1_dirs = _staged(stage1)
     if stage1:
         rule = _stage1_rule(stage1_dirs, mus)
@@ -631,8 +703,10 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
     if regime is not None:
         (out / "runs" / report_regime.REGIME_FILE).write_text(yaml.safe_dump(regime.as_dict(), sort_keys=False))
     settings = group_settings(load_runs(copies))
-    base = pick_baseline(settings, baseline)
-    frontier_doc, stage1_doc, replication_doc = [], [], []
+    pools = split_pools(settings, baseline)
+    base = pools[0][0]
+    pool_of = {s.name: b for b, members in pools for s in members}
+    frontier_grid, stage1_doc, replication_doc = None, [], []
     if replication:
         replicated = group_settings(load_runs(replication_dirs))
         rep_copies = _copy(replicated, out / "replication")
@@ -640,16 +714,45 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
         seeds = {"seeds": _seeds(replicated), "declared_seeds": _seeds(settings)}
         (out / "replication" / REPLICATION_FILE).write_text(
             marks.pop().read_text() if len(marks) == 1 else yaml.safe_dump(seeds, sort_keys=False))
-        replication_doc = _replication_section(claims, settings, group_settings(load_runs(rep_copies)), base, regime)
+        replication_doc = _replication_section(claims, pools, group_settings(load_runs(rep_copies)), regime)
     if stage1:
         stage1_copies = _copy(group_settings(load_runs(stage1_dirs)), out / "stage1")
         (out / "stage1" / SELECT_FILE).write_text(yaml.safe_dump(rule.as_dict(), sort_keys=False))
-        grid, chosen = _selection(group_settings(load_runs(stage1_copies)), rule)
-        frontier_doc = _frontier_section(settings, grid, mus[0], out)
+        frontier_grid, chosen = _selection(group_settings(load_runs(stage1_copies)), rule)
         stage1_doc = ["## Stage 1: learning rates (validation split)", "",
-                      *_stage1_section(grid, rule, chosen, f"stage1/{SELECT_FILE}")]
+                      *_stage1_section(frontier_grid, rule, chosen, f"stage1/{SELECT_FILE}")]
     mu = measured_mu([r for s in settings for r in s.runs])
     all_mus = ([(f"measured µ = {fmt(mu)}", mu)] if mu is not None else []) + [(f"µ = {fmt(m)}", m) for m in mus]
+    decided = None if regime is None else report_regime.decide(regime, settings)
+    verdicts = claims_table(claims, settings, base, decided, pool_of) if claims else None
+    size = _size(out / "runs") + (_size(out / "stage1") if stage1 else 0) + (
+        _size(out / "replication") if replication else 0)
+    doc = ["# Replay comparison", "", *_how_to_read(settings, pools, mu, mus, size,
+                                                    rebuild_command(baseline, mus, bool(stage1), bool(replication))),
+           "", *(["## Claims and verdicts", "", verdicts] if verdicts else []),
+           *(_regime_section(decided, settings) if decided is not None else []),
+           *replication_doc]
+    sections = [(b, _pool_sections(members, b, all_mus, mus, frontier_grid, out, len(pools) > 1))
+                for b, members in pools]
+    if len(pools) == 1:
+        before, after = sections[0][1]
+        doc += [*before, *stage1_doc, *after]
+    else:
+        doc += stage1_doc
+        for b, (before, after) in sections:
+            doc += [f"## Pool of `{b.name}`: {pool_label(b, pools)}", "",
+                    f"Settings {', '.join(n for n, home in pool_of.items() if home is b)}, each paired by seed with "
+                    f"`{b.name}`.", "", *before, *after]
+    (out / "report.md").write_text("\n".join(doc))
+    nineties = [target_table(members, b, TARGET_FRACTIONS[-1], all_mus) for b, members in pools]
+    return (verdicts + "\n" if verdicts else "") + "\n".join(nineties)
+
+
+def _pool_sections(settings: Sequence[Setting], base: Setting, all_mus: Mus, mus: Sequence[float], grid,
+                   out: Path, several: bool) -> tuple[list[str], list[str]]:
+    """One pool's sections (every setting paired with `base`): (those before the stage-1 table, the plots and
+    runs after it). Among several pools, one heading level down and the pool's plots named after its baseline."""
+    h, prefix = ("###", f"{base.name}_") if several else ("##", "")
     plot_mus = []
     for label, m in all_mus:
         share, _ = coverage(settings, base, m)
@@ -657,35 +760,22 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
         plot_mus.append((label + (f" ({base.name} covers {share:.0%} of the others' compute)" if partial else ""), m))
     main, paired, speed, passes = (main_table(settings, base), paired_table(settings, base),
                                    speed_table(settings, base), pass_table(settings, base))
-    targets = {f: target_table(settings, base, f, all_mus) for f in TARGET_FRACTIONS}
-    decided = None if regime is None else report_regime.decide(regime, settings)
-    verdicts = claims_table(claims, settings, base, decided) if claims else None
     level = float(np.median([target(r, TARGET_FRACTIONS[-1]) for r in base.runs]))
-    pngs = report_plots.write(settings, level, plot_mus, out)
-    size = _size(out / "runs") + (_size(out / "stage1") if stage1 else 0) + (
-        _size(out / "replication") if replication else 0)
-    doc = ["# Replay comparison", "", *_how_to_read(settings, base, mu, mus, size,
-                                                            rebuild_command(baseline, mus, bool(stage1),
-                                                                            bool(replication))), "",
-           *(["## Claims and verdicts", "", verdicts] if verdicts else []),
-           *(_regime_section(decided, settings) if decided is not None else []),
-           *replication_doc,
-           *frontier_doc,
-           "## Per setting", "", main,
-           *([f"## Paired by seed: each run minus the {base.name} run of the same seed", "", paired]
-             if paired else []),
-           *[x for f in TARGET_FRACTIONS for x in
-             (f"## Cost to {f:.0%} of the seed's {base.name} gain, × the same seed's {base.name} run", "",
-              targets[f])],
-           *(["## Compute budget coverage", "", coverage_table(settings, base, all_mus)] if all_mus else []),
-           *(["## Learning speed and stability", "", speed] if speed else []),
-           *(["## pass@k of the final policy (`jaxreplay eval ... --out RUN_DIR/eval.json`)", "", passes]
-             if passes else []),
-           *stage1_doc,
-           "## Plots", "", *[f"### {title}\n\n![{title}]({p.name})\n" for p, title in pngs],
-           "## Runs", "", runs_table(settings, base)]
-    (out / "report.md").write_text("\n".join(doc))
-    return (verdicts + "\n" if verdicts else "") + targets[TARGET_FRACTIONS[-1]]
+    pngs = report_plots.write(settings, level, plot_mus, out, prefix)
+    before = [*(_frontier_section(settings, grid, mus[0], out, h, prefix) if grid is not None else []),
+              f"{h} Per setting", "", main,
+              *([f"{h} Paired by seed: each run minus the {base.name} run of the same seed", "", paired]
+                if paired else []),
+              *[x for f in TARGET_FRACTIONS for x in
+                (f"{h} Cost to {f:.0%} of the seed's {base.name} gain, × the same seed's {base.name} run", "",
+                 target_table(settings, base, f, all_mus))],
+              *([f"{h} Compute budget coverage", "", coverage_table(settings, base, all_mus)] if all_mus else []),
+              *([f"{h} Learning speed and stability", "", speed] if speed else []),
+              *([f"{h} pass@k of the final policy (`jaxreplay eval ... --out RUN_DIR/eval.json`)", "", passes]
+                if passes else [])]
+    after = [f"{h} Plots", "", *[f"{h}# {title}\n\n![{title}]({p.name})\n" for p, title in pngs],
+             f"{h} Runs", "", runs_table(settings, base)]
+    return before, after
 
 
 def _stage1_rule(stage1_dirs: Sequence[Path], mus: Sequence[float]) -> Rule:
@@ -707,13 +797,14 @@ def _check_stage2(settings: Sequence[Setting], chosen: dict[str, float]) -> None
                               f"stage 1's choice for arm {s.name} ({lr_tag(chosen[s.name])})")
 
 
-def _frontier_section(settings: Sequence[Setting], grid, mu: float, out: Path) -> list[str]:
+def _frontier_section(settings: Sequence[Setting], grid, mu: float, out: Path, h: str = "##",
+                      prefix: str = "") -> list[str]:
     arms = report_frontier.frontier(settings, grid, mu)
     common = report_frontier.budget(arms)
     label = f"µ = {fmt(mu)}"
-    stem = f"frontier_mu{mu:g}".replace(".", "_")
+    stem = prefix + f"frontier_mu{mu:g}".replace(".", "_")
     title = report_plots.save(report_plots.frontier(arms, label, common), out / f"{stem}.png")
-    return [f"## Optimality frontier at {label}", "",
+    return [f"{h} Optimality frontier at {label}", "",
             f"Test accuracy against modelled compute at {label} (the first --mu), each arm at the learning rate "
             "stage 1 chose for it (median [q25, q75] over seeds, each seed's evaluations interpolated linearly) "
             "and the best over the stage-1 grid (at each point the highest of the rates' median curves, and which "

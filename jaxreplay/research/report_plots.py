@@ -201,12 +201,12 @@ def save(fig, path: Path) -> str:
 
 
 def write(settings: Sequence[Setting], target: Optional[float], mus: Sequence[tuple[str, float]],
-          out: Path) -> list[tuple[Path, str]]:
-    """Saves every figure as OUT/STEM.png; returns (path, title) pairs."""
+          out: Path, prefix: str = "") -> list[tuple[Path, str]]:
+    """Saves every figure as OUT/PREFIXSTEM.png; returns (path, title) pairs."""
     written = []
     for stem, fig in figures(settings, target, mus):
         fig.tight_layout()
-        path = out / f"{stem}.png"
+        path = out / f"{prefix}{stem}.png"
         fig.savefig(path, dpi=110)
         written.append((path, fig.axes[0].get_title()))
     return written
