@@ -41,7 +41,7 @@ import numpy as np
 import yaml
 
 from jaxreplay import storage
-from jaxreplay.config import ConfigError
+from jaxreplay.config import ConfigError, flatten
 from jaxreplay.research import report_frontier, report_plots, report_regime
 from jaxreplay.research.report_claims import (
     CLAIMS_FILE, REPLICATION_FILE, TARGET_FRACTIONS, Claim, parse_claims, verdict)
@@ -82,15 +82,14 @@ def split_pools(settings: Sequence[Setting], baseline: Optional[str]) -> list[tu
     if len(set(names)) != len(names):
         raise ConfigError(f"--baseline {baseline}: a baseline named twice")
     bases = [pick_baseline(settings, n) for n in names]
-    flat = {s.name: _flat(setting_key(s.runs[0].config)) for s in settings}
-    keys = sorted(k for k in set().union(*(flat[b.name] for b in bases)) if k != LR_KEY
-                  and len({repr(flat[b.name].get(k)) for b in bases}) > 1)
+    keys = _pool_keys(bases)
     if not keys:
         raise ConfigError(f"--baseline {baseline}: the baselines' configs differ in nothing but the learning rate, "
                           "so nothing tells their pools apart")
     home = {}
     for s in settings:
-        match = [b for b in bases if all(flat[s.name].get(k) == flat[b.name].get(k) for k in keys)]
+        own = _config(s)
+        match = [b for b in bases if all(own.get(k) == _config(b).get(k) for k in keys)]
         if len(match) != 1:
             raise ConfigError(f"--baseline {baseline}: setting {s.name} matches {'none' if not match else 'several'} "
                               f"of the baselines' pools on {', '.join(keys)}")
@@ -100,19 +99,18 @@ def split_pools(settings: Sequence[Setting], baseline: Optional[str]) -> list[tu
 
 def pool_label(pool: Setting, pools: Sequence[tuple[Setting, list[Setting]]]) -> str:
     """What sets a pool apart: its baseline's values of the keys where the baselines differ (learning rate aside)."""
-    flat = {b.name: _flat(setting_key(b.runs[0].config)) for b, _ in pools}
-    keys = sorted(k for k in set().union(*flat.values()) if k != LR_KEY and len({repr(f.get(k)) for f in flat.values()}) > 1)
-    return ", ".join(f"{k}={flat[pool.name].get(k)}" for k in keys)
+    return ", ".join(f"{k}={_config(pool).get(k)}" for k in _pool_keys([b for b, _ in pools]))
 
 
-def _flat(config: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+def _config(s: Setting) -> dict:
+    """A setting's config as dotted keys, what says where a run was kept left out."""
+    return flatten(setting_key(s.runs[0].config))
+
+
+def _pool_keys(bases: Sequence[Setting]) -> list[str]:
+    """The dotted keys where the baselines' configs differ, the learning rate aside: what defines a pool."""
+    configs = [_config(b) for b in bases]
+    return sorted(k for k in set().union(*configs) if k != LR_KEY and len({repr(c.get(k)) for c in configs}) > 1)
 
 
 def target(base_run: RunData, fraction: float) -> float:
@@ -732,26 +730,29 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
            "", *(["## Claims and verdicts", "", verdicts] if verdicts else []),
            *(_regime_section(decided, settings) if decided is not None else []),
            *replication_doc]
-    sections = [(b, _pool_sections(members, b, all_mus, mus, frontier_grid, out, len(pools) > 1))
-                for b, members in pools]
+    sections = []
+    for b, members in pools:
+        targets = {f: target_table(members, b, f, all_mus) for f in TARGET_FRACTIONS}
+        sections.append((b, _pool_sections(members, b, targets, all_mus, mus, frontier_grid, out, len(pools) > 1)))
     if len(pools) == 1:
-        before, after = sections[0][1]
+        before, after, _ = sections[0][1]
         doc += [*before, *stage1_doc, *after]
     else:
         doc += stage1_doc
-        for b, (before, after) in sections:
+        for b, (before, after, _) in sections:
             doc += [f"## Pool of `{b.name}`: {pool_label(b, pools)}", "",
                     f"Settings {', '.join(n for n, home in pool_of.items() if home is b)}, each paired by seed with "
                     f"`{b.name}`.", "", *before, *after]
     (out / "report.md").write_text("\n".join(doc))
-    nineties = [target_table(members, b, TARGET_FRACTIONS[-1], all_mus) for b, members in pools]
+    nineties = [targets[TARGET_FRACTIONS[-1]] for _, (_, _, targets) in sections]
     return (verdicts + "\n" if verdicts else "") + "\n".join(nineties)
 
 
-def _pool_sections(settings: Sequence[Setting], base: Setting, all_mus: Mus, mus: Sequence[float], grid,
-                   out: Path, several: bool) -> tuple[list[str], list[str]]:
-    """One pool's sections (every setting paired with `base`): (those before the stage-1 table, the plots and
-    runs after it). Among several pools, one heading level down and the pool's plots named after its baseline."""
+def _pool_sections(settings: Sequence[Setting], base: Setting, targets: dict[float, str], all_mus: Mus,
+                   mus: Sequence[float], grid, out: Path, several: bool) -> tuple[list[str], list[str], dict]:
+    """One pool's sections (every setting paired with `base`; `targets`: its cost tables by fraction): (those
+    before the stage-1 table, the plots and runs after it, `targets`). Among several pools, one heading level
+    down and the pool's plots named after its baseline."""
     h, prefix = ("###", f"{base.name}_") if several else ("##", "")
     plot_mus = []
     for label, m in all_mus:
@@ -768,14 +769,14 @@ def _pool_sections(settings: Sequence[Setting], base: Setting, all_mus: Mus, mus
                 if paired else []),
               *[x for f in TARGET_FRACTIONS for x in
                 (f"{h} Cost to {f:.0%} of the seed's {base.name} gain, × the same seed's {base.name} run", "",
-                 target_table(settings, base, f, all_mus))],
+                 targets[f])],
               *([f"{h} Compute budget coverage", "", coverage_table(settings, base, all_mus)] if all_mus else []),
               *([f"{h} Learning speed and stability", "", speed] if speed else []),
               *([f"{h} pass@k of the final policy (`jaxreplay eval ... --out RUN_DIR/eval.json`)", "", passes]
                 if passes else [])]
     after = [f"{h} Plots", "", *[f"{h}# {title}\n\n![{title}]({p.name})\n" for p, title in pngs],
              f"{h} Runs", "", runs_table(settings, base)]
-    return before, after
+    return before, after, targets
 
 
 def _stage1_rule(stage1_dirs: Sequence[Path], mus: Sequence[float]) -> Rule:
