@@ -117,6 +117,27 @@ def test_eval_and_export_of_a_run_dir_read_its_config_yaml(trained, tmp_path, ca
         assert (tmp_path / "hf_new" / name).read_bytes() == (tmp_path / "hf_old" / name).read_bytes(), name
 
 
+
+@pytest.mark.slow
+def test_export_of_a_policy_without_adapters_removes_an_earlier_exports_adapters(trained, tmp_path):
+    """Exporting into a directory that an earlier LoRA export filled leaves no adapter of that policy
+    beside this one's weights: PEFT's two files go, the folder with them when nothing else is in it."""
+    from jaxreplay.models.hf import PEFT_CONFIG, PEFT_WEIGHTS
+    from jaxreplay.tools.export import ADAPTER_DIR
+
+    run_dir, _ = trained
+    for out, keep in [(tmp_path / "only_adapters", None), (tmp_path / "with_notes", "notes.txt")]:
+        adapter = out / ADAPTER_DIR
+        adapter.mkdir(parents=True)
+        for name in (PEFT_CONFIG, PEFT_WEIGHTS) + ((keep,) if keep else ()):
+            (adapter / name).write_text("from an earlier export")
+        assert main(["export", str(run_dir), "--out", str(out)]) == 0
+        assert (out / "config.json").is_file()
+        if keep is None:
+            assert not adapter.exists()
+        else:
+            assert sorted(p.name for p in adapter.iterdir()) == [keep]
+
 @pytest.mark.slow
 def test_eval_of_a_bucket_run_dir_reads_its_config_yaml(trained, bucket, tmp_path):
     """The same run dir in a bucket (gs://, the GCS emulator): the same results as on disk."""

@@ -501,6 +501,16 @@ def save_peft_adapters(path: str | Path, cfg: ModelConfig, params: nnx.State, *,
     return path
 
 
+def remove_peft_adapters(path: str | Path) -> None:
+    """Removes the files `save_peft_adapters` writes at `path`, and `path` if that leaves it empty: an
+    export of a policy without adapters must not sit beside adapters an earlier export wrote there."""
+    path = Path(path)
+    for name in (PEFT_CONFIG, PEFT_WEIGHTS):
+        (path / name).unlink(missing_ok=True)
+    if path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+
+
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 

@@ -29,16 +29,19 @@ def export_checkpoint(config: Config, checkpoint: str | Path, out: str | Path, *
                       dtype: Optional[DType] = None) -> Path:
     """Writes the policy of `checkpoint` (a run directory or its checkpoints/) at `step`
     (default: the latest) to `out`; `dtype` casts the saved weights. Returns `out`. A LoRA
-    policy's adapters also go to `out/adapter` in PEFT's format."""
+    policy's adapters also go to `out/adapter` in PEFT's format; any other policy's export removes
+    the adapter files an earlier export left there."""
     from jaxreplay.models import lora
-    from jaxreplay.models.hf import save_hf_model, save_peft_adapters
+    from jaxreplay.models.hf import remove_peft_adapters, save_hf_model, save_peft_adapters
     from jaxreplay.models.tokenizer import load_tokenizer
     from jaxreplay.train.eval import load_policy
 
     cfg, _, params, _, _ = load_policy(config, checkpoint=str(checkpoint), step=step)
     tokenizer = load_tokenizer(cfg.hf_path) if cfg.hf_path else None
     if not lora.enabled(cfg):
-        return save_hf_model(out, cfg, params, tokenizer=tokenizer, base=cfg.hf_path, dtype=dtype)
+        save_hf_model(out, cfg, params, tokenizer=tokenizer, base=cfg.hf_path, dtype=dtype)
+        remove_peft_adapters(Path(out) / ADAPTER_DIR)
+        return Path(out)
     merged = lora.merge_adapters(params, cfg)
     save_hf_model(out, lora.base_model_config(cfg), merged, tokenizer=tokenizer, base=cfg.hf_path, dtype=dtype)
     save_peft_adapters(Path(out) / ADAPTER_DIR, cfg, params, base=cfg.hf_path, dtype=dtype)
