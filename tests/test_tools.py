@@ -9,7 +9,7 @@ from jaxreplay.tasks.arithmetic import Problem
 from jaxreplay.tasks.datasets import Example
 from jaxreplay.tasks.environment import Message, make_environment
 from jaxreplay.tasks.tools import (CALCULATOR, MalformedToolCall, Tool, ToolCall, ToolEnvironment, ToolRegistry,
-                                   calculate, parse_llama3, parse_qwen)
+                                   calculate, parse_llama3, parse_pythonic, parse_qwen)
 
 ANY = {"type": "object", "properties": {}}
 
@@ -53,6 +53,31 @@ def test_llama3_calls_are_a_json_turn():
 def test_llama3_malformed_calls(text):
     with pytest.raises(MalformedToolCall):
         parse_llama3(text)
+
+
+def test_pythonic_calls_are_a_python_list_of_calls_read_never_run():
+    assert parse_pythonic('[calculator(expression="6*7")]') == [ToolCall("calculator", {"expression": "6*7"})]
+    assert parse_pythonic("[f(x=1, y=[2, 'a'], z={'k': None}), g()]\n") == [
+        ToolCall("f", {"x": 1, "y": [2, "a"], "z": {"k": None}}), ToolCall("g", {})]
+    assert parse_pythonic('<|python_start|>[f(x=True)]<|python_end|>') == [ToolCall("f", {"x": True})]
+    for answer in ("It is 42.", "[1, 2]", "[the answer] is 3", "42"):
+        assert parse_pythonic(answer) == []
+
+
+@pytest.mark.parametrize("text, why", [
+    ("[f(x=1)", "not a Python list"),
+    ("[f(1)]", "passed by name"),
+    ("[f(**{'x': 1})]", "passed by name"),
+    ("[f(x=__import__('os').getcwd())]", "not a literal"),
+    ("[f(x=true)]", "not a literal"),
+    ("[f(x=1)] then more text", "not a Python list"),
+    ("[f(x=1), 3]", "a call of a tool"),
+    ("<|python_start|>print(1)<|python_end|>", "a Python list"),
+    ("<|python_start|>[]", "a Python list"),
+])
+def test_pythonic_malformed_calls_say_why(text, why):
+    with pytest.raises(MalformedToolCall, match=why):
+        parse_pythonic(text)
 
 
 def test_calculator_computes_and_refuses_code():
@@ -118,6 +143,15 @@ def test_llama3_format_environment():
     env.reset(("6*7=", "42"), seed=0)
     step = env.step('{"name": "calculator", "parameters": {"expression": "6*7"}}')
     assert step.observation == (Message("tool", "42", name="calculator"),)
+    assert env.step("42").reward == 1.0
+
+
+def test_pythonic_format_environment():
+    env = ToolEnvironment(ToolRegistry([CALCULATOR]), call_format="pythonic")
+    env.reset(("6*7=", "42"), seed=0)
+    step = env.step('[calculator(expression="6*7")]')
+    assert step.observation == (Message("tool", "42", name="calculator"),)
+    assert env.step("[calculator(6*7)]").info["error"] == "malformed_tool_call"
     assert env.step("42").reward == 1.0
 
 

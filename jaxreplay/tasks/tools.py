@@ -4,7 +4,8 @@ that runs them.
 A model calls tools the way it was fine-tuned to: Qwen2.5/Qwen3 write
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (any number per turn), Llama 3.1/3.2 write
 one bare JSON object `{"name": ..., "parameters": {...}}` as the whole turn (after `<|python_tag|>`
-when the system prompt says `Environment: ipython`). `ToolEnvironment` parses each turn: calls run
+when the system prompt says `Environment: ipython`), and Llama 3.2's small models and Llama 4 a
+Python list of calls, `[f(x=1)]`. `ToolEnvironment` parses each turn: calls run
 their registered tools (each in its own thread, with a timeout) and come back as role "tool"
 messages; a turn with no call is the final answer and ends the episode with the answer's reward; a
 call that does not parse is a malformed tool call, penalised or ending the episode as configured.
@@ -123,8 +124,8 @@ def parse_llama3(text: str) -> list[ToolCall]:
     `<|python_tag|>`, or a JSON list of such objects.
 
     A turn that starts with `{`, `[` or the python tag is a call and must parse; any other turn is
-    an answer. Llama 3.2's pythonic calls (`[f(x=1)]`) and the built-in tools' Python code are not
-    read."""
+    an answer. Pythonic calls (`[f(x=1)]`) are `parse_pythonic`'s; the built-in tools' Python code
+    is not read."""
     body = text.strip()
     tagged = body.startswith(_PYTHON_TAG)
     if tagged:
@@ -141,10 +142,53 @@ def parse_llama3(text: str) -> list[ToolCall]:
     return [_call_from(o, "parameters") for o in objs]
 
 
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
+_PYTHONIC_CALL = re.compile(r"\[\s*[A-Za-z_]\w*\s*\(")
+
+
+def parse_pythonic(text: str) -> list[ToolCall]:
+    """Pythonic tool calling (Llama 3.2 1B/3B's tool prompt, Llama 4): the whole turn is a Python
+    list of calls with keyword arguments, `[f(x=1, y="a"), g()]`, Llama 4's optionally between
+    `<|python_start|>` and `<|python_end|>`.
+
+    A turn that opens as such a list (`[` then a name and `(`) or with the start tag is a call and
+    must parse; any other turn is an answer. Only the syntax is read (`ast`), never run: each
+    argument must be a Python literal."""
+    body = text.strip()
+    tagged = body.startswith(_PYTHON_START)
+    if tagged:
+        body = body[len(_PYTHON_START):].removesuffix(_PYTHON_END).strip()
+    if not tagged and not _PYTHONIC_CALL.match(body):
+        return []
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        raise MalformedToolCall(f"the tool call is not a Python list of calls: {getattr(e, 'msg', e)}") from None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        raise MalformedToolCall("the tool calls are a Python list such as [f(x=1)]")
+    return [_pythonic_call(node) for node in tree.elts]
+
+
+def _pythonic_call(node: ast.expr) -> ToolCall:
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+        raise MalformedToolCall("each item of the list is a call of a tool by its name, such as f(x=1)")
+    name = node.func.id
+    if node.args or any(kw.arg is None for kw in node.keywords):
+        raise MalformedToolCall(f"the arguments of {name!r} are passed by name, such as {name}(x=1)")
+    arguments = {}
+    for kw in node.keywords:
+        try:
+            arguments[kw.arg] = ast.literal_eval(kw.value)
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            raise MalformedToolCall(f"the argument {kw.arg!r} of {name!r} is not a literal") from None
+    return ToolCall(name, arguments)
+
+
 # The tool-call formats by the name configs give them.
 CALL_FORMATS: dict[str, Callable[[str], list[ToolCall]]] = {
     "qwen": parse_qwen,
     "llama3": parse_llama3,
+    "pythonic": parse_pythonic,
 }
 
 
