@@ -48,6 +48,21 @@ def test_compile_on_the_local_devices_reports_the_demo_programs(tmp_path, capsys
     assert row("demo", report).startswith("| `demo` | local (1 x cpu) | data=1 fsdp=1 tensor=1 | 0.")
 
 
+def test_a_multi_turn_config_also_compiles_the_engines_largest_answer_prefill(tmp_path):
+    """configs/demo_multiturn.yaml: 64 slots and at most 14 tokens an episode, so an answer has at
+    most 11 inputs to prefill, and the largest call takes every slot's row with 16 inputs. It
+    gathers its rows' cache (with room for the inputs), so its temporaries exceed the pool's cache."""
+    out = tmp_path / "fit.json"
+    assert main(["compile", str(ROOT / "configs" / "demo_multiturn.yaml"), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    answers = report["programs"][-1]
+    assert answers["name"] == "engine answer prefill (64 rows x 16 tokens)"
+    assert answers["alias"] > 0 and answers["temp"] > 2 * report["kv_cache"]  # the pool is donated
+    assert main(["compile", str(ROOT / "configs" / "demo_multiturn.yaml"), "--json", str(out),
+                 "sampling.max_new_tokens=3"]) == 0  # an answer leaves no room: never prefilled
+    assert [p["name"] for p in json.loads(out.read_text())["programs"]][-1] == "engine decode chunk (64 slots)"
+
+
 def test_with_lora_the_optimizer_state_held_is_the_adapters_alone(tmp_path, capsys):
     """Adam's two float32 moments of the adapters only, r (in + out) per adapted projection and
     layer: with LoRA the base has no optimizer state, on the chips beside the samplers or anywhere."""

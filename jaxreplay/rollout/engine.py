@@ -457,8 +457,7 @@ class JaxEngine:
         of two (L at least 4): a few programs, each compiled once."""
         if not rows:
             return
-        r = 1 << (len(rows) - 1).bit_length()
-        length = max(4, 1 << (max(c for _, c in rows) - 1).bit_length())
+        r, length = answer_prefill_shape(len(rows), max(c for _, c in rows))
         slots = np.full((r,), self.slots, np.int32)  # padding rows point past the pool: dropped
         counts = np.zeros((r,), np.int32)
         self._emitted = self._emitted.copy()  # the host's copy of the device's (read-only as fetched)
@@ -521,6 +520,20 @@ def _powers_of_two(items: list) -> list[list]:
 def _prompts(groups: list[_Group]) -> tuple[np.ndarray, np.ndarray]:
     return (np.stack([np.asarray(g.prompt.tokens, np.int32) for g in groups]),
             np.stack([np.asarray(g.prompt.mask, bool) for g in groups]))
+
+
+def answer_prefill_shape(rows: int, longest: int) -> tuple[int, int]:
+    """(R, L) of the answer-prefill call for `rows` rows of at most `longest` inputs: both
+    powers of two, L at least 4, so that a run compiles a few programs, each once."""
+    return 1 << (rows - 1).bit_length(), max(4, 1 << (longest - 1).bit_length())
+
+
+def largest_answer_prefill(slots: int, max_new_tokens: int) -> Optional[tuple[int, int]]:
+    """(R, L) of the largest answer-prefill call a pool of `slots` can make: every slot's row at
+    once, each with the longest answer a row can take (it has drawn a token, and keeps room for
+    one more), of which all ids but the last are inputs. None: no answer is ever prefilled."""
+    longest = max_new_tokens - 3
+    return answer_prefill_shape(slots, longest) if longest >= 1 else None
 
 
 class EnginePrograms(NamedTuple):
@@ -595,7 +608,9 @@ def programs(graphdef, cfg: ModelConfig, *, group_size: int, prompt_len: int, ma
     `place(pool, prefixes, entries [S], rows [S], slots [S], group keys [S])`,
     `start(params, pool, tokens [n, P], mask [n, P], slots [n * G], group keys [n], version)`,
     `decode(width, lockstep, params, pool, slots [b], steps, version)` (width and lockstep static,
-    steps at most 2 x chunk_steps).
+    steps at most 2 x chunk_steps),
+    `append(pool, slots [b], ids [b, w], lengths [b])` and
+    `feed(length, params, pool, slots [R], counts [R], version)` (multi-turn; length static).
     What `jaxreplay compile` lowers, with `abstract_state`'s arrays."""
     return _programs(graphdef, cfg, group_size, prompt_len, max_new_tokens, chunk_steps,
                      (bool(greedy), float(temperature), int(top_k), float(top_p), int(live_vocab)),

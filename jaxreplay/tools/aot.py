@@ -2,7 +2,7 @@
 
 The real train step and the real samplers (rollouts at `prompts_per_step x group_size`
 rows, greedy evaluation at `eval.EVAL_BATCH` rows), and the rollout engine's prefill and
-decode chunk (a pool of as many slots as rollout rows) are lowered with abstract inputs
+decode chunk (a pool of as many slots as rollout rows; multi-turn, its answer prefill) are lowered with abstract inputs
 (`jax.ShapeDtypeStruct` carrying their `NamedSharding`) at the config's full shapes and
 compiled for a TPU slice (`topology.slice_devices`) or for the local devices. No weight
 is allocated. XLA's memory analysis gives each program's per-device argument, output,
@@ -268,7 +268,8 @@ def _engine_programs(graphdef, c: Config, mesh, params, slots: int, engine_held:
     """The rollout engine's prefill into prefix entries and its start of whole groups straight
     into slots (each at its largest call), and its decode chunk (at the full window: every slot
     P + N columns), with its pool of `slots`, laid out as the engine lays it out
-    (`engine.state_shardings`)."""
+    (`engine.state_shardings`). Multi-turn (`environment.name`), also its largest answer
+    prefill: it gathers its rows' cache, so with every slot's row it holds the pool's cache twice."""
     from jaxreplay.rollout import engine
 
     s = c.sampling
@@ -290,7 +291,7 @@ def _engine_programs(graphdef, c: Config, mesh, params, slots: int, engine_held:
     width = p_len + s.max_new_tokens
     held += engine_held
     where = f", each host on its {mesh.devices.size} devices" if engine_held else ""  # multi-host
-    return [
+    compiled = [
         dataclasses.replace(_compiled(f"engine prefill ({n} prompts{where})", programs.prefill, (
             params, prefixes, per_prompt(jnp.int32, p_len), per_prompt(jnp.bool_, p_len), per_prompt(jnp.int32),
             scalar), held, log), flops=None),
@@ -304,6 +305,14 @@ def _engine_programs(graphdef, c: Config, mesh, params, slots: int, engine_held:
             held, log),
             flops=None),
     ]
+    answers = engine.largest_answer_prefill(slots, s.max_new_tokens) if c.environment.name else None
+    if answers is not None:
+        rows, length = answers
+        per_row = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=rep)
+        compiled.append(dataclasses.replace(_compiled(
+            f"engine answer prefill ({rows} rows x {length} tokens{where})", programs.feed,
+            (length, params, pool, per_row, per_row, scalar), held, log), flops=None))
+    return compiled
 
 
 # The TPU compiler refuses a program over HBM ("CompileTimeHbmOom") rather than compiling it.
