@@ -54,6 +54,27 @@ def test_stage1_runs_every_arm_at_every_learning_rate_named_arm_lr(tmp_path):
     assert out.returncode == 0 and len(out.stdout.splitlines()) == 6, out.stderr
 
 
+def test_stage1_may_give_each_arm_a_grid_of_its_own(tmp_path):
+    """`learning_rates` as a mapping: each setting runs at its own rates, in the same folders."""
+    body = STAGE1.replace("[1e-3, 1e-4, 3.0e-4]", "{on_policy: [2e-4, 1e-4], spi4: [2.5e-5, 5e-5, 1e-4]}")
+    sweep = load_sweep(_write(tmp_path, body))
+    assert [(r.setting, r.seed) for r in sweep.runs] == [
+        (setting, seed) for seed in (0, 1) for setting in (
+            "on_policy.lr1e-4", "on_policy.lr2e-4", "spi4.lr2.5e-5", "spi4.lr5e-5", "spi4.lr1e-4")]
+    assert {r.config.train.learning_rate for r in sweep.runs if r.arm == "spi4"} == {2.5e-5, 5e-5, 1e-4}
+
+
+@pytest.mark.parametrize("grids,message", [
+    ("{on_policy: [1e-4]}", "sweep.learning_rates: no grid for the setting spi4"),
+    ("{on_policy: [1e-4], spi4: [1e-4], spi8: [1e-4]}", "sweep.learning_rates: 'spi8' is not one of the settings"),
+    ("{on_policy: [1e-4], spi4: []}", "sweep.learning_rates.spi4: expected a non-empty list"),
+    ("{on_policy: [1e-4, 0.0001], spi4: [1e-4]}", "sweep.learning_rates.on_policy: repeated learning rate"),
+])
+def test_a_bad_per_arm_grid_is_refused_naming_the_arm(tmp_path, grids, message):
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(_write(tmp_path, STAGE1.replace("[1e-3, 1e-4, 3.0e-4]", grids)))
+
+
 def test_stage1_writes_its_rule_before_any_run(tmp_path):
     sweep = load_sweep(_write(tmp_path, STAGE1))
     for run in sweep.runs:  # all finished: the sweep skips them, but writes its rule first

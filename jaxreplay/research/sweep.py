@@ -16,8 +16,9 @@ list of dotted overrides) and the seeds:
     regime: {...}              # the rule for "on-policy exhausted its pool" (report_regime)
 
 Two stages (docs/comparing.md, "Two stages"): a stage-1 file adds `learning_rates: [1e-4, 3e-4, 1e-3]`
-and `select: {measure: validation_peak, statistic: median}` (report_select): every setting (an arm)
-runs at each rate, in OUT/ARM.lrLR/seedS with train.learning_rate set by the sweep, and the rule is
+(or a mapping, each setting's own grid: `{on_policy: [...], spi4: [...]}`) and
+`select: {measure: validation_peak, statistic: median}` (report_select): every setting (an arm)
+runs at each rate of its grid, in OUT/ARM.lrLR/seedS with train.learning_rate set by the sweep, and the rule is
 written to OUT/select.yaml before the first run. A stage-2 file names its stage 1 with `stage1: DIR`
 (the stage-1 report's folder holding selected.yaml, relative to the sweep file) and sets each arm's
 train.learning_rate explicitly; a rate other than stage 1's choice for that arm is refused.
@@ -213,8 +214,8 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequ
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ConfigError(f"sweep.settings: {show(name)} is not a usable directory name")
         own_overrides[name] = _paths_from_file(path, _override_list(overrides or [], f"sweep.settings.{name}"))
-    learning_rates, rule = _stage1(raw, common, own_overrides)
-    selected = _stage2(raw, path, common, own_overrides, learning_rates)
+    grids, rule = _stage1(raw, common, own_overrides)
+    selected = _stage2(raw, path, common, own_overrides, grids)
     replication = None
     if replicate is not None:
         if only_seeds is not None:
@@ -249,7 +250,7 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequ
     runs = []
     for seed in seeds:  # seed-major: a sweep stopped early has whole seeds, and claims pool seeds
         for name, own in own_overrides.items():
-            for lr in learning_rates or (None,):
+            for lr in grids[name] if grids else (None,):
                 setting = name if lr is None else setting_name(name, lr)
                 rate = () if lr is None else (f"{_LR}={lr!r}",)
                 args = (*shared_warm_start, *common, *own, *extra, *rate, f"run.seed={seed}",
@@ -288,18 +289,26 @@ def _sets_lr(overrides: Sequence[str]) -> bool:
 
 
 def _stage1(raw: dict, common: tuple[str, ...], own: dict[str, tuple[str, ...]]):
-    """(the learning rates, the rule) of a stage-1 file; (None, None) for any other."""
+    """(each setting's learning rates, the rule) of a stage-1 file; (None, None) for any other.
+    `learning_rates` is one grid for every setting, or a mapping giving each setting its own."""
     rates, rule = raw.get("learning_rates"), parse_rule(raw.get("select"))
     if rates is None:
         if rule is not None:
             raise ConfigError("sweep.select: a selection rule needs sweep.learning_rates, the grid it chooses from")
         return None, None
-    if not isinstance(rates, list) or not rates:
-        raise ConfigError(f"sweep.learning_rates: expected a non-empty list like [1e-4, 3e-4, 1e-3], got {show(rates)}")
-    rates = [parse_learning_rate(v, "sweep.learning_rates") for v in rates]
-    tags = [lr_tag(v) for v in rates]
-    if len(set(tags)) != len(tags):
-        raise ConfigError(f"sweep.learning_rates: repeated learning rate in {', '.join(tags)}")
+    if isinstance(rates, dict):
+        for name in rates:
+            if name not in own:
+                raise ConfigError(f"sweep.learning_rates: {show(name)} is not one of the settings "
+                                  f"({', '.join(own)})")
+        missing = [name for name in own if name not in rates]
+        if missing:
+            raise ConfigError(f"sweep.learning_rates: no grid for the setting {missing[0]}; a mapping gives every "
+                              "setting its own")
+        grids = {name: _grid(rates[name], f"sweep.learning_rates.{name}") for name in own}
+    else:
+        grid = _grid(rates, "sweep.learning_rates")
+        grids = {name: grid for name in own}
     if rule is None:
         raise ConfigError("sweep.select: required with sweep.learning_rates: the rule that picks each arm's learning "
                           "rate, declared before any run (e.g. {measure: validation_peak, statistic: median})")
@@ -314,14 +323,24 @@ def _stage1(raw: dict, common: tuple[str, ...], own: dict[str, tuple[str, ...]])
     for name in own:
         if "." + "lr" in name:
             raise ConfigError(f"sweep.settings: {name} holds '.lr', which separates an arm from its learning rate")
-    return sorted(rates), rule
+    return grids, rule
+
+
+def _grid(rates: Any, where: str) -> list[float]:
+    if not isinstance(rates, list) or not rates:
+        raise ConfigError(f"{where}: expected a non-empty list like [1e-4, 3e-4, 1e-3], got {show(rates)}")
+    rates = [parse_learning_rate(v, where) for v in rates]
+    tags = [lr_tag(v) for v in rates]
+    if len(set(tags)) != len(tags):
+        raise ConfigError(f"{where}: repeated learning rate in {', '.join(tags)}")
+    return sorted(rates)
 
 
 def _stage2(raw: dict, path: Path, common: tuple[str, ...], own: dict[str, tuple[str, ...]],
-            learning_rates) -> Optional[dict[str, float]]:
+            grids) -> Optional[dict[str, float]]:
     """arm -> learning rate stage 1 selected, for a stage-2 file (None for any other), after checking that
     every setting sets its rate explicitly and is an arm stage 1 chose for."""
-    if raw.get("stage1") is None or learning_rates is not None:
+    if raw.get("stage1") is None or grids is not None:
         return None
     selected = read_selected(_from_file(path, raw["stage1"]), "sweep.stage1")
     for name, overrides in own.items():
