@@ -9,12 +9,14 @@ import dataclasses
 import functools
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxreplay.config import ConfigError, load_config, validate
 from jaxreplay.learn.scoring import sequence_scores
+from jaxreplay.models import sharding
 from jaxreplay.models.transformer import init_params, score_hidden
 from jaxreplay.rollout.actor import make_streaming_actor
 from jaxreplay.tasks.registry import make_task
@@ -45,15 +47,22 @@ def test_environment_options_it_cannot_build_from_are_refused_at_the_edge():
         validate(load_config(DEMO_MT, ["environment.name=calculator", "environment.options={on_malformed: explode}"]))
 
 
-def run_episodes(overrides=(), advances=40, params_seed=0, prefill_answers=True, engine_stats=None):
+def run_episodes(overrides=(), advances=40, params_seed=0, prefill_answers=True, engine_stats=None, mesh=None,
+                 sharpen=1.0):
     """Rows of the groups that complete in `advances` chunks under fixed random weights;
-    `engine_stats`, a list, gets the engine's counters."""
+    `engine_stats`, a list, gets the engine's counters. With a `mesh`, the engine's pool and the
+    weights lie on it. `sharpen` scales the final norm (the logits): draws no sharded
+    reduction's last bits can flip."""
     config = load_config(DEMO_MT, [*TINY_MT, *overrides])
     task = make_task(config.task)
     graphdef, params = init_params(config.model, params_seed)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * sharpen if "final_norm" in jax.tree_util.keystr(path) else x, params)
+    if mesh is not None:
+        params = sharding.shard_params(params, mesh)
     tok = task.tokenizer
     actor = make_streaming_actor(graphdef, config, task, params, stop_ids=tok.eos_ids, pad_id=tok.pad_id,
-                                 live_vocab=tok.vocab_size)
+                                 live_vocab=tok.vocab_size, mesh=mesh)
     actor.engine.prefill_answers = prefill_answers
     rows, stats = [], []
     for _ in range(advances):

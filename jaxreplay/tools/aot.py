@@ -269,14 +269,14 @@ def _engine_programs(graphdef, c: Config, mesh, params, slots: int, engine_held:
     into slots (each at its largest call), and its decode chunk (at the full window: every slot
     P + N columns), with its pool of `slots`, laid out as the engine lays it out
     (`engine.state_shardings`). Multi-turn (`environment.name`), also its largest answer
-    prefill: it gathers its rows' cache, so with every slot's row it holds the pool's cache twice."""
+    prefill (`engine.largest_answer_prefill`), which gathers its rows' cache."""
     from jaxreplay.rollout import engine
 
     s = c.sampling
     programs = engine.programs(
         graphdef, c.model, group_size=c.train.group_size, prompt_len=p_len, max_new_tokens=s.max_new_tokens,
         chunk_steps=ENGINE_CHUNK_STEPS, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size)
+        kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size, mesh=mesh, slots=slots)
     pool, prefixes, n = engine.abstract_state(c.model, slots, c.train.group_size, p_len, s.max_new_tokens,
                                               s.kv_cache_dtype)
     pool_at, prefixes_at = engine.state_shardings(mesh, pool, prefixes)
@@ -305,7 +305,7 @@ def _engine_programs(graphdef, c: Config, mesh, params, slots: int, engine_held:
             held, log),
             flops=None),
     ]
-    answers = engine.largest_answer_prefill(slots, s.max_new_tokens) if c.environment.name else None
+    answers = engine.largest_answer_prefill(slots, s.max_new_tokens, mesh) if c.environment.name else None
     if answers is not None:
         rows, length = answers
         per_row = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=rep)
