@@ -773,7 +773,9 @@ def _feed_answers(graphdef, p: int, chunk: int, constrain, length: int, params, 
     in those columns, the tokens after them (the answer's, already in place) become the row's,
     as the decode steps that fed them would have made them (log-prob 0, this version). With
     `chunk` > 0, `chunk` inputs at a time. The rows' cache is gathered with `length` spare
-    columns, so a write never runs past its end (where it would be moved back onto real ones)."""
+    columns, so a write never runs past its end (where it would be moved back onto real ones),
+    and laid out by `constrain` as the pool's (on 4 CPU devices, a third of the temporaries of
+    XLA's own choice; on TPU no change)."""
     model = nnx.merge(graphdef, params)
     n_cols = pool.tokens.shape[1]
     if 0 < chunk < length:
