@@ -48,11 +48,11 @@ def test_environment_options_it_cannot_build_from_are_refused_at_the_edge():
 
 
 def run_episodes(overrides=(), advances=40, params_seed=0, prefill_answers=True, engine_stats=None, mesh=None,
-                 sharpen=1.0):
+                 sharpen=1.0, stop_ids=None):
     """Rows of the groups that complete in `advances` chunks under fixed random weights;
     `engine_stats`, a list, gets the engine's counters. With a `mesh`, the engine's pool and the
     weights lie on it. `sharpen` scales the final norm (the logits): draws no sharded
-    reduction's last bits can flip."""
+    reduction's last bits can flip. `stop_ids` end a turn (default: the tokenizer's EOS)."""
     config = load_config(DEMO_MT, [*TINY_MT, *overrides])
     task = make_task(config.task)
     graphdef, params = init_params(config.model, params_seed)
@@ -61,7 +61,7 @@ def run_episodes(overrides=(), advances=40, params_seed=0, prefill_answers=True,
     if mesh is not None:
         params = sharding.shard_params(params, mesh)
     tok = task.tokenizer
-    actor = make_streaming_actor(graphdef, config, task, params, stop_ids=tok.eos_ids, pad_id=tok.pad_id,
+    actor = make_streaming_actor(graphdef, config, task, params, stop_ids=stop_ids or tok.eos_ids, pad_id=tok.pad_id,
                                  live_vocab=tok.vocab_size, mesh=mesh)
     actor.engine.prefill_answers = prefill_answers
     rows, stats = [], []

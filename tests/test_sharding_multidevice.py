@@ -234,18 +234,19 @@ def test_the_engines_pool_is_split_like_a_batch_and_its_cache_like_the_samplers(
 def test_multi_turn_answers_on_a_mesh_are_prefilled_a_devices_rows_a_call_as_on_one_device():
     """16 slots over 8 data-parallel devices: an answer-prefill call takes at most the 2 rows of
     one device (its gather is held whole on every device), so the 10-id answers of 16 rows that
-    arrive together take several calls; the episodes are those of one device, where one call
-    takes them all."""
+    arrive together take 8 calls; the episodes are those of one device, where one call takes
+    them all. Every id ends a turn, so every row's answer comes back at the same boundary."""
     from jaxreplay.rollout.engine import answer_prefill_rows
     from test_multiturn import LONG_ANSWERS, by_id, run_episodes
 
     mesh = sharding.make_mesh(MeshConfig(8, 1, 1))
     assert (answer_prefill_rows(16, mesh), answer_prefill_rows(16), answer_prefill_rows(12)) == (2, 16, 16)
+    every_id = tuple(range(19))  # the demo's character vocabulary
     on_mesh, on_one = [], []
-    *_, got, _ = run_episodes(LONG_ANSWERS, mesh=mesh, sharpen=20.0, engine_stats=on_mesh)
-    *_, want, _ = run_episodes(LONG_ANSWERS, sharpen=20.0, engine_stats=on_one)
+    *_, got, _ = run_episodes(LONG_ANSWERS, mesh=mesh, sharpen=20.0, engine_stats=on_mesh, stop_ids=every_id)
+    *_, want, _ = run_episodes(LONG_ANSWERS, sharpen=20.0, engine_stats=on_one, stop_ids=every_id)
     assert on_mesh[0].prefilled_tokens == on_one[0].prefilled_tokens > 0
-    assert on_mesh[0].answer_prefills > on_one[0].answer_prefills
+    assert on_mesh[0].answer_prefills == 8 * on_one[0].answer_prefills > 0
     got, want = by_id(got), by_id(want)
     assert sorted(got) == sorted(want) and len(got) >= 16
     for i in want:
