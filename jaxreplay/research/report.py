@@ -86,10 +86,11 @@ def split_pools(settings: Sequence[Setting], baseline: Optional[str]) -> list[tu
     if not keys:
         raise ConfigError(f"--baseline {baseline}: the baselines' configs differ in nothing but the learning rate, "
                           "so nothing tells their pools apart")
+    base_configs = [(b, _config(b)) for b in bases]
     home = {}
     for s in settings:
         own = _config(s)
-        match = [b for b in bases if all(own.get(k) == _config(b).get(k) for k in keys)]
+        match = [b for b, config in base_configs if all(own.get(k) == config.get(k) for k in keys)]
         if len(match) != 1:
             raise ConfigError(f"--baseline {baseline}: setting {s.name} matches {'none' if not match else 'several'} "
                               f"of the baselines' pools on {', '.join(keys)}")
@@ -730,29 +731,28 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
            "", *(["## Claims and verdicts", "", verdicts] if verdicts else []),
            *(_regime_section(decided, settings) if decided is not None else []),
            *replication_doc]
-    sections = []
-    for b, members in pools:
-        targets = {f: target_table(members, b, f, all_mus) for f in TARGET_FRACTIONS}
-        sections.append((b, _pool_sections(members, b, targets, all_mus, mus, frontier_grid, out, len(pools) > 1)))
+    targets = [{f: target_table(members, b, f, all_mus) for f in TARGET_FRACTIONS} for b, members in pools]
+    sections = [(b, _pool_sections(members, b, pool_targets, all_mus, mus, frontier_grid, out, len(pools) > 1))
+                for (b, members), pool_targets in zip(pools, targets)]
     if len(pools) == 1:
-        before, after, _ = sections[0][1]
+        before, after = sections[0][1]
         doc += [*before, *stage1_doc, *after]
     else:
         doc += stage1_doc
-        for b, (before, after, _) in sections:
+        for b, (before, after) in sections:
             doc += [f"## Pool of `{b.name}`: {pool_label(b, pools)}", "",
                     f"Settings {', '.join(n for n, home in pool_of.items() if home is b)}, each paired by seed with "
                     f"`{b.name}`.", "", *before, *after]
     (out / "report.md").write_text("\n".join(doc))
-    nineties = [targets[TARGET_FRACTIONS[-1]] for _, (_, _, targets) in sections]
+    nineties = [pool_targets[TARGET_FRACTIONS[-1]] for pool_targets in targets]
     return (verdicts + "\n" if verdicts else "") + "\n".join(nineties)
 
 
 def _pool_sections(settings: Sequence[Setting], base: Setting, targets: dict[float, str], all_mus: Mus,
-                   mus: Sequence[float], grid, out: Path, several: bool) -> tuple[list[str], list[str], dict]:
+                   mus: Sequence[float], grid, out: Path, several: bool) -> tuple[list[str], list[str]]:
     """One pool's sections (every setting paired with `base`; `targets`: its cost tables by fraction): (those
-    before the stage-1 table, the plots and runs after it, `targets`). Among several pools, one heading level
-    down and the pool's plots named after its baseline."""
+    before the stage-1 table, the plots and runs after it). Among several pools, one heading level down and the
+    pool's plots named after its baseline."""
     h, prefix = ("###", f"{base.name}_") if several else ("##", "")
     plot_mus = []
     for label, m in all_mus:
@@ -776,7 +776,7 @@ def _pool_sections(settings: Sequence[Setting], base: Setting, targets: dict[flo
                 if passes else [])]
     after = [f"{h} Plots", "", *[f"{h}# {title}\n\n![{title}]({p.name})\n" for p, title in pngs],
              f"{h} Runs", "", runs_table(settings, base)]
-    return before, after, targets
+    return before, after
 
 
 def _stage1_rule(stage1_dirs: Sequence[Path], mus: Sequence[float]) -> Rule:

@@ -530,10 +530,14 @@ def _prefix_entries(slots: int, group_size: int) -> int:
     return -(-slots // group_size) + 1
 
 
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def answer_prefill_shape(rows: int, longest: int) -> tuple[int, int]:
     """(R, L) of the answer-prefill call for `rows` rows of at most `longest` inputs: both
     powers of two, L at least 4, so that a run compiles a few programs, each once."""
-    return 1 << (rows - 1).bit_length(), max(4, 1 << (longest - 1).bit_length())
+    return _power_of_two_at_least(rows), max(4, _power_of_two_at_least(longest))
 
 
 def answer_prefill_rows(slots: int, mesh: Optional[Mesh] = None) -> int:
@@ -543,7 +547,7 @@ def answer_prefill_rows(slots: int, mesh: Optional[Mesh] = None) -> int:
     pool's per-device cache for every slot's row at once): more rows a call would cost each device
     more than its share of the pool."""
     if mesh is None:
-        return answer_prefill_shape(slots, 1)[0]
+        return _power_of_two_at_least(slots)
     per_device = max(1, slots // sharding.data_parallelism(mesh))
     return 1 << (per_device.bit_length() - 1)
 
@@ -554,7 +558,7 @@ def largest_answer_prefill(slots: int, max_new_tokens: int, mesh: Optional[Mesh]
     drawn a token, and keeps room for one more), of which all ids but the last are inputs. None:
     no answer is ever prefilled."""
     longest = max_new_tokens - 3
-    return (answer_prefill_rows(slots, mesh), answer_prefill_shape(1, longest)[1]) if longest >= 1 else None
+    return answer_prefill_shape(answer_prefill_rows(slots, mesh), longest) if longest >= 1 else None
 
 
 class EnginePrograms(NamedTuple):

@@ -2,10 +2,10 @@
 
 The real train step and the real samplers (rollouts at `prompts_per_step x group_size`
 rows, greedy evaluation at `eval.EVAL_BATCH` rows), and the rollout engine's prefill and
-decode chunk (a pool of as many slots as rollout rows; multi-turn, its answer prefill) are lowered with abstract inputs
-(`jax.ShapeDtypeStruct` carrying their `NamedSharding`) at the config's full shapes and
-compiled for a TPU slice (`topology.slice_devices`) or for the local devices. No weight
-is allocated. XLA's memory analysis gives each program's per-device argument, output,
+decode chunk (a pool of as many slots as rollout rows; multi-turn, its answer prefill) are
+lowered with abstract inputs (`jax.ShapeDtypeStruct` carrying their `NamedSharding`) at the
+config's full shapes and compiled for a TPU slice (`topology.slice_devices`) or for the local
+devices. No weight is allocated. XLA's memory analysis gives each program's per-device argument, output,
 temporary and aliased bytes; their total is set against the device's HBM.
 
 Colocated runs hold everything at once: while the samplers run, the optimizer state
