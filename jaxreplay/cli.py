@@ -474,7 +474,7 @@ def _bad_input(error: Exception) -> bool:
     installed: errors of this package with `kind = "error"`): exit code 2, like a config error."""
     from jaxreplay.models.errors import HFModelError
     from jaxreplay.tasks.datasets import DatasetError
-    from jaxreplay.replay.inprocess import DamagedCheckpoint
+    from jaxreplay.replay.backend import DamagedCheckpoint
     from jaxreplay.train.checkpoint import CheckpointError
 
     return isinstance(error, (CheckpointError, DamagedCheckpoint, DatasetError, HFModelError)) or \

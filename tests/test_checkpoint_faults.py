@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from gcs_emulator import bucket, gcs_emulator  # noqa: F401 - fixtures
+from jaxreplay.compat import multiprocess_checkpoint_gap
 from jaxreplay.config import load_config
 from jaxreplay.train.driver import train
 from test_train import DEMO, ROOT, TINY
@@ -21,8 +22,10 @@ from test_train import DEMO, ROOT, TINY
 STEPS = 2
 # AsymRE's advantage (r - V + 0.1) is never all zero, so the optimizer's moments are arrays of their own
 # in the data files (all-zero ones are stored inline in Orbax's b-tree), where damage can reach them.
+# The in-process backend, whatever `auto` picks here: the damage below is done to its files (Reverb's: further down).
 RUN = [*TINY, "warmstart.steps=2", f"train.steps={STEPS}", "checkpoint.every=1", "checkpoint.keep=2",
-       "train.eval_every=1000", "task.eval_size=8", "train.loss=asymre", "train.advantage=group_centered"]
+       "train.eval_every=1000", "task.eval_size=8", "train.loss=asymre", "train.advantage=group_centered",
+       "replay.backend=inprocess"]
 
 
 def cli(run_dir, *overrides: str, cwd=ROOT, timeout=300) -> subprocess.CompletedProcess:
@@ -210,6 +213,36 @@ def test_a_damaged_replay_checkpoint_is_named_and_the_step_before_it_resumed(tra
     assert (run_dir / "damaged" / f"step-{STEPS}").is_dir()  # kept for a look, not deleted
 
 
+@pytest.fixture(scope="module")
+def trained_on_reverb(tmp_path_factory) -> Path:
+    """As `trained`, its replay table Reverb's (in this process, or in its sidecar)."""
+    run_dir = tmp_path_factory.mktemp("trained_on_reverb") / "run"
+    result = cli(run_dir, "replay.backend=reverb")
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr)
+    return run_dir
+
+
+REVERB_DAMAGE = {
+    "chunks cut short": (lambda d: truncate(d / "chunks.tfrecord"), "chunks.tfrecord: its sha256"),
+    "items changed": (lambda d: overwrite(d / "items.tfrecord"), "items.tfrecord: its sha256"),
+    "replay dir missing": (lambda d: shutil.rmtree(d), "DONE: missing"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.reverb
+@pytest.mark.parametrize("damage", list(REVERB_DAMAGE))
+def test_a_damaged_reverb_checkpoint_is_named_and_the_step_before_it_resumed(trained_on_reverb, tmp_path, damage):
+    run_dir = copy_of(trained_on_reverb, tmp_path)
+    spoil, named = REVERB_DAMAGE[damage]
+    spoil(replay_dir(run_dir, STEPS))
+    result = cli(run_dir, "train.steps=3", "replay.backend=reverb")
+    assert result.returncode == 0 and not result.stderr.strip(), (result.stdout[-3000:], result.stderr)
+    said_damaged(result.stdout.splitlines(), named)
+    assert f"resumed from step {STEPS - 1} " in result.stdout
+    assert (run_dir / "damaged" / f"step-{STEPS}").is_dir()
+
+
 def test_no_undamaged_step_left_ends_in_one_line_and_exit_2(trained, tmp_path):
     run_dir = copy_of(trained, tmp_path)
     for step in (STEPS - 1, STEPS):
@@ -382,6 +415,8 @@ def test_a_write_failure_on_one_process_of_a_job_ends_every_process_in_one_line_
     names process 1's path, exit 2; nothing is listed as a complete step."""
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
         pytest.skip("private mount namespaces need unshare -m (root, or user namespaces)")
+    if why := multiprocess_checkpoint_gap():
+        pytest.skip(f"this tier saves no multi-process checkpoint: {why}")
     from test_multihost_storage import finish, start
 
     run_dir = tmp_path / "run"
@@ -390,7 +425,8 @@ def test_a_write_failure_on_one_process_of_a_job_ends_every_process_in_one_line_
 
     def read_only_shard(i: int, argv: list[str]) -> list[str]:
         # the first save fails: no need to go further, or to warm up and evaluate long before it
-        argv = [*argv, "train.steps=2", "warmstart.steps=2", "task.eval_size=8", "train.eval_every=1000"]
+        argv = [*argv, "train.steps=2", "warmstart.steps=2", "task.eval_size=8", "train.eval_every=1000",
+                "replay.backend=inprocess"]  # each process a shard of its own (Reverb's one table is process 0's)
         if i == 0:
             return argv
         quoted = " ".join(f"'{a}'" for a in argv)

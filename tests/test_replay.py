@@ -21,7 +21,8 @@ pytest.importorskip("reverb", reason="needs dm-reverb (the `reverb` extra; Pytho
 from jaxreplay.config import ConfigError, load_config, validate
 from jaxreplay.replay.ports import PortInUseError, check_port
 from jaxreplay.replay.reader import RolloutReader
-from jaxreplay.replay.reverb_backend import ReverbServer
+from jaxreplay.replay.backend import DamagedCheckpoint
+from jaxreplay.replay.reverb_backend import ReverbServer, verify
 from jaxreplay.replay.tables import (
     TABLE_NAME, ReplayInterrupted, ReplayTimeoutError, TableSharedError, build_tables)
 from jaxreplay.replay.writer import RolloutWriter
@@ -358,7 +359,7 @@ def test_restore_refuses_a_missing_or_mismatched_checkpoint(tmp_path):
     with serve(cfg, checkpoint_root=root) as r:
         r.writer.insert(rollouts(range(4)))
         path = r.server.checkpoint()
-    with pytest.raises(FileNotFoundError):  # Reverb itself would start empty
+    with pytest.raises(DamagedCheckpoint, match="no complete Reverb checkpoint"):  # Reverb itself would start empty
         reverb_server(cfg, checkpoint_root=root, restore_from=path + "-nope")
     other = config(*LOOSE, "replay.samples_per_insert=3")
     with pytest.raises(ValueError, match="samples_per_insert: checkpoint 2.0 vs config 3.0"):
@@ -367,6 +368,49 @@ def test_restore_refuses_a_missing_or_mismatched_checkpoint(tmp_path):
     same_size = {**SPEC, "logprobs": ((T,), np.int32)}
     with pytest.raises(ValueError, match="signature: checkpoint .*logprobs:<f4.* vs config .*logprobs:<i4"):
         reverb_server(cfg, same_size, checkpoint_root=root, restore_from=path)
+
+
+def cut_short(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def one_byte_changed(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda d: cut_short(os.path.join(d, "chunks.tfrecord")), "chunks.tfrecord: its sha256"),
+    (lambda d: one_byte_changed(os.path.join(d, "items.tfrecord")), "items.tfrecord: its sha256"),
+    (lambda d: os.remove(os.path.join(d, "tables.tfrecord")), "tables.tfrecord: missing"),
+    (lambda d: os.remove(os.path.join(d, "DONE")), "DONE: missing"),
+    (lambda d: cut_short(os.path.join(d, "sha256.json")), "sha256.json: not a JSON object"),
+], ids=["chunks cut short", "items changed", "tables missing", "DONE missing", "hashes cut short"])
+def test_a_checkpoint_whose_files_changed_since_it_was_written_is_named_before_reverb_reads_it(tmp_path, damage,
+                                                                                                 named):
+    cfg = config(*LOOSE)
+    with serve(cfg, checkpoint_root=str(tmp_path)) as r:
+        r.writer.insert(rollouts(range(4)))
+        path = os.path.join(tmp_path, r.server.checkpoint())
+    verify(path)  # as written
+    damage(path)
+    with pytest.raises(DamagedCheckpoint, match=named):
+        verify(path)
+
+
+def test_a_checkpoint_from_before_the_hashes_is_checked_for_its_done_marker_only_and_restores(tmp_path):
+    cfg = config(*LOOSE)
+    with serve(cfg, checkpoint_root=str(tmp_path)) as r:
+        r.writer.insert(rollouts(range(4)))
+        name = r.server.checkpoint()
+    os.remove(os.path.join(tmp_path, name, "sha256.json"))
+    verify(os.path.join(tmp_path, name))
+    with serve(cfg, checkpoint_root=str(tmp_path), restore_from=name) as r:
+        assert r.server.states()[TABLE_NAME].size == 4
 
 
 # 5. build_tables agrees with config validation ----------------------------------------

@@ -91,6 +91,11 @@ class Backend(Client, Protocol):
         """Stops serving; idempotent."""
 
 
+class DamagedCheckpoint(ValueError):
+    """A replay checkpoint with a file that is missing, cut short or changed since it was written
+    (either backend's; each checks its own files against the hashes written with them)."""
+
+
 def checkpoint_path(root: Optional[str], name: str | os.PathLike) -> str:
     """Where checkpoint `name` lies: under `root`, or `name` itself if absolute."""
     name = os.fspath(name)

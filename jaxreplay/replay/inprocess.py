@@ -37,7 +37,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from jaxreplay.replay.backend import SampleInfo, checkpoint_path, prune_directories
+from jaxreplay.replay.backend import DamagedCheckpoint, SampleInfo, checkpoint_path, prune_directories
 from jaxreplay.replay.tables import (
     WAIT_SLICE_S, Interrupted, ItemSpec, LimiterState, RateLimit, ReplayTimeoutError, TableDef, Tables,
     check_interrupted)
@@ -45,10 +45,6 @@ from jaxreplay.replay.tables import (
 _DONE = "DONE"  # marks a complete checkpoint, as in Reverb's
 _FORMAT = 2  # 2: tables.json holds the selectors' RNG state (format 1 had none)
 _SELECTOR_STREAM = 0x5E1EC7  # keeps the selectors' stream apart from other users of the same seed
-
-
-class DamagedCheckpoint(ValueError):
-    """A replay checkpoint with a file that is missing, cut short or changed since it was written."""
 
 
 def _sha256(data: bytes) -> str:

@@ -32,12 +32,17 @@ of it into `checkpoint_root` (where Reverb never deletes), and a restore names i
 checkpoint as the fallback of the empty staging directory. The limiter state comes
 from the server's counters, not the `reverb.Table` handed to it: once a server
 restores a checkpoint it swaps in a new table, and the old object answers for an
-empty, dead one.
+empty, dead one. Each checkpoint also holds `sha256.json`, every file's hash as Reverb wrote
+it (taken before the move), so `verify` names a file cut short or changed since before a
+server reads it: Reverb would start empty without its `DONE`, and fail deep in C++ on a
+damaged record. Checkpoints written before the hashes are checked for their `DONE` only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import queue
 import shutil
@@ -52,7 +57,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 from jaxreplay.compat import set_tf_cpu_only
-from jaxreplay.replay.backend import SampleInfo, checkpoint_path, prune_directories
+from jaxreplay.replay.backend import DamagedCheckpoint, SampleInfo, checkpoint_path, prune_directories
 from jaxreplay.replay.ports import PortClaim
 from jaxreplay.replay.rows import ItemSpec, RowLayout
 from jaxreplay.replay.tables import (
@@ -61,6 +66,7 @@ from jaxreplay.replay.tables import (
 
 ROW_FIELD = "row"  # an item's one tensor: the packed rollout row
 _DONE = "DONE"  # Reverb marks a complete checkpoint with this file.
+_HASHES = "sha256.json"  # ours, beside Reverb's files: each file's sha256 as Reverb wrote it
 _FLUSH_EVERY = 32  # rows per flush: Reverb warns past ~50 unconfirmed items
 _CHUNK_BYTES = 16 * 1024  # a sampled item brings its whole chunk, decompressed
 _MAX_POLL_S = 0.05
@@ -431,7 +437,7 @@ class ReverbServer(ReverbClient):
         restore = None if restore_from is None else os.path.abspath(
             checkpoint_path(self._checkpoint_root, restore_from))
         if restore is not None and not os.path.exists(os.path.join(restore, _DONE)):
-            raise FileNotFoundError(f"no complete Reverb checkpoint at {restore}")  # Reverb would start empty
+            raise DamagedCheckpoint(f"{restore}: no complete Reverb checkpoint (its {_DONE} is missing)")
         if self._checkpoint_root is not None:
             os.makedirs(self._checkpoint_root, exist_ok=True)
         self._claim = PortClaim(port) if port else None
@@ -469,6 +475,7 @@ class ReverbServer(ReverbClient):
         if self._checkpoint_root is None:
             raise ValueError("this Reverb server was started without a checkpoint_root")
         staged = self._client.checkpoint()
+        _write_hashes(staged)
         name = os.path.basename(staged)
         os.replace(staged, os.path.join(self._checkpoint_root, name))  # same filesystem: atomic, out of Reverb's reach
         return name
@@ -521,3 +528,46 @@ class ReverbServer(ReverbClient):
         if diffs:
             raise ValueError(f"Reverb checkpoint {path} was saved with different table settings: "
                              + "; ".join(diffs))
+
+
+# --- checkpoint files ----------------------------------------------------------------
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_hashes(path: str) -> None:
+    """Records each file of the checkpoint at `path` by its sha256, in `sha256.json` beside them."""
+    hashes = {name: _file_sha256(os.path.join(path, name)) for name in sorted(os.listdir(path)) if name != _HASHES}
+    partial = os.path.join(path, f".{_HASHES}.partial")
+    with open(partial, "w") as f:
+        json.dump(hashes, f)
+    os.replace(partial, os.path.join(path, _HASHES))
+
+
+def verify(path: str | os.PathLike) -> None:
+    """Returns once the Reverb checkpoint at `path` is complete and its files match the hashes
+    written with them (a checkpoint from before the hashes: once it is complete); else
+    `DamagedCheckpoint` naming the first file that is missing or does not match. Reads files
+    only: Reverb need not be importable here."""
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, _DONE)):
+        raise DamagedCheckpoint(f"{os.path.join(path, _DONE)}: missing (the marker of a complete Reverb checkpoint)")
+    listed = os.path.join(path, _HASHES)
+    if not os.path.exists(listed):
+        return
+    try:
+        with open(listed) as f:
+            hashes = dict(json.load(f))
+    except (ValueError, TypeError) as e:
+        raise DamagedCheckpoint(f"{listed}: not a JSON object as written ({e})") from None
+    for name, expected in hashes.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise DamagedCheckpoint(f"{file}: missing (a file of the Reverb checkpoint)")
+        if _file_sha256(file) != expected:
+            raise DamagedCheckpoint(f"{file}: its sha256 is not the one written with it (cut short or changed)")

@@ -11,6 +11,7 @@ import importlib.util
 
 from jaxreplay.config import Config, ConfigError, machine_check, owner_check
 from jaxreplay.replay.backend import Backend
+from jaxreplay.replay import inprocess, reverb_backend
 from jaxreplay.replay.inprocess import InProcessServer
 from jaxreplay.replay.reverb_backend import ReverbClient, ReverbServer
 from jaxreplay.replay.sidecar import SidecarServer, find_python
@@ -33,6 +34,17 @@ def serve(tables: Tables, *, seed: Optional[int] = None, port: int = 0, reverb_p
             return ReverbServer(tables, port=port, **kwargs)
         return SidecarServer(tables, python=reverb_python, port=port, **kwargs)
     raise ValueError(f"replay.backend: unknown backend {tables.backend!r} (reverb or inprocess)")
+
+
+def verify_checkpoint(backend: str, path: str) -> None:
+    """Returns once `backend`'s replay checkpoint at `path` matches the hashes written with it;
+    else `DamagedCheckpoint` naming the first file that does not. Reads files only."""
+    if backend == "inprocess":
+        inprocess.verify(path)
+    elif backend == "reverb":
+        reverb_backend.verify(path)
+    else:
+        raise ValueError(f"replay.backend: unknown backend {backend!r} (reverb or inprocess)")
 
 
 def reverb_client(config: Config, item_spec: ItemSpec, address: str) -> "ReverbClient | SidecarServer":

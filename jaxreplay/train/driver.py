@@ -24,11 +24,11 @@ from typing import Any, Callable, Iterator, Optional
 from jaxreplay import error_line, storage, warn
 from jaxreplay.compat import multiprocess_checkpoint_gap
 from jaxreplay.config import Config, ConfigError
-from jaxreplay.replay import inprocess
+from jaxreplay.replay.backend import DamagedCheckpoint
 from jaxreplay.replay.multiprocess import open_replay, shard_dir
 from jaxreplay.replay.ports import check_port
 from jaxreplay.replay.reader import reader_for
-from jaxreplay.replay.server import describe_reverb, serve
+from jaxreplay.replay.server import describe_reverb, serve, verify_checkpoint
 from jaxreplay.replay.tables import build_tables, resolve_backend
 from jaxreplay.replay.writer import writer_for
 from jaxreplay.rollout import rollouts
@@ -114,7 +114,7 @@ def _job_error(e: BaseException, config: Config, pid: int) -> tuple[str, str, in
         return "error", peer, 2
     own = type(e).__module__.split(".")[0] == "jaxreplay"  # its message is written to be read alone
     why = one_line(str(e)) if own and str(e) else f"{type(e).__name__}: {one_line(str(e))}"
-    bad_input = isinstance(e, (CheckpointError, inprocess.DamagedCheckpoint))  # exit 2, as the CLI's
+    bad_input = isinstance(e, (CheckpointError, DamagedCheckpoint))  # exit 2, as the CLI's
     return "error", why, 2 if bad_input else 1
 
 
@@ -222,9 +222,9 @@ def _listed_steps(run_dir: rundir.RunDir, config: Config, coord: Optional[distri
 
 def _undamaged_step(run_dir: rundir.RunDir, config: Config, coord: Optional[distributed.Coordinator],
                     log: Callable[[str], None], damaged: list[str]) -> Optional[int]:
-    """The step to resume from: the latest complete one whose meta reads and whose in-process
-    replay checkpoint (each process its own shard's; a bucket run dir's fetched first) matches
-    the hashes written with it. A damaged step is named in one line, set aside in `damaged/`,
+    """The step to resume from: the latest complete one whose meta reads and whose replay
+    checkpoint (multi-host, each process its own shard's, or Reverb's one table's; a bucket run
+    dir's fetched first) matches the hashes written with it. A damaged step is named in one line, set aside in `damaged/`,
     and the step before it taken; multi-host, a step damaged on any process is damaged on all.
     Steps were damaged and none is left: `CheckpointError`."""
     backend = resolve_backend(config.replay.backend)
@@ -289,21 +289,30 @@ def _set_aside(run_dir: rundir.RunDir, step: int, why: str, before: list[int],
 
 def _damage(run_dir: rundir.RunDir, config: Config, step: int, backend: str,
             coord: Optional[distributed.Coordinator]) -> Optional[str]:
-    """What is damaged in step `step` (its meta, or this process's in-process replay checkpoint), or None."""
+    """What is damaged in step `step` (its meta, or this process's replay checkpoint), or None."""
     checkpointer = Checkpointer(run_dir.checkpoints(), keep=config.checkpoint.keep,
                                 timeout_s=coord.timeout_s if coord is not None else None)
     try:
         names = checkpointer.meta(step).get("replay_checkpoint")
-        if names and backend == "inprocess":
-            own = f"{shard_dir(coord.process_id)}/{json.loads(names)[coord.process_id]}" if coord is not None \
-                else names
+        own = _own_replay_checkpoint(names, backend, coord)
+        if own:
             run_dir.pull_replay(own)  # a bucket run dir's, into the mirror the restore reads it from
-            inprocess.verify(run_dir / rundir.REPLAY_DIR / own)
-    except (CheckpointError, inprocess.DamagedCheckpoint) as e:
+            verify_checkpoint(backend, os.fspath(run_dir / rundir.REPLAY_DIR / own))
+    except (CheckpointError, DamagedCheckpoint) as e:
         return str(e).replace(os.fspath(run_dir.local), run_dir.url) if run_dir.remote else str(e)  # not the mirror
     finally:
         checkpointer.close()
     return None
+
+
+def _own_replay_checkpoint(names: Optional[str], backend: str, coord: Optional[distributed.Coordinator]) -> str:
+    """The replay checkpoint this process restores, under replay/ ("" if none): multi-host, its
+    shard's (in-process), or process 0's one table's (Reverb: the others hold clients)."""
+    if not names or coord is None:
+        return names or ""
+    listed = json.loads(names)
+    return f"{shard_dir(coord.process_id)}/{listed[coord.process_id]}" if backend == "inprocess" else \
+        (listed[0] if coord.is_leader else "")
 
 
 def _restore(run: Run, run_dir: rundir.RunDir, step: int, coord: Optional[distributed.Coordinator],
