@@ -404,6 +404,36 @@ def test_a_damaged_step_in_a_bucket_run_dir_is_named_and_the_step_before_it_resu
     assert json.loads(storage.read_text(storage.join(run_url, "summary.json")))["steps"] == 3
 
 
+def as_orbax_0_12_0_writes_on_a_disk(run_dir: Path, unfinished: tuple[int, ...] = ()) -> None:
+    """No step marked committed (that Orbax's rename alone finished each); the `unfinished` steps
+    without the commit time Orbax writes last, as a save cut short in a bucket leaves them."""
+    for step in run_dir.glob("checkpoints/*"):
+        (step / "commit_success.txt").unlink(missing_ok=True)
+        if int(step.name) in unfinished:
+            record = json.loads((step / "_CHECKPOINT_METADATA").read_text())
+            del record["commit_timestamp_nsecs"]
+            (step / "_CHECKPOINT_METADATA").write_text(json.dumps(record))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("unfinished", [(), (STEPS,)], ids=["all finished", "last one unfinished"])
+def test_a_run_dir_trained_on_a_disk_and_copied_into_a_bucket_resumes_from_its_latest_finished_step(
+        trained, bucket, tmp_path, unfinished):
+    """orbax-checkpoint 0.12.0 (the GPU image's) marks no step on a disk, and Orbax lists a bucket's
+    step only once it is marked: before, such a copy started afresh and wrote over its steps."""
+    from jaxreplay import storage
+
+    run_dir = copy_of(trained, tmp_path)
+    as_orbax_0_12_0_writes_on_a_disk(run_dir, unfinished)
+    run_url = storage.join(bucket, "run")
+    upload(run_dir, run_url)
+    result = cli(run_url, "train.steps=3", "run.lease_s=8", cwd=tmp_path)
+    assert result.returncode == 0 and not result.stderr.strip(), (result.stdout[-3000:], result.stderr)
+    resumed = STEPS - len(unfinished)
+    assert f"resumed from step {resumed} " in result.stdout, result.stdout[-3000:]
+    assert json.loads(storage.read_text(storage.join(run_url, "summary.json")))["steps"] == 3
+
+
 # ----------------------------------------------------------------------------------
 # A multi-host write failure: one line, exit 2, on every process
 

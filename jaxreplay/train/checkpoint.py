@@ -156,6 +156,31 @@ SETTINGS = "trained_with"  # meta's key for the run-changing settings; absent in
 CHECKSUMS = "checksums"  # meta's key for {"algorithm", "leaves": {name: digest}}; absent in steps written before it
 
 
+_COMMITTED = "commit_success.txt"  # how Orbax marks a finished step where it cannot rename (a bucket)
+_STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's; its commit time is written once every file of the step is
+
+
+def _mark_committed_copies(url: str) -> None:
+    """Marks as finished, as Orbax would have, each step in the bucket directory `url` that was
+    finished elsewhere. Orbax lists a bucket's step only once its commit_success.txt is there, and
+    deletes the others on start as unfinished; orbax-checkpoint 0.12.0 (the GPU image's) writes
+    none on a local disk, where the rename finishes a step. So a run dir trained on a disk and
+    copied into a bucket would lose every step. A step whose metadata holds its commit time is
+    whole: Orbax writes that time once the step's files are, and the marker next."""
+    if not storage.isdir(url):
+        return
+    for name in storage.listdir(url):
+        step = storage.join(url, name)
+        if not name.isdigit() or storage.exists(storage.join(step, _COMMITTED)):
+            continue
+        try:
+            committed = json.loads(storage.read_text(storage.join(step, _STEP_METADATA))).get("commit_timestamp_nsecs")
+        except (OSError, ValueError, AttributeError):  # missing or cut short: unfinished, Orbax's to delete
+            continue
+        if committed:
+            storage.write_text(storage.join(step, _COMMITTED), f"Checkpoint commit was successful to {step}")
+
+
 class Checkpointer:
     def __init__(self, directory: Any, keep: int, timeout_s: Optional[float] = None,
                  settings: Optional[dict] = None):
@@ -170,6 +195,8 @@ class Checkpointer:
         # A step killed mid-write stays a tmp directory, never listed, deleted on the next start. On a
         # bucket (no rename) steps past `keep` are deleted where they are.
         local = isinstance(self.directory, Path)
+        if not local:
+            _mark_committed_copies(str(self.directory))
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False,
