@@ -455,8 +455,7 @@ def test_a_write_failure_on_one_process_of_a_job_ends_every_process_in_one_line_
 
     def read_only_shard(i: int, argv: list[str]) -> list[str]:
         # the first save fails: no need to go further, or to warm up and evaluate long before it
-        argv = [*argv, "train.steps=2", "warmstart.steps=2", "task.eval_size=8", "train.eval_every=1000",
-                "replay.backend=inprocess"]  # each process a shard of its own (Reverb's one table is process 0's)
+        argv = [*argv, "train.steps=2", "warmstart.steps=2", "task.eval_size=8", "train.eval_every=1000"]
         if i == 0:
             return argv
         quoted = " ".join(f"'{a}'" for a in argv)

@@ -26,10 +26,10 @@ RUN = [*TINY, f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "checkpoint.k
        "replay.backend=inprocess"]
 
 
-def start(run_dir: str, *, timeout_s: float = 60, wrap=lambda i, argv: argv) -> list[subprocess.Popen]:
+def start(run_dir: str, *overrides: str, timeout_s: float = 60, wrap=lambda i, argv: argv) -> list[subprocess.Popen]:
     """One `jaxreplay train` per process; `wrap(i, argv)` may run process i inside another command."""
     address = f"127.0.0.1:{_free_port()}"
-    common = [*RUN, f"run.dir={run_dir}", "distributed.enabled=true", "distributed.num_processes=2",
+    common = [*RUN, *overrides, f"run.dir={run_dir}", "distributed.enabled=true", "distributed.num_processes=2",
               f"distributed.coordinator_address={address}", f"distributed.timeout_s={timeout_s}"]
     return [subprocess.Popen(wrap(i, [sys.executable, "-m", "jaxreplay.cli", "train", "configs/demo.yaml", *common,
                                       f"distributed.process_id={i}"]),
@@ -94,6 +94,24 @@ def test_two_processes_killed_during_a_save_resume_from_the_bucket_and_match_an_
     assert digests(run) == expected  # bit-identical to the run never interrupted
     metrics = [json.loads(line)["step"] for line in storage.read_text(storage.join(run, "metrics.jsonl")).splitlines()]
     assert metrics == sorted(set(metrics)) and metrics[-1] == STEPS  # each step once
+
+
+@pytest.mark.slow
+@pytest.mark.reverb
+def test_two_processes_on_one_reverb_table_in_a_bucket_resume_from_its_checkpoint_there(bucket):
+    """Process 0's Reverb table is uploaded with each step (before: each process pushed a shard's
+    path, where Reverb's one table has none, so no replay checkpoint reached the bucket)."""
+    run = storage.join(bucket, "reverb")
+    succeeded(finish(start(run, "train.steps=4", "replay.backend=reverb"), timeout_s=400))
+    meta = json.loads(storage.read_text(storage.join(run, "checkpoints", "4", "meta", "metadata")))
+    names = json.loads(meta["replay_checkpoint"])
+    assert names[1] == "" and storage.exists(storage.join(run, "replay", names[0], "DONE"))
+
+    # fresh mirrors: the table comes from the bucket
+    results = finish(start(run, "train.steps=6", "replay.backend=reverb"), timeout_s=400)
+    succeeded(results)
+    assert "resumed from step 4 " in results[0][1], results[0][1][-3000:]
+    assert json.loads(storage.read_text(storage.join(run, "summary.json")))["steps"] == 6
 
 
 def test_a_pod_whose_workers_have_private_disks_ends_at_start_up_naming_run_dir(tmp_path):

@@ -177,6 +177,15 @@ def shard_dir(process_id: int) -> str:
     return f"shard-{process_id}"
 
 
+def checkpoint_paths(backend: str, names: Sequence[str]) -> list[str]:
+    """Where each process's replay checkpoint lies under the replay checkpoint root, given the
+    names `checkpoint` returned on each (process order): each in-process shard's in its shard's
+    directory; Reverb's one table's, process 0's, at the root ("" for the others: they hold none)."""
+    if backend == "inprocess":
+        return [f"{shard_dir(i)}/{name}" for i, name in enumerate(names)]
+    return list(names)
+
+
 class ShardedReplay:
     """This process's shard of the rollout table, and the global limiter view over all shards."""
 

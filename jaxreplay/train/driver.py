@@ -25,7 +25,7 @@ from jaxreplay import error_line, storage, warn
 from jaxreplay.compat import multiprocess_checkpoint_gap
 from jaxreplay.config import Config, ConfigError
 from jaxreplay.replay.backend import DamagedCheckpoint
-from jaxreplay.replay.multiprocess import open_replay, shard_dir
+from jaxreplay.replay.multiprocess import checkpoint_paths, open_replay
 from jaxreplay.replay.ports import check_port
 from jaxreplay.replay.reader import reader_for
 from jaxreplay.replay.server import describe_reverb, serve, verify_checkpoint
@@ -294,7 +294,7 @@ def _damage(run_dir: rundir.RunDir, config: Config, step: int, backend: str,
                                 timeout_s=coord.timeout_s if coord is not None else None)
     try:
         names = checkpointer.meta(step).get("replay_checkpoint")
-        own = _own_replay_checkpoint(names, backend, coord)
+        own = checkpoint_paths(backend, json.loads(names))[coord.process_id] if names and coord is not None else names
         if own:
             run_dir.pull_replay(own)  # a bucket run dir's, into the mirror the restore reads it from
             verify_checkpoint(backend, os.fspath(run_dir / rundir.REPLAY_DIR / own))
@@ -303,16 +303,6 @@ def _damage(run_dir: rundir.RunDir, config: Config, step: int, backend: str,
     finally:
         checkpointer.close()
     return None
-
-
-def _own_replay_checkpoint(names: Optional[str], backend: str, coord: Optional[distributed.Coordinator]) -> str:
-    """The replay checkpoint this process restores, under replay/ ("" if none): multi-host, its
-    shard's (in-process), or process 0's one table's (Reverb: the others hold clients)."""
-    if not names or coord is None:
-        return names or ""
-    listed = json.loads(names)
-    return f"{shard_dir(coord.process_id)}/{listed[coord.process_id]}" if backend == "inprocess" else \
-        (listed[0] if coord.is_leader else "")
 
 
 def _restore(run: Run, run_dir: rundir.RunDir, step: int, coord: Optional[distributed.Coordinator],

@@ -29,8 +29,8 @@ from tqdm import tqdm
 from jaxreplay.config import Config
 from jaxreplay.models import sharding
 from jaxreplay.replay.limiter import LimiterState
-from jaxreplay.replay.multiprocess import shard_dir
-from jaxreplay.replay.tables import ReplayTimeoutError
+from jaxreplay.replay.multiprocess import checkpoint_paths
+from jaxreplay.replay.tables import ReplayTimeoutError, resolve_backend
 from jaxreplay.rollout import rollouts
 from jaxreplay.rollout.actor import Position, rollout_stats, waiting_capacity
 from jaxreplay.train.accounting import Accounting
@@ -366,7 +366,8 @@ class Run:
         p.replay_checkpoint = replay_checkpoint()
         if self.run_dir is not None:  # in the bucket before the step that covers them (a resume drops rows past it)
             self.run_dir.sync()
-            self.run_dir.push_replay(self.own_replay_checkpoint(p.replay_checkpoint))
+            if own := self.own_replay_checkpoint(p.replay_checkpoint):
+                self.run_dir.push_replay(own)
         p.time_replay_s += time.perf_counter() - t0
         if self.stack.stream is not None and self.placement.kind == "multihost":
             p.engine_positions = self._every_position()
@@ -374,7 +375,7 @@ class Run:
         kept = self.checkpointer.replay_checkpoints()
         prune(kept)
         if self.run_dir is not None and self.placement.is_leader:
-            self.run_dir.prune_replay(path for names in kept for path in self._replay_paths(names))
+            self.run_dir.prune_replay(path for names in kept for path in self._replay_paths(names) if path)
         self.last_saved = (p.learner_step, time.perf_counter())
 
     def _every_position(self) -> list:
@@ -387,17 +388,20 @@ class Run:
 
     def own_replay_checkpoint(self, saved: Optional[str]) -> Optional[str]:
         """This process's replay checkpoint among those a step names, as a path under the run dir's
-        replay/ (multi-host: each process's in its shard's directory)."""
-        paths = self._replay_paths(saved)
-        return paths[self.placement.process_id] if self.placement.kind == "multihost" and paths else \
-            (paths[0] if paths else None)
+        replay/ (multi-host: `checkpoint_paths`), or None where it holds none."""
+        if not saved:
+            return None
+        if self.placement.kind != "multihost":
+            return saved
+        return self._replay_paths(saved)[self.placement.process_id] or None
 
     def _replay_paths(self, saved: Optional[str]) -> list[str]:
+        """Every process's replay checkpoint a step names (multi-host: "" for a process that holds none)."""
         if not saved:
             return []
         if self.placement.kind != "multihost":
             return [saved]
-        return [f"{shard_dir(i)}/{name}" for i, name in enumerate(json.loads(saved))]
+        return checkpoint_paths(resolve_backend(self.config.replay.backend), json.loads(saved))
 
     def stop(self, signum: int, save: Callable[[], None], during: str = "") -> Preempted:
         """On a stop signal: `save()` the final checkpoint where a learner step ran since the
