@@ -52,9 +52,10 @@ def run_episodes(overrides=(), advances=40, params_seed=0, prefill_answers=True,
                  sharpen=1.0, stop_ids=None, until=None, deadline_s=120.0):
     """Rows of the groups that complete in `advances` chunks under fixed random weights, and
     after them, while `until(stats)` is false, in more chunks for up to `deadline_s` seconds
-    (what waits on wall-clock timeouts needs); `engine_stats`, a list, gets the engine's counters. With a `mesh`, the engine's pool and the
-    weights lie on it. `sharpen` scales the final norm (the logits): draws no sharded
-    reduction's last bits can flip. `stop_ids` end a turn (default: the tokenizer's EOS)."""
+    (what waits on wall-clock timeouts needs); `engine_stats`, a list, gets the engine's
+    counters. With a `mesh`, the engine's pool and the weights lie on it. `sharpen` scales the
+    final norm (the logits): draws no sharded reduction's last bits can flip. `stop_ids` end a
+    turn (default: the tokenizer's EOS)."""
     config = load_config(DEMO_MT, [*TINY_MT, *overrides])
     task = make_task(config.task)
     graphdef, params = init_params(config.model, params_seed)

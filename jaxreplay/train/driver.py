@@ -224,9 +224,9 @@ def _undamaged_step(run_dir: rundir.RunDir, config: Config, coord: Optional[dist
                     log: Callable[[str], None], damaged: list[str]) -> Optional[int]:
     """The step to resume from: the latest complete one whose meta reads and whose replay
     checkpoint (multi-host, each process its own shard's, or Reverb's one table's; a bucket run
-    dir's fetched first) matches the hashes written with it. A damaged step is named in one line, set aside in `damaged/`,
-    and the step before it taken; multi-host, a step damaged on any process is damaged on all.
-    Steps were damaged and none is left: `CheckpointError`."""
+    dir's fetched first) matches the hashes written with it. A damaged step is named in one
+    line, set aside in `damaged/`, and the step before it taken; multi-host, a step damaged on
+    any process is damaged on all. Steps were damaged and none is left: `CheckpointError`."""
     backend = resolve_backend(config.replay.backend)
     while True:
         steps = _listed_steps(run_dir, config, coord, attempt=len(damaged))
