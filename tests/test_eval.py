@@ -2,6 +2,7 @@
 equal to those of the same weights exported as a Hugging Face directory."""
 
 import json
+import shutil
 from math import comb
 from pathlib import Path
 
@@ -139,12 +140,20 @@ def test_export_of_a_policy_without_adapters_removes_an_earlier_exports_adapters
             assert sorted(p.name for p in adapter.iterdir()) == [keep]
 
 @pytest.mark.slow
-def test_eval_of_a_bucket_run_dir_reads_its_config_yaml(trained, bucket, tmp_path):
-    """The same run dir in a bucket (gs://, the GCS emulator): the same results as on disk."""
+@pytest.mark.parametrize("marked", [True, False], ids=["steps marked", "steps unmarked as orbax 0.12.0 leaves them"])
+def test_eval_of_a_bucket_run_dir_reads_its_config_yaml(trained, bucket, tmp_path, marked):
+    """The same run dir in a bucket (gs://, the GCS emulator): the same results as on disk, also
+    where its Orbax marked no step finished on the disk (orbax-checkpoint 0.12.0, the GPU image's)."""
     from jaxreplay import storage
 
     run_dir, _ = trained
-    storage.upload(run_dir, bucket)
+    if not marked:
+        shutil.copytree(run_dir, tmp_path / "copy")
+        for marker in (tmp_path / "copy").glob("checkpoints/*/commit_success.txt"):
+            marker.unlink()
+        storage.upload(tmp_path / "copy", bucket)
+    else:
+        storage.upload(run_dir, bucket)
     assert main(["eval", bucket, "--out", str(tmp_path / "bucket.json")]) == 0
     assert main(["eval", str(run_dir), "--out", str(tmp_path / "disk.json")]) == 0
     assert _results(tmp_path / "bucket.json") == _results(tmp_path / "disk.json")

@@ -160,14 +160,15 @@ _COMMITTED = "commit_success.txt"  # how Orbax marks a finished step where it ca
 _STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's; its commit time is written once every file of the step is
 
 
-def _mark_committed_copies(url: str) -> None:
+def _mark_committed_copies(url: str, *, reader: bool = False) -> None:
     """Marks as finished, as Orbax would have, each step in the bucket directory `url` that was
     finished elsewhere. Orbax lists a bucket's step only once its commit_success.txt is there, and
     deletes the others on start as unfinished; orbax-checkpoint 0.12.0 (the GPU image's) writes
     none on a local disk, where the rename finishes a step. So a run dir trained on a disk and
     copied into a bucket would lose every step. A step whose metadata holds its commit time is
-    whole: Orbax writes that time once the step's files are, and the marker next."""
-    if not storage.isdir(url):
+    whole: Orbax writes that time once the step's files are, and the marker next. A `reader`
+    (eval, export) may hold read-only access: where it cannot write, the step stays unlisted."""
+    if not storage.is_url(url) or not storage.isdir(url):
         return
     for name in storage.listdir(url):
         step = storage.join(url, name)
@@ -177,8 +178,20 @@ def _mark_committed_copies(url: str) -> None:
             committed = json.loads(storage.read_text(storage.join(step, _STEP_METADATA))).get("commit_timestamp_nsecs")
         except (OSError, ValueError, AttributeError):  # missing or cut short: unfinished, Orbax's to delete
             continue
-        if committed:
+        if not committed:
+            continue
+        try:
             storage.write_text(storage.join(step, _COMMITTED), f"Checkpoint commit was successful to {step}")
+        except Exception:  # noqa: BLE001 - whatever the client raises for a denied write
+            if not reader:
+                raise
+
+
+def _reading_manager(directory: str | Path) -> ocp.CheckpointManager:
+    """An Orbax manager that only reads `directory` (no pruning, no tidying), listing a bucket's
+    steps finished elsewhere (`_mark_committed_copies`)."""
+    _mark_committed_copies(str(directory), reader=True)
+    return ocp.CheckpointManager(storage.orbax_path(directory))
 
 
 class Checkpointer:
@@ -354,7 +367,7 @@ def restore_params(path: str | Path, params_like: Any) -> Any:
 
 def read_meta(directory: str | Path, step: int) -> dict:
     """Step `step`'s `meta` item alone, read without a `Checkpointer` (which would prune and tidy)."""
-    manager = ocp.CheckpointManager(storage.orbax_path(directory))
+    manager = _reading_manager(directory)
     try:
         with _unreadable(directory, step):
             return dict(manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
@@ -366,7 +379,7 @@ def restore_policy_params(directory: str | Path, params_like: Any, step: Optiona
     """(params, step) of a training checkpoint, read alone: evaluation needs neither the
     optimizer state nor the waiting rollouts. `params_like` may be abstract (shapes,
     dtypes, shardings); the default device is used where it has no sharding."""
-    manager = ocp.CheckpointManager(storage.orbax_path(directory))
+    manager = _reading_manager(directory)
     try:
         step = manager.latest_step() if step is None else step
         if step is None or step not in manager.all_steps():
