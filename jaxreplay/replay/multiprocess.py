@@ -177,13 +177,24 @@ def shard_dir(process_id: int) -> str:
     return f"shard-{process_id}"
 
 
-def checkpoint_paths(backend: str, names: Sequence[str]) -> list[str]:
-    """Where each process's replay checkpoint lies under the replay checkpoint root, given the
-    names `checkpoint` returned on each (process order): each in-process shard's in its shard's
-    directory; Reverb's one table's, process 0's, at the root ("" for the others: they hold none)."""
-    if backend == "inprocess":
-        return [f"{shard_dir(i)}/{name}" for i, name in enumerate(names)]
-    return list(names)
+def checkpoint_paths(backend: str, saved: Optional[str], multihost: bool) -> list[str]:
+    """Where each process's replay checkpoint lies under the replay checkpoint root, given a
+    step's record of them (`saved`: the one name, or multi-host a JSON list of the names
+    `checkpoint` returned, in process order): each in-process shard's in its shard's directory;
+    Reverb's one table's, process 0's, at the root ("" for the others: they hold none)."""
+    if not saved:
+        return []
+    if not multihost:
+        return [saved]
+    names = json.loads(saved)
+    return [f"{shard_dir(i)}/{name}" for i, name in enumerate(names)] if backend == "inprocess" else names
+
+
+def own_checkpoint_path(backend: str, saved: Optional[str], process_id: Optional[int]) -> Optional[str]:
+    """This process's path among `checkpoint_paths` (`process_id`: None on one host), or None
+    where it holds none."""
+    paths = checkpoint_paths(backend, saved, multihost=process_id is not None)
+    return (paths[process_id or 0] or None) if paths else None
 
 
 class ShardedReplay:

@@ -208,8 +208,7 @@ class Checkpointer:
         # A step killed mid-write stays a tmp directory, never listed, deleted on the next start. On a
         # bucket (no rename) steps past `keep` are deleted where they are.
         local = isinstance(self.directory, Path)
-        if not local:
-            _mark_committed_copies(str(self.directory))
+        _mark_committed_copies(str(self.directory))
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False,

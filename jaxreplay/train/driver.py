@@ -25,7 +25,7 @@ from jaxreplay import error_line, storage, warn
 from jaxreplay.compat import multiprocess_checkpoint_gap
 from jaxreplay.config import Config, ConfigError
 from jaxreplay.replay.backend import DamagedCheckpoint
-from jaxreplay.replay.multiprocess import checkpoint_paths, open_replay
+from jaxreplay.replay.multiprocess import open_replay, own_checkpoint_path
 from jaxreplay.replay.ports import check_port
 from jaxreplay.replay.reader import reader_for
 from jaxreplay.replay.server import describe_reverb, serve, verify_checkpoint
@@ -294,7 +294,7 @@ def _damage(run_dir: rundir.RunDir, config: Config, step: int, backend: str,
                                 timeout_s=coord.timeout_s if coord is not None else None)
     try:
         names = checkpointer.meta(step).get("replay_checkpoint")
-        own = checkpoint_paths(backend, json.loads(names))[coord.process_id] if names and coord is not None else names
+        own = own_checkpoint_path(backend, names, coord.process_id if coord is not None else None)
         if own:
             run_dir.pull_replay(own)  # a bucket run dir's, into the mirror the restore reads it from
             verify_checkpoint(backend, os.fspath(run_dir / rundir.REPLAY_DIR / own))

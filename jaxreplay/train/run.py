@@ -29,7 +29,7 @@ from tqdm import tqdm
 from jaxreplay.config import Config
 from jaxreplay.models import sharding
 from jaxreplay.replay.limiter import LimiterState
-from jaxreplay.replay.multiprocess import checkpoint_paths
+from jaxreplay.replay.multiprocess import checkpoint_paths, own_checkpoint_path
 from jaxreplay.replay.tables import ReplayTimeoutError, resolve_backend
 from jaxreplay.rollout import rollouts
 from jaxreplay.rollout.actor import Position, rollout_stats, waiting_capacity
@@ -388,20 +388,15 @@ class Run:
 
     def own_replay_checkpoint(self, saved: Optional[str]) -> Optional[str]:
         """This process's replay checkpoint among those a step names, as a path under the run dir's
-        replay/ (multi-host: `checkpoint_paths`), or None where it holds none."""
-        if not saved:
-            return None
-        if self.placement.kind != "multihost":
-            return saved
-        return self._replay_paths(saved)[self.placement.process_id] or None
+        replay/ (`own_checkpoint_path`), or None where it holds none."""
+        multihost = self.placement.kind == "multihost"
+        return own_checkpoint_path(resolve_backend(self.config.replay.backend), saved,
+                                   self.placement.process_id if multihost else None)
 
     def _replay_paths(self, saved: Optional[str]) -> list[str]:
         """Every process's replay checkpoint a step names (multi-host: "" for a process that holds none)."""
-        if not saved:
-            return []
-        if self.placement.kind != "multihost":
-            return [saved]
-        return checkpoint_paths(resolve_backend(self.config.replay.backend), json.loads(saved))
+        return checkpoint_paths(resolve_backend(self.config.replay.backend), saved,
+                                multihost=self.placement.kind == "multihost")
 
     def stop(self, signum: int, save: Callable[[], None], during: str = "") -> Preempted:
         """On a stop signal: `save()` the final checkpoint where a learner step ran since the
