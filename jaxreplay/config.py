@@ -396,16 +396,29 @@ class TrainConfig:
     # disaggregated mode: learner steps between weight pushes to the actor (k)
     weight_sync_every: int = 1
     # `grpo` (PPO-clipped ratio on the frozen behaviour log-probs), `tis` (truncated importance sampling: gradient
-    # min(ratio, `tis_cap`)·A·∇log π), `asymre` (REINFORCE, no ratio, advantage r − (V + dV))
-    loss: Literal["grpo", "tis", "asymre"] = "grpo"
+    # min(ratio, `tis_cap`)·A·∇log π), `asymre` (REINFORCE, no ratio, advantage r − (V + dV)); off-policy corrections
+    # (docs/comparing.md): `grpo_tis` (token TIS times the PPO clip, verl/SkyRL), `seq_mask` (the paper's loss, rows
+    # whose geometric-mean ratio leaves [`seq_mask_low`, `seq_mask_high`] dropped), `m2po` (second-moment token mask),
+    # `decoupled` (AReaL's decoupled PPO)
+    loss: Literal["grpo", "tis", "asymre", "grpo_tis", "seq_mask", "m2po", "decoupled"] = "grpo"
     # frozen at generation: `group_normalized` (GRPO), `group_centered` (Dr.GRPO, no std), `leave_one_out` (RLOO);
     # `asymre` needs one of the last two
     advantage: Literal["group_normalized", "group_centered", "leave_one_out"] = "group_normalized"
     # `token_mean` (DAPO: every completion token weighs the same), `sequence_mean` (GRPO: per completion, then over
     # the batch), `constant` (Dr.GRPO: token sum / (B · `sampling.max_new_tokens`))
     loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
-    # ratio cap of `tis`
+    # ratio cap of `tis` and `grpo_tis` (> 1)
     tis_cap: float = 2.0
+    # `seq_mask`: a row whose geometric-mean token ratio π_θ/π_behaviour is below this is dropped from the loss
+    seq_mask_low: float = 0.8
+    # `seq_mask`: a row whose geometric-mean token ratio is above this is dropped (> `seq_mask_low`)
+    seq_mask_high: float = 1.25
+    # `m2po`: the tokens of largest squared log-ratio are masked until the batch's mean squared log-ratio is at most
+    # this (M2PO's τ)
+    m2po_threshold: float = 0.04
+    # `decoupled`: a token whose weight π_prox/π_behaviour exceeds this is dropped (AReaL's `behav_imp_weight_cap`;
+    # > 1)
+    decoupled_weight_cap: float = 5.0
     # dV of `asymre`: the baseline is V + dV (V = group mean)
     asymre_delta_v: float = -0.1
     # rows per forward/backward pass, gradients summed over the batch (0: the whole batch); divides
@@ -930,7 +943,9 @@ RANGES: dict[str, Interval] = {
     "train.adam_b2": Interval(0, 1, hi_open=True), "train.grad_clip": POSITIVE,
     "train.max_nonfinite_steps": POSITIVE, "train.eps_low": Interval(0, 1, hi_open=True),
     "train.eps_high": NON_NEGATIVE, "train.kl_coef": NON_NEGATIVE, "train.eval_every": POSITIVE,
-    "train.weight_sync_every": POSITIVE, "train.tis_cap": POSITIVE, "train.micro_batch_size": NON_NEGATIVE,
+    "train.weight_sync_every": POSITIVE, "train.tis_cap": Interval(1, lo_open=True),
+    "train.seq_mask_low": NON_NEGATIVE, "train.seq_mask_high": POSITIVE, "train.m2po_threshold": POSITIVE,
+    "train.decoupled_weight_cap": Interval(1, lo_open=True), "train.micro_batch_size": NON_NEGATIVE,
     "train.logits_chunk_size": NON_NEGATIVE,
     "checkpoint.every": POSITIVE, "checkpoint.every_seconds": NON_NEGATIVE, "checkpoint.keep": POSITIVE,
     "mesh.actor_devices": NON_NEGATIVE, "mesh.actor_tensor": POSITIVE,  # data/fsdp/tensor: _validate_mesh
@@ -999,6 +1014,9 @@ def validate(c: Config, local: bool = True) -> None:
     _validate_lora(m.lora)
     _require(t.loss != "asymre" or t.advantage != "group_normalized", "train.advantage",
              "AsymRE needs r - V: use group_centered or leave_one_out, not group_normalized")
+    _require(t.seq_mask_low < t.seq_mask_high, "train.seq_mask_high",
+             f"must exceed train.seq_mask_low ({t.seq_mask_low}): the interval [{t.seq_mask_low}, {t.seq_mask_high}] "
+             "keeps no row")
     _require(t.micro_batch_size == 0 or t.batch_size % t.micro_batch_size == 0, "train.micro_batch_size",
              f"{t.micro_batch_size} does not divide train.batch_size={t.batch_size}")
     _require(c.run.dir != "", "run.dir", "must not be empty")
