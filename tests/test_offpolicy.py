@@ -176,3 +176,26 @@ def test_the_train_step_reports_by_age_from_its_own_forward_pass_with_or_without
         assert results[1][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
     assert results[0]["by_age/1/rows"] == 3 and results[0]["by_age/16+/ratio_p99"] == pytest.approx(1.0, abs=1e-5)
     assert results[0]["by_age/0/ess_frac"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_the_report_plots_each_arms_clip_fraction_and_kl_against_age(tmp_path):
+    from jaxreplay.research import report_age
+    from jaxreplay.research.report_data import READ_KEYS, RunData, Setting, trimmed_metrics
+
+    def step(n, rows):
+        return {"step": n, **{staleness.key(b, s): v for b, (r, lo, hi, k) in rows.items()
+                              for s, v in zip(("rows", "clipfrac_low", "clipfrac_high", "kl_k3"), (r, lo, hi, k))}}
+
+    # Bucket 1 has 3 rows at step 1 and 1 row at step 2: weighed 3:1. Bucket 2-3 appears once.
+    records = [{"step": 0}, step(1, {"0": (4, 0.0, 0.1, 1e-3), "1": (3, 0.2, 0.2, 0.01)}),
+               step(2, {"0": (6, 0.0, 0.0, 1e-3), "1": (1, 0.6, 0.2, 0.05), "2-3": (1, 0.5, 0.5, 0.3)})]
+    run = RunData(dir=None, config={}, records=records)
+    clip = report_age.run_profile(run, ("clipfrac_low", "clipfrac_high"))
+    assert clip.keys() == {"0", "1", "2-3"}
+    assert clip["1"] == pytest.approx((3 * 0.4 + 1 * 0.8) / 4) and clip["0"] == pytest.approx(0.4 / 10)
+    assert all(k in READ_KEYS for r in records for k in r)  # a trimmed run keeps what the figures read
+    assert trimmed_metrics(records).count("by_age/1/kl_k3") == 2
+    written = report_age.write([Setting("replay", [run])], tmp_path, "p_")
+    assert [p.name for p, _ in written] == ["p_age_clipfrac.png", "p_age_kl.png"]
+    assert all(p.stat().st_size > 0 for p, _ in written)
+    assert report_age.write([Setting("old", [RunData(dir=None, config={}, records=[{"step": 1}])])], tmp_path) == []

@@ -27,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxreplay.config import Config
-from jaxreplay.learn import staleness
+from jaxreplay.learn.staleness import KEY as BY_AGE, records as by_age_records
 from jaxreplay.models import sharding
 from jaxreplay.replay.limiter import LimiterState
 from jaxreplay.replay.multiprocess import checkpoint_paths, own_checkpoint_path
@@ -268,7 +268,7 @@ class Run:
         self.params, self.opt_state, step_metrics = self.stack.train_step(
             self.params, self.opt_state, self.placement.learner_batch(aged), self.stack.ref_params)
         step_metrics = jax.device_get(jax.block_until_ready(step_metrics))
-        by_age = staleness.records(step_metrics.pop(staleness.KEY))
+        by_age = by_age_records(step_metrics.pop(BY_AGE))
         seconds = time.perf_counter() - t0
         # The records describe the whole batch (multi-host: every process's rows).
         batch = self.placement.every_process({**batch, "times_sampled": np.asarray(times_sampled)})
