@@ -131,8 +131,8 @@ class ModelConfig:
     # `max_seq_len` and the dtypes is ignored) and the initial weights from its safetensors
     hf_path: Optional[str] = None
     # the architecture alone, for `jaxreplay compile` when `model.hf_path` is not given: a directory holding a
-    # config.json, or a shipped one: `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-3b`, `qwen2.5-7b`, `qwen3-0.6b`
-    # (jaxreplay/models/architectures)
+    # config.json, or a shipped one: `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-3b`, `qwen2.5-7b`, `qwen3-0.6b`,
+    # `gemma3-1b`, `gemma3-4b` (jaxreplay/models/architectures)
     hf_config: Optional[str] = None
     # LoRA: train low-rank adapters on these modules and freeze the rest (docs/lora.md)
     lora: LoraConfig = field(default_factory=LoraConfig)
