@@ -58,7 +58,7 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama/Qwen2/Qwen3-family decoder."""
+    """A Llama/Qwen2/Qwen3/Gemma 2/Gemma 3-family decoder."""
 
     # embedding rows (≥ the tokenizer's vocabulary)
     vocab_size: int = 32
@@ -80,8 +80,11 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     # Llama 3.1+ RoPE scaling (HF `rope_type: llama3`): wavelengths above `rope_original_max_len` /
     # `rope_low_freq_factor` are slowed by this factor, those below `rope_original_max_len` /
-    # `rope_high_freq_factor` kept, those between interpolated; 1 = plain RoPE
+    # `rope_high_freq_factor` kept, those between interpolated; 1 = plain RoPE. With `rope_scaling_type: linear`
+    # every frequency is divided by it (HF `rope_type: linear`, Gemma 3's global layers)
     rope_scaling_factor: float = 1.0
+    # how `rope_scaling_factor` scales the (global layers') RoPE: `llama3` or `linear`
+    rope_scaling_type: Literal["llama3", "linear"] = "llama3"
     # Llama 3.1+ RoPE scaling: wavelengths above `rope_original_max_len` / this are slowed by `rope_scaling_factor`
     rope_low_freq_factor: float = 1.0
     # Llama 3.1+ RoPE scaling: wavelengths below `rope_original_max_len` / this are kept
@@ -94,19 +97,42 @@ class ModelConfig:
     tie_embeddings: bool = True
     # bias on q/k/v projections (Qwen2)
     attention_bias: bool = False
-    # RMSNorm on queries and keys (Qwen3)
+    # RMSNorm on queries and keys (Qwen3, Gemma 3)
     qk_norm: bool = False
+    # the MLP's gate activation: `silu` (SwiGLU: Llama, Qwen) or `gelu_tanh` (GeGLU with tanh-approximated GELU:
+    # Gemma's `gelu_pytorch_tanh`)
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
+    # RMSNorm scales by (1 + scale), its scale initialised to 0 (Gemma)
+    norm_plus_one: bool = False
+    # Gemma's four norms per block: the attention's and the MLP's outputs are normed too, before each joins the
+    # residual stream
+    post_norms: bool = False
+    # multiply the token embeddings by sqrt(d_model), in the compute dtype (Gemma)
+    scale_embeddings: bool = False
+    # attention scores are scaled by this ** -0.5 (Gemma's `query_pre_attn_scalar`); null: `head_dim`
+    query_pre_attn_scalar: Optional[int] = None
+    # attention scores pass through cap * tanh(score / cap) before the mask (Gemma 2); null: no cap
+    attn_logit_softcap: Optional[float] = None
+    # final logits pass through cap * tanh(logit / cap) (Gemma 2); null: no cap
+    final_logit_softcap: Optional[float] = None
+    # local (sliding-window) layers see the last this many tokens, their own included; null: every layer is global
+    sliding_window: Optional[int] = None
+    # with `sliding_window`, layer i (from 0) is global when (i + 1) is a multiple of this and local otherwise
+    # (Gemma 2: 2, Gemma 3: 6); 1: every layer global
+    sliding_window_pattern: int = 1
+    # the RoPE base of the local layers, never scaled (Gemma 3's `rope_local_base_freq`); null: `rope_theta`
+    rope_local_theta: Optional[float] = None
     # dtype of the parameters: float32, bfloat16 or float16
     param_dtype: DType = "float32"
     # dtype of activations and matmuls: float32, bfloat16 or float16
     compute_dtype: DType = "float32"
-    # a local Hugging Face model directory (Llama, Qwen2 or Qwen3; config.json, safetensors, tokenizer), or a gs://
-    # URL: the architecture comes from its config.json (every `model.*` key above except `max_seq_len` and the
-    # dtypes is ignored) and the initial weights from its safetensors
+    # a local Hugging Face model directory (Llama, Qwen2, Qwen3, Gemma 2 or Gemma 3 text; config.json, safetensors,
+    # tokenizer), or a gs:// URL: the architecture comes from its config.json (every `model.*` key above except
+    # `max_seq_len` and the dtypes is ignored) and the initial weights from its safetensors
     hf_path: Optional[str] = None
     # the architecture alone, for `jaxreplay compile` when `model.hf_path` is not given: a directory holding a
-    # config.json, or a shipped one: `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-3b`, `qwen2.5-7b`, `qwen3-0.6b`
-    # (jaxreplay/models/architectures)
+    # config.json, or a shipped one: `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-3b`, `qwen2.5-7b`, `qwen3-0.6b`,
+    # `gemma3-1b`, `gemma3-4b` (jaxreplay/models/architectures)
     hf_config: Optional[str] = None
     # LoRA: train low-rank adapters on these modules and freeze the rest (docs/lora.md)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -920,6 +946,9 @@ RANGES: dict[str, Interval] = {
     "model.max_seq_len": POSITIVE, "model.rope_theta": POSITIVE, "model.rope_scaling_factor": Interval(1),
     "model.rope_low_freq_factor": POSITIVE, "model.rope_high_freq_factor": POSITIVE,
     "model.rope_original_max_len": POSITIVE, "model.norm_eps": POSITIVE,
+    "model.query_pre_attn_scalar": POSITIVE, "model.attn_logit_softcap": POSITIVE,
+    "model.final_logit_softcap": POSITIVE, "model.sliding_window": POSITIVE, "model.sliding_window_pattern": POSITIVE,
+    "model.rope_local_theta": POSITIVE,
     "task.eval_size": POSITIVE, "task.data_seed": NON_NEGATIVE, "task.validation_size": NON_NEGATIVE,
     "task.train_size": NON_NEGATIVE, "task.warmstart_size": NON_NEGATIVE,
     "warmstart.steps": NON_NEGATIVE, "warmstart.batch_size": POSITIVE, "warmstart.learning_rate": POSITIVE,
