@@ -472,9 +472,11 @@ def _serve(args: argparse.Namespace, config) -> int:
     from jaxreplay.models.hf import family_of
     from jaxreplay.serve.app import ServerSettings
     from jaxreplay.serve.protocol import Limits
-    from jaxreplay.serve.run import make_worker, run_server
+    from jaxreplay.serve.run import bearer_token, make_worker, run_server
     from jaxreplay.serve.worker import Draw
     from jaxreplay.train.eval import load_policy
+
+    bearer_token(args.host)  # refused before any loading: another address than loopback needs a token
 
     cfg, graphdef, params, tokenizer, source = load_policy(config, checkpoint=args.checkpoint, hf=args.hf,
                                                            step=args.step)

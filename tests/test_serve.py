@@ -286,3 +286,27 @@ def test_sigterm_refuses_new_requests_ends_those_in_flight_and_exits_0(live):
     assert live.process.wait(60) == 0
     assert refused in (503, "closed")
     assert {c["finish_reason"] for c in results["body"]["choices"]} <= {"stop", "length", "abort"}
+
+
+def test_another_address_than_loopback_needs_a_bearer_token_and_routes_check_it(monkeypatch):
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from jaxreplay.cli import main
+    from jaxreplay.serve.app import Server, ServerSettings
+    from jaxreplay.serve.protocol import Limits
+
+    monkeypatch.delenv("JAXREPLAY_SERVE_TOKEN", raising=False)
+    assert main(["serve", str(ROOT / "configs" / "demo.yaml"), "--hf", "/nonexistent", "--host", "0.0.0.0"]) == 2
+
+    async def ask():
+        server = Server(None, None, Limits(8, 8, 1, 32), ServerSettings(model_id="m", call_format="qwen", token="s3"))
+        async with TestClient(TestServer(server.app())) as http:
+            bare = await http.get("/v1/models")
+            wrong = await http.get("/v1/models", headers={"Authorization": "Bearer nope"})
+            right = await http.get("/v1/models", headers={"Authorization": "Bearer s3"})
+            return bare.status, wrong.status, right.status, (await bare.json())["error"]["message"]
+
+    bare, wrong, right, message = asyncio.run(ask())
+    assert (bare, wrong, right) == (401, 401, 200) and "bearer token" in message

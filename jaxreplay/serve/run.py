@@ -59,13 +59,18 @@ def warm_up(worker: EngineWorker, draw: Draw, prompt: list[int]) -> None:
         raise ServeError(f"the engine failed in its warm-up: {worker.error}")
 
 
+def bearer_token(host: str) -> Optional[str]:
+    """The token clients must send (from TOKEN_ENV); refused without one for an address other than loopback."""
+    token = os.environ.get(TOKEN_ENV) or None
+    if host not in LOOPBACK and token is None:
+        raise ServeError(f"binding {host} (not loopback) needs a bearer token: set {TOKEN_ENV} (docs/security.md)")
+    return token
+
+
 def run_server(worker: EngineWorker, tokenizer: Any, limits: Limits, settings: ServerSettings, *, host: str,
                port: int, warm_draw: Draw, say=print) -> int:
     """Serves until SIGTERM/SIGINT; 0 when it shut down cleanly."""
-    settings.token = settings.token or os.environ.get(TOKEN_ENV) or None
-    if host not in LOOPBACK and not settings.token:
-        raise ServeError(f"binding {host} (not loopback) needs a bearer token: set {TOKEN_ENV} "
-                         f"(docs/security.md)")
+    settings.token = bearer_token(host)
     worker.start()
     warm_up(worker, warm_draw, [int(tokenizer.eos_id)])
     server = Server(worker, tokenizer, limits, settings)
