@@ -12,6 +12,7 @@ finish_reason "abort"), and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -283,8 +284,9 @@ class Server:
                     self.worker.cancel(gens[k])
 
     async def _finish(self, request: web.Request, gens: list[Generation]) -> None:
-        async for k, i, choice in self._events(request, gens):
-            gens[k].replies[i] = choice
+        async with contextlib.aclosing(self._events(request, gens)) as events:  # left early: rows stopped now
+            async for k, i, choice in events:
+                gens[k].replies[i] = choice
 
     def _usage(self, gens: list[Generation]) -> dict:
         total = [protocol.usage(len(g.prompt), g.replies) for g in gens]
@@ -313,27 +315,31 @@ class Server:
         for k, g in enumerate(gens):
             for i in range(g.n):
                 index_of[(k, i)] = len(index_of)
-        async for k, i, c in self._events(request, gens):
-            gens[k].replies[i] = c
-            final = c.finish_reason is not None
-            if final:
-                text = protocol.visible_text(self.tokenizer, c)
-            elif hold_text:
-                continue
-            else:
-                text = self.tokenizer.decode(c.tokens)
-                text = text[:len(text) - hold] if hold else text
-                text = text.rstrip("\ufffd")  # a character whose bytes are not all drawn yet
-            done = sent_text.get((k, i), "")
-            delta = text[len(done):] if text.startswith(done) else ""
-            start = sent_tokens.get((k, i), 0)
-            if delta or final or len(c.tokens) > start:
-                await send(chunk(index_of[(k, i)], c, delta, start, len(c.tokens) - start, final))
-                sent_text[(k, i)] = done + delta
-                sent_tokens[(k, i)] = len(c.tokens)
-        if include_usage:
-            await send({"id": head["id"] if head else protocol.new_id("cmpl"), "object": "usage", "choices": [],
-                        "usage": self._usage(gens), "model": self.settings.model_id})
+        try:
+            async with contextlib.aclosing(self._events(request, gens)) as events:
+                async for k, i, c in events:
+                    gens[k].replies[i] = c
+                    final = c.finish_reason is not None
+                    if final:
+                        text = protocol.visible_text(self.tokenizer, c)
+                    elif hold_text:
+                        continue
+                    else:
+                        text = self.tokenizer.decode(c.tokens)
+                        text = text[:len(text) - hold] if hold else text
+                        text = text.rstrip("\ufffd")  # a character whose bytes are not all drawn yet
+                    done = sent_text.get((k, i), "")
+                    delta = text[len(done):] if text.startswith(done) else ""
+                    start = sent_tokens.get((k, i), 0)
+                    if delta or final or len(c.tokens) > start:
+                        await send(chunk(index_of[(k, i)], c, delta, start, len(c.tokens) - start, final))
+                        sent_text[(k, i)] = done + delta
+                        sent_tokens[(k, i)] = len(c.tokens)
+            if include_usage:
+                await send({"id": head["id"] if head else protocol.new_id("cmpl"), "object": "usage", "choices": [],
+                            "usage": self._usage(gens), "model": self.settings.model_id})
+        except (asyncio.TimeoutError, ConnectionResetError):  # a client that left or stopped reading:
+            return response  # its rows were stopped as _events ended
         await send("[DONE]")
         await response.write_eof()
         return response
