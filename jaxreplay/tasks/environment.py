@@ -88,8 +88,9 @@ def resolve(name: str) -> Callable[..., Environment]:
         except (ImportError, AttributeError) as e:
             raise ValueError(f"environment {name!r}: cannot import it ({e})") from None
     if name not in _ENVIRONMENTS:
-        raise ValueError(f"unknown environment {name!r} (registered: {', '.join(environment_names()) or 'none'}; "
-                         f"or give package.module:factory)")
+        known = ", ".join(sorted(set(BUILTIN) | set(_ENVIRONMENTS)))  # the shipped ones register on first use
+        raise ValueError(f"unknown environment {name!r}: known names are {known}, or give package.module:factory "
+                         f"(e.g. mypkg.envs:MyEnv)")
     return _ENVIRONMENTS[name]
 
 
