@@ -42,7 +42,7 @@ import yaml
 
 from jaxreplay import storage
 from jaxreplay.config import ConfigError, flatten
-from jaxreplay.research import report_frontier, report_plots, report_regime
+from jaxreplay.research import report_age, report_frontier, report_plots, report_regime
 from jaxreplay.research.report_claims import (
     CLAIMS_FILE, REPLICATION_FILE, TARGET_FRACTIONS, Claim, parse_claims, verdict)
 from jaxreplay.research.report_data import (
@@ -777,7 +777,7 @@ def _pool_sections(settings: Sequence[Setting], base: Setting, targets: dict[flo
     main, paired, speed, passes = (main_table(settings, base), paired_table(settings, base),
                                    speed_table(settings, base), pass_table(settings, base))
     level = float(np.median([target(r, TARGET_FRACTIONS[-1]) for r in base.runs]))
-    pngs = report_plots.write(settings, level, plot_mus, out, prefix)
+    pngs = report_plots.write(settings, level, plot_mus, out, prefix) + report_age.write(settings, out, prefix)
     before = [*(_frontier_section(settings, grid, mus[0], out, h, prefix) if grid is not None else []),
               f"{h} Per setting", "", main,
               *([f"{h} Paired by seed: each run minus the {base.name} run of the same seed", "", paired]

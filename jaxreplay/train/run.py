@@ -27,6 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxreplay.config import Config
+from jaxreplay.learn.staleness import KEY as BY_AGE, records as by_age_records
 from jaxreplay.models import sharding
 from jaxreplay.replay.limiter import LimiterState
 from jaxreplay.replay.multiprocess import checkpoint_paths, own_checkpoint_path
@@ -263,9 +264,11 @@ class Run:
         p = self.progress
         bar = self.bar  # opened at the step the run (re)started at, before this step counts
         t0 = time.perf_counter()
+        aged = {**batch, rollouts.AGE: p.policy_version - batch["policy_version"]}
         self.params, self.opt_state, step_metrics = self.stack.train_step(
-            self.params, self.opt_state, self.placement.learner_batch(batch), self.stack.ref_params)
+            self.params, self.opt_state, self.placement.learner_batch(aged), self.stack.ref_params)
         step_metrics = jax.device_get(jax.block_until_ready(step_metrics))
+        by_age = by_age_records(step_metrics.pop(BY_AGE))
         seconds = time.perf_counter() - t0
         # The records describe the whole batch (multi-host: every process's rows).
         batch = self.placement.every_process({**batch, "times_sampled": np.asarray(times_sampled)})
@@ -281,6 +284,7 @@ class Run:
         state = table()
         record = {
             **{k: float(v) for k, v in step_metrics.items()},
+            **by_age,
             **self.actor_stats,
             **self.accounting.on_train(batch, times_sampled, staleness, seconds),
             "batch/reward_mean": float(batch["reward"].mean()),
