@@ -155,8 +155,10 @@ class TaskConfig:
 
     # `arithmetic` (the embedded task), `gsm8k` or `math` (local files in `task.path`, else TFDS), `jsonl` or
     # `parquet` (local files), `reasoning_gym` (a reasoning-gym generator: `task.dataset`; the reasoning_gym extra),
-    # `guess_digit` (the multi-turn demo's hidden digits: needs `environment.name: guess_digit`)
-    name: Literal["arithmetic", "gsm8k", "math", "jsonl", "parquet", "reasoning_gym", "guess_digit"] = "arithmetic"
+    # `guess_digit` (the multi-turn demo's hidden digits: needs `environment.name: guess_digit`), `guess_number` (the
+    # multi-turn testbed's hidden numbers in a range: needs `environment.name: guess_number`)
+    name: Literal["arithmetic", "gsm8k", "math", "jsonl", "parquet", "reasoning_gym", "guess_digit",
+                  "guess_number"] = "arithmetic"
     # reasoning_gym: the generator's name (`products`, `chain_sum`, `gcd`, `base_conversion`, `number_sorting`, ...);
     # null for the other tasks
     dataset: Optional[str] = None

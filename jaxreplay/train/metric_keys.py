@@ -53,12 +53,26 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     ("episode/turns", "multi-turn: mean model turns per episode of the latest actor batch", "`environment.name` set"),
     ("episode/truncated", "multi-turn: share of the latest actor batch's episodes cut by `environment.max_turns` or "
                           "`sampling.max_new_tokens`", "`environment.name` set"),
-    ("env/errors/exception", "multi-turn: environment calls of the latest actor batch that raised (the episode ends)",
+    ("env/errors/exception", "multi-turn: environment calls of the latest actor batch's episodes that raised (the "
+                             "episode ends); a snapshot of that batch only, the run's total is "
+                             "`env/errors_total/exception`", "`environment.name` set"),
+    ("env/errors/timeout", "multi-turn: environment calls of the latest actor batch's episodes past "
+                           "`environment.step_timeout_s` (the episode ends); that batch only", "`environment.name` set"),
+    ("env/errors/malformed_tool_call", "multi-turn: turns of the latest actor batch's episodes the environment "
+                                       "answered with info error `malformed_tool_call`; that batch only",
      "`environment.name` set"),
-    ("env/errors/timeout", "multi-turn: environment calls of the latest actor batch past `environment.step_timeout_s` "
-                           "(the episode ends)", "`environment.name` set"),
-    ("env/errors/malformed_tool_call", "multi-turn: turns the environment answered with info error "
-                                       "`malformed_tool_call`", "`environment.name` set"),
+    ("env/errors/unencodable_observation", "multi-turn: observations of the latest actor batch's episodes the chat "
+                                           "format could not render or the tokenizer could not encode, or a first "
+                                           "one wider than `task.max_prompt_len` (the episode ends; at reset, every "
+                                           "episode of the group); that batch only",
+     "`environment.name` set"),
+    ("env/errors_total/exception", "multi-turn: cumulative `env/errors/exception` over the run, every actor batch "
+                                   "counted once (resumes included; also in summary.json)", "`environment.name` set"),
+    ("env/errors_total/timeout", "multi-turn: cumulative `env/errors/timeout` over the run", "`environment.name` set"),
+    ("env/errors_total/malformed_tool_call", "multi-turn: cumulative `env/errors/malformed_tool_call` over the run",
+     "`environment.name` set"),
+    ("env/errors_total/unencodable_observation", "multi-turn: cumulative `env/errors/unencodable_observation` over "
+                                                 "the run", "`environment.name` set"),
     # The sampled training batch (train/run.py).
     ("batch/reward_mean", "mean reward of the sampled (possibly replayed) training batch", "every step"),
     ("batch/version_min", "oldest policy version that generated a row of the batch", "every step"),

@@ -34,6 +34,7 @@ from jaxreplay.replay.multiprocess import checkpoint_paths, own_checkpoint_path
 from jaxreplay.replay.tables import ReplayTimeoutError, resolve_backend
 from jaxreplay.rollout import rollouts
 from jaxreplay.rollout.actor import Position, rollout_stats, waiting_capacity
+from jaxreplay.rollout.episodes import EPISODE_ERRORS
 from jaxreplay.train.accounting import Accounting
 from jaxreplay.train.checkpoint import Checkpointer, Progress, saved_params
 from jaxreplay.train.eval import TEST_KEY
@@ -45,8 +46,7 @@ from jaxreplay.train.stack import Stack
 
 ACTOR_STATS = ("reward_mean", "reward_std", "accuracy", "completion_length", "reward/errors")
 # Multi-turn runs' too (rollout/actor.py episode_stats), when the latest rollouts held episodes.
-EPISODE_STATS = ("episode/turns", "episode/truncated", "env/errors/exception", "env/errors/timeout",
-                 "env/errors/malformed_tool_call")
+EPISODE_STATS = ("episode/turns", "episode/truncated", *(f"env/errors/{kind}" for kind in EPISODE_ERRORS))
 
 
 @dataclasses.dataclass
@@ -217,6 +217,7 @@ class Run:
         p.tokens_generated += stats["tokens"]
         p.time_generate_s += stats["seconds"]
         self.accounting.on_generate(every, stats["seconds"])
+        self.accounting.on_episodes({kind: stats.get(f"env/errors/{kind}", 0) for kind in EPISODE_ERRORS})
         self.actor_stats = {k: stats[k] for k in ACTOR_STATS + EPISODE_STATS if k in stats}
         if self.config.replay.drop_zero_advantage_groups and items is not None:  # single-process only (config)
             items, dropped = rollouts.drop_flat_groups(items, self.config.train.group_size)
