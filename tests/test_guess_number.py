@@ -199,7 +199,8 @@ class EveryIdEndsATurn(CharTokenizer):
 
 def test_evaluation_plays_greedy_episodes_on_the_test_and_the_validation_split():
     """Each split's success is its own items' (a hand count: the even numbers), under the keys
-    stage 1 chooses on; a task without a validation split writes no validation key."""
+    stage 1 chooses on; a task without a validation split writes no validation key. The engine
+    plays `environment.eval_slots` episodes at once, on as many thread workers."""
     from jaxreplay.models.transformer import init_params
     from jaxreplay.train.eval import TEST_KEY, TURNS_KEY, VALIDATION_KEY, EpisodeEvaluator
 
@@ -208,11 +209,12 @@ def test_evaluation_plays_greedy_episodes_on_the_test_and_the_validation_split()
         "model.d_ff=64", "model.max_seq_len=10", "sampling.max_new_tokens=4", "task.eval_size=24",
         "task.validation_size=40"])
     config = dataclasses.replace(config, environment=dataclasses.replace(
-        config.environment, name="test_even_number_wins", options={}, workers=0))
+        config.environment, name="test_even_number_wins", options={}, workers=2, eval_slots=16))
     graphdef, params = init_params(config.model, 0)
     task = GuessNumberTask(config.task)
     task.tokenizer = EveryIdEndsATurn()  # a random policy's first token ends its turn
-    evaluator = EpisodeEvaluator(config, task, graphdef, params, live_vocab=task.tokenizer.vocab_size, slots=16)
+    evaluator = EpisodeEvaluator(config, task, graphdef, params, live_vocab=task.tokenizer.vocab_size)
+    assert evaluator.engine.slots == 16 and evaluator.runner.pool.workers == 16  # eval_slots episodes at once
     even = lambda split: float(np.mean([n % 2 == 0 for _, _, n in split]))
     scores = evaluator.evaluations(params)
     assert scores == {TEST_KEY: even(task.eval_problems), TURNS_KEY: 1.0,
@@ -231,7 +233,8 @@ def test_the_testbed_config_trains_a_few_steps_and_reports_turns_and_mu(tmp_path
         "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
         "model.d_ff=64", "train.prompts_per_step=4", "train.group_size=4", "train.batch_size=16", "train.steps=3",
         "train.eval_every=3", "task.eval_size=16", "task.validation_size=16", "warmstart.steps=5",
-        "replay.min_size_to_sample=16", "environment.workers=16", "environment.options.latency.median_s=0.002",
+        "replay.min_size_to_sample=16", "environment.workers=16", "environment.eval_slots=16",
+        "environment.options.latency.median_s=0.002",
         "checkpoint.every=3", "run.progress_bar=false", f"run.dir={tmp_path / 'run'}",
         f"warmstart.cache_dir={tmp_path / 'ws'}"])
     train(config, log=lambda _: None)

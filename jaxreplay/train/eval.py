@@ -256,11 +256,18 @@ class EpisodeEvaluator:
     rollouts use: one episode per held-out item (reset with seed = its index in its split),
     success = reward 1. Its engine (group size 1) is built once and takes the weights it is given."""
 
-    def __init__(self, config: Config, task: Task, graphdef, params, *, live_vocab: int, mesh=None, slots: int = 64):
+    def __init__(self, config: Config, task: Task, graphdef, params, *, live_vocab: int, mesh=None,
+                 slots: Optional[int] = None):
+        """`slots`: episodes in flight (default `environment.eval_slots`); thread workers are at least as many,
+        so that steps which take time run side by side (process workers stay as configured)."""
         from jaxreplay.rollout.actor import make_episode_runner
         from jaxreplay.rollout.engine import JaxEngine
 
-        one = dataclasses.replace(config, train=dataclasses.replace(config.train, group_size=1))
+        e = config.environment
+        slots = slots or e.eval_slots
+        workers = max(e.workers, slots) if e.workers and not e.processes else e.workers
+        one = dataclasses.replace(config, train=dataclasses.replace(config.train, group_size=1),
+                                  environment=dataclasses.replace(e, workers=workers))
         self.task, self.runner = task, make_episode_runner(one, task)
         s, tok = config.sampling, task.tokenizer
         self.engine = JaxEngine(graphdef, config.model, params, slots=slots, group_size=1, prompt_len=task.prompt_len,
