@@ -311,6 +311,9 @@ class EnvironmentConfig:
     processes: bool = False
     # seconds a reset or step may take; past it the episode ends with info error `timeout` (counted)
     step_timeout_s: float = 30.0
+    # evaluation episodes in flight at once: the evaluation engine's slots, and (with thread workers) at least as many
+    # workers for its steps; more finish an evaluation sooner where steps take time, at more cache memory
+    eval_slots: int = 64
 
 
 @dataclass(frozen=True)
@@ -960,6 +963,7 @@ RANGES: dict[str, Interval] = {
     "sampling.top_k": NON_NEGATIVE, "sampling.max_new_tokens": POSITIVE, "sampling.prefill_chunk_size": NON_NEGATIVE,
     "sampling.engine_slots": NON_NEGATIVE, "sampling.engine_chunk_steps": POSITIVE,
     "environment.max_turns": POSITIVE, "environment.workers": NON_NEGATIVE, "environment.step_timeout_s": POSITIVE,
+    "environment.eval_slots": POSITIVE,
     # Past ~100, priority ** exponent underflows float64 for the 1e-3 priority floor (replay.writer).
     "replay.priority_exponent": Interval(0, 100), "replay.max_size": POSITIVE,
     "replay.max_times_sampled": NON_NEGATIVE, "replay.samples_per_insert": POSITIVE,

@@ -1,11 +1,12 @@
 """The multi-turn testbed (issue 55): a hidden number in a range found from `+`/`-` answers. Its
 rules, its latency (repeatable from a seed, the declared median), its splits (the sloppy player's
-apart from the RL pool, validation and test), a reward that needs the environment's answers, and
-a tiny run of its config."""
+apart from the RL pool, validation and test), a reward that needs the environment's answers, the
+warm start's rows, the evaluation on both held-out splits, and a tiny run of its config."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import statistics
 import time
 
@@ -13,9 +14,11 @@ import numpy as np
 import pytest
 
 from jaxreplay.config import ConfigError, TaskConfig, load_config, validate
-from jaxreplay.tasks.environment import EnvPool, Message, make_environment
+from jaxreplay.tasks.arithmetic import CharTokenizer
+from jaxreplay.tasks.environment import EnvPool, Message, Step, make_environment, register_environment
 from jaxreplay.tasks.guess_number import MAX_TURNS, MIN_WIDTH, GuessNumber, GuessNumberTask, all_items, play
 from jaxreplay.tasks.latency import Latency
+from jaxreplay.tasks.scripted import episode_rows
 
 from test_train import ROOT
 
@@ -157,6 +160,70 @@ def test_bad_testbed_settings_are_refused_at_the_edge():
             validate(load_config(TESTBED, overrides))
 
 
+def test_scripted_episodes_become_rows_with_only_the_players_turns_in_the_loss():
+    tok = CharTokenizer()
+    prompts, prompt_mask = np.array([[0, 7], [5, 6]], np.int32), np.array([[False, True], [True, True]])
+    episodes = [[("50", "+"), ("75", "")], [("9", "-"), ("4", "+"), ("6", "")]]
+    tokens, attention, loss = episode_rows(tok, prompts, prompt_mask, episodes, max_new_tokens=8)
+    e = tok.encode
+    first = e("50") + [tok.EOS] + e("+") + e("75") + [tok.EOS]  # 7 ids, then one pad
+    assert tokens[0].tolist() == [0, 7] + first + [tok.PAD]
+    assert attention[0].tolist() == [False, True] + [True] * 7 + [False]
+    assert loss[0].tolist() == [False, False] + [True] * 3 + [False] + [True] * 3 + [False]
+    second = e("9") + [tok.EOS] + e("-") + e("4") + [tok.EOS] + e("+") + e("6") + [tok.EOS]  # 8 ids: fills the row
+    assert tokens[1].tolist() == [5, 6] + second and attention[1].all()
+    assert loss[1].tolist() == [False, False, True, True, False, True, True, False, True, True]
+    cut, _, cut_loss = episode_rows(tok, prompts, prompt_mask, episodes, max_new_tokens=4)  # cut at the row's end
+    assert cut[1].tolist() == [5, 6] + second[:4] and cut_loss[1].tolist() == [False, False, True, True, False, True]
+
+
+class EvenNumberWins:
+    """Ends at the first turn, whatever it says, with reward 1 when the item's number is even."""
+
+    def reset(self, item, seed):
+        self.number = item[2]
+        return (Message("user", f"{item[0]},{item[1]}:"),)
+
+    def step(self, turn_text):
+        return Step(reward=float(self.number % 2 == 0), done=True)
+
+
+register_environment("test_even_number_wins", EvenNumberWins)
+
+
+class EveryIdEndsATurn(CharTokenizer):
+    @property
+    def eos_ids(self):
+        return tuple(range(self.vocab_size))
+
+
+def test_evaluation_plays_greedy_episodes_on_the_test_and_the_validation_split():
+    """Each split's success is its own items' (a hand count: the even numbers), under the keys
+    stage 1 chooses on; a task without a validation split writes no validation key. The engine
+    plays `environment.eval_slots` episodes at once, on as many thread workers."""
+    from jaxreplay.models.transformer import init_params
+    from jaxreplay.train.eval import TEST_KEY, TURNS_KEY, VALIDATION_KEY, EpisodeEvaluator
+
+    config = load_config(TESTBED, [
+        "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+        "model.d_ff=64", "model.max_seq_len=10", "sampling.max_new_tokens=4", "task.eval_size=24",
+        "task.validation_size=40"])
+    config = dataclasses.replace(config, environment=dataclasses.replace(
+        config.environment, name="test_even_number_wins", options={}, workers=2, eval_slots=16))
+    graphdef, params = init_params(config.model, 0)
+    task = GuessNumberTask(config.task)
+    task.tokenizer = EveryIdEndsATurn()  # a random policy's first token ends its turn
+    evaluator = EpisodeEvaluator(config, task, graphdef, params, live_vocab=task.tokenizer.vocab_size)
+    assert evaluator.engine.slots == 16 and evaluator.runner.pool.workers == 16  # eval_slots episodes at once
+    even = lambda split: float(np.mean([n % 2 == 0 for _, _, n in split]))
+    scores = evaluator.evaluations(params)
+    assert scores == {TEST_KEY: even(task.eval_problems), TURNS_KEY: 1.0,
+                      VALIDATION_KEY: even(task.validation_problems)}
+    assert scores[TEST_KEY] != scores[VALIDATION_KEY]  # the splits' own counts, not one split's twice
+    task.validation_problems = []
+    assert VALIDATION_KEY not in evaluator.evaluations(params)
+
+
 @pytest.mark.slow
 def test_the_testbed_config_trains_a_few_steps_and_reports_turns_and_mu(tmp_path):
     from jaxreplay.train.driver import train
@@ -166,7 +233,8 @@ def test_the_testbed_config_trains_a_few_steps_and_reports_turns_and_mu(tmp_path
         "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
         "model.d_ff=64", "train.prompts_per_step=4", "train.group_size=4", "train.batch_size=16", "train.steps=3",
         "train.eval_every=3", "task.eval_size=16", "task.validation_size=16", "warmstart.steps=5",
-        "replay.min_size_to_sample=16", "environment.workers=16", "environment.options.latency.median_s=0.002",
+        "replay.min_size_to_sample=16", "environment.workers=16", "environment.eval_slots=16",
+        "environment.options.latency.median_s=0.002",
         "checkpoint.every=3", "run.progress_bar=false", f"run.dir={tmp_path / 'run'}",
         f"warmstart.cache_dir={tmp_path / 'ws'}"])
     train(config, log=lambda _: None)
@@ -174,5 +242,5 @@ def test_the_testbed_config_trains_a_few_steps_and_reports_turns_and_mu(tmp_path
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     last = records[-1]
     assert last["episode/turns"] >= 1 and np.isfinite(last["cost/mu"]) and last["cost/mu"] > 0
-    assert 0 <= last["eval/accuracy"] <= 1
+    assert 0 <= last["eval/accuracy"] <= 1 and 0 <= last["eval/validation_accuracy"] <= 1  # what stage 1 reads
     assert last["env/errors/timeout"] == 0 and last["env/errors/exception"] == 0

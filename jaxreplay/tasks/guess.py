@@ -22,6 +22,7 @@ import numpy as np
 from jaxreplay.config import TaskConfig
 from jaxreplay.tasks.arithmetic import CharTokenizer
 from jaxreplay.tasks.environment import Message, Step, register_environment
+from jaxreplay.tasks.scripted import episode_rows
 
 PROMPT = ":"
 
@@ -100,18 +101,5 @@ class GuessDigitTask:
         environment's answers not."""
         rng = np.random.default_rng([seed, index, 0x5119])
         prompts, prompt_mask = self.encode_prompts(self.train_problems(seed, index, n))
-        body = np.full((n, max_new_tokens), self.tokenizer.PAD, np.int32)
-        body_mask = np.zeros((n, max_new_tokens), bool)
-        loss = np.zeros((n, max_new_tokens), bool)
-        for i, secret in enumerate(self.train_problems(seed, index, n)):
-            col = 0
-            for turn, answer in play(secret, rng, carry_error):
-                for ids, trained in ((self.tokenizer.encode(turn) + [self.tokenizer.EOS], True),
-                                     (self.tokenizer.encode(answer), False)):
-                    ids = ids[:max_new_tokens - col]
-                    body[i, col:col + len(ids)] = ids
-                    body_mask[i, col:col + len(ids)] = True
-                    loss[i, col:col + len(ids)] = trained
-                    col += len(ids)
-        return (np.concatenate([prompts, body], axis=1), np.concatenate([prompt_mask, body_mask], axis=1),
-                np.concatenate([np.zeros_like(prompt_mask), loss], axis=1))
+        episodes = [play(secret, rng, carry_error) for secret in self.train_problems(seed, index, n)]
+        return episode_rows(self.tokenizer, prompts, prompt_mask, episodes, max_new_tokens)

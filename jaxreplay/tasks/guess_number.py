@@ -29,6 +29,7 @@ from jaxreplay.config import Config, ConfigError, TaskConfig
 from jaxreplay.tasks.arithmetic import CharTokenizer
 from jaxreplay.tasks.environment import Message, Step, register_environment
 from jaxreplay.tasks.latency import TAIL_Z, Latency
+from jaxreplay.tasks.scripted import episode_rows
 
 LOWEST, HIGHEST = 0, 99
 MIN_WIDTH = 50  # the narrowest range: an answer-blind player wins at most max_turns / MIN_WIDTH
@@ -145,21 +146,8 @@ class GuessNumberTask:
         rng = np.random.default_rng([seed, index, 0x5119])
         items = [self.warmstart_problems[j] for j in rng.integers(0, len(self.warmstart_problems), n)]
         prompts, prompt_mask = self.encode_prompts(items)
-        body = np.full((n, max_new_tokens), self.tokenizer.PAD, np.int32)
-        body_mask = np.zeros((n, max_new_tokens), bool)
-        loss = np.zeros((n, max_new_tokens), bool)
-        for i, item in enumerate(items):
-            col = 0
-            for turn, answer in play(item, rng, carry_error):
-                for ids, trained in ((self.tokenizer.encode(turn) + [self.tokenizer.EOS], True),
-                                     (self.tokenizer.encode(answer), False)):
-                    ids = ids[:max_new_tokens - col]
-                    body[i, col:col + len(ids)] = ids
-                    body_mask[i, col:col + len(ids)] = True
-                    loss[i, col:col + len(ids)] = trained
-                    col += len(ids)
-        return (np.concatenate([prompts, body], axis=1), np.concatenate([prompt_mask, body_mask], axis=1),
-                np.concatenate([np.zeros_like(prompt_mask), loss], axis=1))
+        episodes = [play(item, rng, carry_error) for item in items]
+        return episode_rows(self.tokenizer, prompts, prompt_mask, episodes, max_new_tokens)
 
 
 def validate_config(c: Config) -> None:

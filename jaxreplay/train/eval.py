@@ -253,14 +253,21 @@ TURNS_KEY = "eval/turns"  # multi-turn: mean model turns per evaluation episode
 
 class EpisodeEvaluator:
     """Greedy evaluation of multi-turn episodes through the same engine and environments the
-    rollouts use: one episode per held-out item (reset with seed = its index), success = reward 1.
-    Its engine (group size 1) is built once and takes the weights it is given."""
+    rollouts use: one episode per held-out item (reset with seed = its index in its split),
+    success = reward 1. Its engine (group size 1) is built once and takes the weights it is given."""
 
-    def __init__(self, config: Config, task: Task, graphdef, params, *, live_vocab: int, mesh=None, slots: int = 64):
+    def __init__(self, config: Config, task: Task, graphdef, params, *, live_vocab: int, mesh=None,
+                 slots: Optional[int] = None):
+        """`slots`: episodes in flight (default `environment.eval_slots`); thread workers are at least as many,
+        so that steps which take time run side by side (process workers stay as configured)."""
         from jaxreplay.rollout.actor import make_episode_runner
         from jaxreplay.rollout.engine import JaxEngine
 
-        one = dataclasses.replace(config, train=dataclasses.replace(config.train, group_size=1))
+        e = config.environment
+        slots = slots or e.eval_slots
+        workers = max(e.workers, slots) if e.workers and not e.processes else e.workers
+        one = dataclasses.replace(config, train=dataclasses.replace(config.train, group_size=1),
+                                  environment=dataclasses.replace(e, workers=workers))
         self.task, self.runner = task, make_episode_runner(one, task)
         s, tok = config.sampling, task.tokenizer
         self.engine = JaxEngine(graphdef, config.model, params, slots=slots, group_size=1, prompt_len=task.prompt_len,
@@ -269,8 +276,19 @@ class EpisodeEvaluator:
                                 prefill_chunk_size=s.prefill_chunk_size, live_vocab=live_vocab, mesh=mesh,
                                 turns=self.runner)
 
+    def evaluations(self, params, stopping: Callable[[], Optional[int]] = lambda: None) -> dict[str, float]:
+        """Success and turns on the test split and, where the task has one, success on the
+        validation split: the loop's evaluation, keyed as `evaluations` keys single-turn runs'
+        (VALIDATION_KEY is what stage 1 chooses learning rates on)."""
+        out = self(params, stopping)
+        if self.task.validation_problems:
+            out[VALIDATION_KEY] = self(params, stopping, self.task.validation_problems)[TEST_KEY]
+        return out
+
     def __call__(self, params, stopping: Callable[[], Optional[int]] = lambda: None,
                  problems: Optional[Sequence[Any]] = None) -> dict[str, float]:
+        """Greedy success (under TEST_KEY) and mean turns of one episode per item of `problems`
+        (the test split unless given)."""
         from jaxreplay.rollout.engine import PromptGroup
 
         problems = self.task.eval_problems if problems is None else problems

@@ -135,8 +135,9 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     # Evaluation (train/run.py, train/driver.py).
     ("eval/accuracy", "greedy exact-match accuracy on the test split (the held-out set)",
      "step 0, every `train.eval_every` steps (or `train.eval_every_tokens`), the last step"),
-    ("eval/validation_accuracy", "greedy exact-match accuracy on the validation split (`task.validation_size` > 0): "
-     "what learning rates are chosen on", "with eval/accuracy"),
+    ("eval/validation_accuracy", "greedy exact-match accuracy on the validation split (`task.validation_size` > 0; "
+     "multi-turn: the success rate of one greedy episode per validation item): what learning rates are chosen on",
+     "with eval/accuracy"),
     ("eval/turns", "multi-turn: mean model turns per greedy evaluation episode (eval/accuracy is their success "
                    "rate: reward 1)", "with eval/accuracy, `environment.name` set"),
 )

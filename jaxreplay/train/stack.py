@@ -102,7 +102,7 @@ def _episode_evaluation(c: Config, task: Task, graphdef, params, live: int, plac
             p = sharding.to_process_local(p, placement.engine_mesh)
         if not evaluator:
             evaluator.append(EpisodeEvaluator(c, task, graphdef, p, live_vocab=live, mesh=placement.engine_mesh))
-        return evaluator[0](p, stopping)
+        return evaluator[0].evaluations(p, stopping)
 
     return evaluate
 
