@@ -28,7 +28,10 @@ runs with `--stage1 RUN_DIR...` copies them into OUT/stage1 and adds the frontie
 A replication (`jaxreplay sweep FILE --replicate S,S --out DIR`: the same settings on new seeds)
 is given with `--replication DIR/*/seed*` and copied into OUT/replication. It is set beside the
 declared seeds and its claims are decided again on its seeds alone, under a heading of its own:
-never pooled into the declared seeds' verdicts. Its runs given as ordinary run dirs are refused.
+never pooled into the declared seeds' verdicts. Its runs given as ordinary run dirs are refused. A
+replication of some of the settings (`--settings`) decides the claims those settings decide; the others
+are "not decided by the replication". A pass@K claim's runs without pass@K in their eval.json are refused
+before anything is written (`check_evaluations`), the declared seeds' and the replication's alike.
 """
 
 from __future__ import annotations
