@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from jaxreplay.replay.server import serve
 from jaxreplay.replay.tables import ReplayTimeoutError, build_tables
 from jaxreplay.replay.writer import RolloutWriter
 
+ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(60, method="thread")
 
 SPEC = {"tokens": ((3,), np.int32), "reward": ((), np.float32), "policy_version": ((), np.int32)}
@@ -147,3 +149,48 @@ def test_sigterm_ends_a_blocked_call_within_a_slice(call):
             assert 0.25 < time.monotonic() - start < 1.0
     finally:
         notice.close()
+
+
+def _documented_arrays() -> dict[str, tuple[str, str]]:
+    """docs/checkpoints.md's table of a replay checkpoint's arrays: name -> (shape, dtype)."""
+    text = (ROOT / "docs" / "checkpoints.md").read_text().split("## The rows of a replay checkpoint")[1].split("\n## ")[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("| `")]
+    return {name.strip("`"): (shape, dtype) for name, shape, dtype, _ in rows}
+
+
+def test_the_documented_rows_of_a_replay_checkpoint_are_what_the_backend_writes(tmp_path):
+    """Issue 58 item 8: outside tools read RUN/replay/<name>/rollouts.npz by docs/checkpoints.md's field list."""
+    from jaxreplay.replay.inprocess import ITEM_ARRAYS, read_table
+    from jaxreplay.rollout.rollouts import make_rows, row_spec
+
+    documented = _documented_arrays()
+    config = load_config(None, [*CFG, "sampling.engine=continuous", "sampling.max_new_tokens=3"])
+    spec = row_spec(config, prompt_len=2)  # T = 5
+    n = 4
+    rows = make_rows(spec, **{k: np.arange(n * int(np.prod(shape))).reshape(n, *shape) % 2
+                              for k, (shape, _) in spec.items()})
+    with serve(build_tables(config, spec, "inprocess"), checkpoint_root=tmp_path) as s:
+        RolloutWriter(s, spec, timeout_s=5).insert(rows)
+        RolloutReader(s, timeout_s=5).sample(2)
+        path = tmp_path / s.checkpoint()
+    with np.load(path / "rollouts.npz", allow_pickle=False) as z:
+        written = {k: z[k] for k in z.files}
+    assert set(written) == set(documented)
+    for name, array in written.items():
+        shape, dtype = documented[name]
+        assert (array.dtype.name, shape) == (dtype, "[n, T]" if array.ndim == 2 else "[n]"), name
+        assert array.shape[0] == n and (array.ndim == 1 or array.shape[1] == 5), name
+    meta = json.loads((path / "tables.json").read_text())
+    assert set(meta) == {"format", "next_key", "rng", "tables"} and meta["format"] == 2
+    assert set(meta["tables"][0]) == {"definition", "inserts", "samples", "sha256"}
+    # the static engine's rows leave out last_version alone, as the table says
+    static = row_spec(load_config(None, list(CFG)), prompt_len=2)
+    assert {f"field.{k}" for k in static} | {"field.last_version", *ITEM_ARRAYS} == set(documented)
+    # the reader: the same arrays by name, `field.` left off, once the hashes match
+    read = read_table(path)
+    assert set(read) == {k.removeprefix("field.") for k in written}
+    assert all(np.array_equal(read[k.removeprefix("field.")], v) for k, v in written.items())
+    assert read["times_sampled"].sum() == 2 and np.array_equal(read["tokens"], rows["tokens"])
+    with pytest.raises(KeyError, match=r"no table 'positives' .*\(tables: rollouts\)"):
+        read_table(path, "positives")

@@ -134,7 +134,7 @@ def test_the_report_decides_the_claims_again_on_the_replication_alone_never_pool
     keeps = again["spi 2 keeps the peak"]
     assert keeps["paired numbers"] == "IQM -0.3 [-0.3 ±0, -0.3 ±0] over 3 paired seeds; above on_policy in 0/3"
     assert keeps["verdict"] == "fails" and alone["Claims and verdicts"]["spi 2 keeps the peak"]["verdict"] == "holds"
-    assert again["spi 8 keeps the peak"]["verdict"] == "not reported: no runs of spi8"
+    assert again["spi 8 keeps the peak"]["verdict"] == "not decided by the replication: it has no runs of spi8"
     beside = both["Replication beside the declared seeds"]
     assert beside["spi2"]["seeds (declared / replication)"] == "3 / 3"
     assert beside["spi2"]["peak (replication)"] == beside["on_policy (baseline)"]["peak (replication)"].replace(
@@ -157,3 +157,66 @@ def test_replication_runs_are_refused_as_study_runs_and_on_the_studys_seeds(dirs
         report(study + rep, tmp_path / "out")
     with pytest.raises(ConfigError, match="--replication: seed 0 is also one of the study's runs"):
         report(study, tmp_path / "out", replication=study[:3])
+
+
+PASS8 = {"text": "spi 2 keeps pass@8", "settings": ["spi2"], "measure": "pass@8", "above": -0.05}
+
+
+def _evaluated(run_dir, p8):
+    """eval.json as `jaxreplay eval RUN_DIR --k 1,8 --out RUN_DIR/eval.json` writes it."""
+    (run_dir / "eval.json").write_text(json.dumps({"pass@1_t0.1": 0.3, "pass@k_t1.0": {"1": 0.3, "8": p8}}))
+
+
+def test_a_pass_at_k_claim_on_runs_without_their_evaluation_is_one_line_naming_them_and_the_command(dirs, tmp_path):
+    """Issue 58 item 4: runs whose eval.json is not made yet were a bare KeyError: 'pass@8'."""
+    study, rep = dirs
+    (tmp_path / "study" / "claims.yaml").write_text(yaml.safe_dump({"keeps_pass8": PASS8}))
+    for d in study[:6]:  # on_policy and spi2, which the claim reads; spi8's runs never need one
+        _evaluated(d, 0.5)
+    command = "make it with `jaxreplay eval RUN_DIR --k 1,8 --out RUN_DIR/eval.json` for each"
+    with pytest.raises(ConfigError) as refused:
+        report(study, tmp_path / "out", replication=rep)
+    message = str(refused.value)
+    assert message.startswith("--replication: claims on pass@8 read each run's eval.json") and message.endswith(command)
+    assert f"6 lack pass@8 ({tmp_path}/rep/spi2/seed10, seed11, seed12; {tmp_path}/rep/on_policy/seed10, seed11, " \
+           "seed12)" in message and "\n" not in message
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+    for d in rep[:5]:
+        _evaluated(d, 0.4)
+    with pytest.raises(ConfigError, match=f"1 lack pass@8 \\({tmp_path}/rep/spi2/seed12\\)"):
+        report(study, tmp_path / "out", replication=rep)
+    _evaluated(rep[5], 0.4)
+    report(study, tmp_path / "out", replication=rep)
+    tables = markdown_tables((tmp_path / "out" / "report.md").read_text())
+    assert tables["Claims and verdicts"]["spi 2 keeps pass@8"]["verdict"] == "holds"  # 0.5 - 0.5 on every seed
+    again = tables["Replication: the claims decided again on its seeds alone"]["spi 2 keeps pass@8"]
+    assert again["paired numbers"].startswith("IQM 0 [0 ±0, 0 ±0] over 3 paired seeds") and again["verdict"] == "holds"
+    # the declared seeds too: a run the claim reads without pass@8 (here one whose eval.json has pass@4 only)
+    (study[0] / "eval.json").write_text(json.dumps({"pass@1_t0.1": 0.3, "pass@k_t1.0": {"1": 0.3, "4": 0.4}}))
+    out = subprocess.run([sys.executable, "-m", "jaxreplay.cli", "report", *map(str, study), "--out",
+                          str(tmp_path / "cli")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("jaxreplay: ") and f"1 lack pass@8 ({tmp_path}/study/on_policy/seed0)" in out.stderr
+    assert command in out.stderr and not (tmp_path / "cli").exists()
+
+
+def test_a_replication_of_some_settings_runs_and_prints_those_alone(tmp_path):
+    path = _sweep(tmp_path / "study", "  spi4: [replay.samples_per_insert=4]\n")
+    rep = load_sweep(path, replicate=[31, 47], replicate_out=tmp_path / "rep", only_settings=["spi2"])
+    assert {(r.setting, r.seed) for r in rep.runs} == {("spi2", 31), ("spi2", 47)}
+    assert {r.setting for r in load_sweep(path, only_settings=["spi*"], only_seeds=[1]).runs} == {"spi2", "spi4"}
+    assert [r.setting for r in load_sweep(path, only_settings=["spi4", "on_policy"]).runs[:2]] == ["on_policy", "spi4"]
+    with pytest.raises(ConfigError, match=r"--settings: spi22 matches none of the sweep's settings \(did you mean spi2\?"):
+        load_sweep(path, only_settings=["spi22"])
+    for run in rep.runs:
+        run.dir.mkdir(parents=True)
+        (run.dir / "summary.json").write_text(json.dumps({"steps": run.config.train.steps}))
+    run_sweep(rep, log=lambda _: None)
+    assert yaml.safe_load((tmp_path / "rep" / "replication.yaml").read_text())["settings"] == ["spi2"]
+    out = subprocess.run([sys.executable, "-m", "jaxreplay.cli", "sweep", str(path), "--replicate", "31,47", "--out",
+                          str(tmp_path / "two"), "--settings", "spi4,on_*", "--print"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    dirs = [a.split("=", 1)[1] for line in out.stdout.splitlines() for a in line.split() if a.startswith("run.dir=")]
+    assert dirs == [str(tmp_path / "two" / arm / f"seed{s}") for s in (31, 47) for arm in ("on_policy", "spi4")]

@@ -42,7 +42,7 @@ CLAIMS = {
 REGIME = {"setting": "on_policy_small", "evaluations": 3, "plateau": 0.01, "reward_window": 10, "reward_rise": 0.1}
 
 
-def _run(root, setting, seed, validation, final):
+def _run(root, setting, seed, validation, final, reward_slope=0.02):
     mode, pool = SETTINGS[setting]
     d = root / setting / f"seed{seed}"
     d.mkdir(parents=True)
@@ -54,7 +54,7 @@ def _run(root, setting, seed, validation, final):
     records = [{"step": 0, "eval/accuracy": test[0], "eval/validation_accuracy": validation[0]}]
     for step in range(1, 31):
         rec = {"step": step, "rollouts/generated": float(step), "rollouts/trained": 4.0 * step,
-               "tokens/generated": 10.0 * step, "reward_mean": 0.2 + 0.02 * step}  # reward rise 0.71 - 0.49 = 0.22
+               "tokens/generated": 10.0 * step, "reward_mean": 0.2 + reward_slope * step}  # rise 0.71 - 0.49 = 0.22 at 0.02
         if step in EVALS:
             i = EVALS.index(step)
             rec["eval/accuracy"], rec["eval/validation_accuracy"] = test[i], validation[i]
@@ -187,3 +187,53 @@ def test_the_rule_and_the_contrast_are_declared_in_the_sweep_file_and_checked_be
             load_sweep(path)
     with pytest.raises(ConfigError, match="sweep.regime.evaluations: expected a positive integer"):
         parse_regime({"setting": "a", "evaluations": 0})
+
+
+def test_the_regime_section_prints_how_many_seeds_meet_each_half_of_the_rule_beside_the_median(tmp_path):
+    """Issue 58 item 7: the rule reads seed medians and stays so; beside it, each seed's numbers and the counts."""
+    picture = {0: (PLATEAU, 0.02), 1: (PLATEAU, 0.02), 2: (RISING, 0.02), 3: (PLATEAU, 0.0)}  # seed 3: reward flat
+    dirs = [_run(tmp_path / "study", name, seed, validation, 0.4, slope) for seed, (validation, slope) in
+            picture.items() for name in ("on_policy_small", "replay_small")]
+    (tmp_path / "study" / "regime.yaml").write_text(yaml.safe_dump(REGIME))
+    report(dirs, tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    # medians: gains 0, 0, 0.1, 0 -> 0; rises 0.22, 0.22, 0.22, 0 -> 0.22: met, though only seeds 0 and 1 meet both
+    assert "Met: on_policy_small's validation rose 0 from half the budget to the end (at most 0.01) while its " \
+           "training reward rose 0.22 (at least 0.1); median over 4 seeds" in md
+    assert "Per seed (the rule reads the median, and stays as declared): the validation gain is at most 0.01 in 3 " \
+           "of 4 seeds, the reward rise at least 0.1 in 3 of 4, both in 2 of 4 (seeds 0, 1)." in md
+    rows = markdown_tables(md)["Regime: did on-policy exhaust its pool?"]
+    assert [rows[str(s)]["both"] for s in range(4)] == ["yes", "yes", "no", "no"]
+    assert rows["2"]["validation gain (last − half)"] == "0.1" and rows["2"]["at most 0.01"] == "no"
+    assert rows["3"]["training reward rise (end − half)"] == "0" and rows["3"]["at least 0.1"] == "no"
+
+
+def test_a_replication_of_one_pool_decides_that_pools_claims_and_names_the_others_not_decided(tmp_path):
+    """Issue 58 item 5: a replication of some settings (`jaxreplay sweep FILE --replicate S --settings ...`)."""
+    study = tmp_path / "study"
+    dirs = _study(study, PLATEAU)
+    claims = {**CLAIMS, "full_final_own_pool": {**CLAIMS["full_final"], "text": "the same, its baseline left to its pool"}}
+    del claims["full_final_own_pool"]["baseline"]
+    (study / "claims.yaml").write_text(yaml.safe_dump(claims, sort_keys=False))
+    rep = [_run(tmp_path / "rep", name, seed, PLATEAU, final)  # replay_full 0.02 above on_policy_full on every seed
+           for seed in (10, 11, 12) for name, final in (("on_policy_full", 0.5), ("replay_full", 0.52))]
+    (tmp_path / "rep" / "replication.yaml").write_text(yaml.safe_dump({"seeds": [10, 11, 12],
+                                                                      "settings": ["on_policy_full", "replay_full"]}))
+    # the first pool's baseline (on_policy_small) is not in the replication: each claim still pairs with its own
+    report(sorted(dirs), tmp_path / "out", baseline="on_policy_small,on_policy_full", replication=rep)
+    md = (tmp_path / "out" / "report.md").read_text()
+    tables = markdown_tables(md)
+    again = tables["Replication: the claims decided again on its seeds alone"]
+    assert tables["Claims and verdicts"]["replay keeps the final accuracy on the full pool"]["verdict"] == "fails"
+    for text in ("replay keeps the final accuracy on the full pool", "the same, its baseline left to its pool"):
+        assert again[text]["paired numbers"].startswith("IQM 0.02 [0.02 ±0, 0.02 ±0] over 3 paired seeds")
+        assert again[text]["verdict"] == "holds"
+        assert again[text]["rule (declared in the sweep file)"] == "paired IQM of final − on_policy_full's > -0.03"
+    for text in ("replay's edge is larger on the exhausted pool", "replay keeps the final accuracy on the small pool"):
+        assert again[text]["verdict"] == "not decided by the replication: it has no runs of replay_small, on_policy_small"
+    assert "Seeds 10, 11, 12: 2 of the study's 4 settings (on_policy_full, replay_full; not on_policy_small, " \
+           "replay_small), with the same learning rates" in md
+    assert "--replicate 10,11,12 --out DIR --settings on_policy_full,replay_full`" in md
+    beside = tables["Replication beside the declared seeds"]
+    assert beside["replay_full"]["seeds (declared / replication)"] == "4 / 3"
+    assert beside["replay_small"]["seeds (declared / replication)"] == "4 / 0"

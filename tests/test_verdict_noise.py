@@ -97,7 +97,7 @@ def _committed_claims(folder: Path):
     pools = report.split_pools(settings, baseline.group(1) if baseline else None)
     regime = report.load_regime(None, dirs)
     decided = None if regime is None else report_regime.decide(regime, settings)
-    return claims, settings, pools[0][0], decided, {s.name: b for b, members in pools for s in members}
+    return claims, settings, pools[0][0].name, decided, {s.name: b.name for b, members in pools for s in members}
 
 
 @pytest.mark.slow

@@ -86,6 +86,21 @@ def verify(path: str | os.PathLike) -> dict:
     return meta
 
 
+ITEM_ARRAYS = ("key", "priority", "times_sampled")  # beside the `field.<name>` arrays of each table's .npz
+
+
+def read_table(path: str | os.PathLike, table: str = "rollouts") -> dict[str, np.ndarray]:
+    """One table of an in-process replay checkpoint (`RUN/replay/<name>/`), for tools outside the run:
+    every row field by name ([n, *shape], oldest item first) and `ITEM_ARRAYS`, once the checkpoint's files
+    match their hashes (`verify`). The format is docs/checkpoints.md's "The rows of a replay checkpoint"."""
+    meta = verify(path)
+    names = [t["definition"]["name"] for t in meta.get("tables", [])]
+    if table not in names:
+        raise KeyError(f"no table {table!r} in the replay checkpoint {os.fspath(path)} (tables: {', '.join(names)})")
+    with np.load(os.path.join(os.fspath(path), f"{table}.npz"), allow_pickle=False) as z:
+        return {k.removeprefix("field."): z[k] for k in z.files}
+
+
 @dataclasses.dataclass
 class _Item:
     key: int

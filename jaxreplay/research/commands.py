@@ -20,12 +20,17 @@ def add_parsers(sub: argparse._SubParsersAction, command_parser: Callable[..., a
         "  jaxreplay sweep configs/sweep_demo.yaml train.steps=50 --print    # the commands, not run\n"
         "  taskset -c 0 jaxreplay sweep configs/sweep_testbed.yaml --seeds 0,2,4 &    # one core each\n"
         "  taskset -c 1 jaxreplay sweep configs/sweep_testbed.yaml --seeds 1,3\n"
-        "  jaxreplay sweep configs/sweep_mul_stage2.yaml --replicate 231,247 --out runs/mul_stage2_rep   # new seeds")
+        "  jaxreplay sweep configs/sweep_mul_stage2.yaml --replicate 231,247 --out runs/mul_stage2_rep   # new seeds\n"
+        "  jaxreplay sweep configs/sweep_pool_stage2.yaml --replicate 231 --out runs/pool_rep "
+        "--settings on_policy_p128,spi4_nr16_p128 --print   # two arms")
     sweep.add_argument("sweep", help="the sweep file, e.g. configs/sweep_demo.yaml")
     sweep.add_argument("overrides", nargs="*", help=f"{overrides_help}; for every run")
     sweep.add_argument("--print", action="store_true", help="print one command per run instead of running")
     sweep.add_argument("--seeds", type=_seed_list, metavar="S,S,...",
                        help="run only these of the file's seeds, e.g. to split a sweep over cores or machines")
+    sweep.add_argument("--settings", type=_name_list, metavar="NAME,NAME,...",
+                       help="run only these of the file's settings: names or shell patterns like '*_p128' (quoted); "
+                            "with --print, --seeds and --replicate alike")
     sweep.add_argument("--replicate", type=_seed_list, metavar="S,S,...",
                        help="replicate the sweep on these new seeds (none of the study's or its pilots'): the same "
                             "settings, rates and budgets, into --out")
@@ -99,6 +104,13 @@ def mu_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--mu: ").removeprefix("--mu ")) from None
 
 
+def _name_list(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected names separated by commas, like on_policy,spi4, got {text!r}")
+    return names
+
+
 def _seed_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(","))
@@ -111,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         from jaxreplay.research.sweep import commands, load_sweep, run_sweep
 
         sweep = load_sweep(args.sweep, args.overrides, only_seeds=args.seeds, replicate=args.replicate,
-                           replicate_out=args.out)
+                           replicate_out=args.out, only_settings=args.settings)
         if args.print:
             import os
             import sys

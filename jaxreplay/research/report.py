@@ -28,7 +28,10 @@ runs with `--stage1 RUN_DIR...` copies them into OUT/stage1 and adds the frontie
 A replication (`jaxreplay sweep FILE --replicate S,S --out DIR`: the same settings on new seeds)
 is given with `--replication DIR/*/seed*` and copied into OUT/replication. It is set beside the
 declared seeds and its claims are decided again on its seeds alone, under a heading of its own:
-never pooled into the declared seeds' verdicts. Its runs given as ordinary run dirs are refused.
+never pooled into the declared seeds' verdicts. Its runs given as ordinary run dirs are refused. A
+replication of some of the settings (`--settings`) decides the claims those settings decide; the others
+are "not decided by the replication". A pass@K claim's runs without pass@K in their eval.json are refused
+before anything is written (`check_evaluations`), the declared seeds' and the replication's alike.
 """
 
 from __future__ import annotations
@@ -191,6 +194,13 @@ AT_EQUAL_COMPUTE = {"final_at_compute": accuracy_at_compute, "entropy_at_compute
 RUN_MEASURES = {"largest_fall": lambda r: largest_fall(r.evals()[1])}  # claim measures beside accuracy_measures
 
 
+def run_measure(measure: str, settings: Sequence[Setting]) -> Callable[[RunData], Optional[float]]:
+    """A claim's per-run measure: peak, final, pass@K (None where a run's eval.json lacks it), largest_fall."""
+    if measure.startswith("pass@"):
+        return lambda r: _pass(r, measure.removeprefix("pass@"))
+    return RUN_MEASURES.get(measure) or dict(accuracy_measures(settings))[measure]
+
+
 def paired_measure(measure: str, mu: Optional[float], run: RunData, ref: RunData,
                    settings: Sequence[Setting]) -> Optional[tuple[float, float]]:
     """(the run's value, the baseline run's) of an accuracy-like claim measure, for one seed pair; None if
@@ -199,7 +209,7 @@ def paired_measure(measure: str, mu: Optional[float], run: RunData, ref: RunData
         budget = min(total_compute(run, mu), total_compute(ref, mu))
         get = lambda r: AT_EQUAL_COMPUTE[measure](r, budget, mu)  # noqa: E731
     else:
-        get = RUN_MEASURES.get(measure) or dict(accuracy_measures(settings))[measure]
+        get = run_measure(measure, settings)
     a, b = get(run), get(ref)
     return None if a is None or b is None or math.isnan(a) or math.isnan(b) else (a, b)
 
@@ -373,27 +383,72 @@ def baseline_values(claim: Claim, settings: Sequence[Setting], base: Setting) ->
         by_name = {s.name: s for s in settings}
         return [v[1] for n in claim.settings for r, ref in pairs(by_name[n], base)
                 if (v := paired_measure(claim.measure, claim.mu, r, ref, settings)) is not None]
-    get = dict(accuracy_measures(settings))[claim.measure]
+    get = run_measure(claim.measure, settings)
     return [v for r in base.runs if (v := get(r)) is not None]
 
 
-def claims_table(claims: Sequence[Claim], settings: Sequence[Setting], base: Setting,
+def claim_baseline(claim: Claim, base: str, pool_of: Optional[dict[str, str]] = None) -> str:
+    """The name of the baseline a claim is paired with: its own, else its first setting's pool's
+    (`pool_of`: setting name -> its pool's baseline name), else `base`."""
+    return claim.baseline or (pool_of or {}).get(claim.settings[0], base)
+
+
+def check_evaluations(claims: Sequence[Claim], settings: Sequence[Setting], base: str,
+                      pool_of: dict[str, str], what: str = "") -> None:
+    """Every run a pass@K claim reads (its settings' and its baseline's, where all of them have runs) holds
+    pass@K in its eval.json, which `jaxreplay eval` writes after training: checked before anything is
+    written, so that a missing evaluation is one line naming the runs and the command that makes it."""
+    by_name = {s.name: s for s in settings}
+    needs: dict[str, list[str]] = {}  # pass@K -> the run dirs that lack it
+    for c in claims:
+        if not c.measure.startswith("pass@"):
+            continue
+        names = list(dict.fromkeys((*c.names, claim_baseline(c, base, pool_of))))
+        if any(n not in by_name for n in names):
+            continue  # not decided here at all ("not reported")
+        k = c.measure.removeprefix("pass@")
+        for n in names:
+            for r in by_name[n].runs:
+                if r.pass_at(k) is None and str(r.dir) not in needs.setdefault(c.measure, []):
+                    needs[c.measure].append(str(r.dir))
+    if not needs:
+        return
+    ks = ",".join(sorted({"1", *(m.removeprefix("pass@") for m in needs)}, key=int))
+    lacking = "; ".join(f"{len(dirs)} lack {m} ({_runs_named(dirs)})" for m, dirs in needs.items())
+    raise ConfigError(f"{what}claims on {', '.join(needs)} read each run's {EVAL_FILE}, written by `jaxreplay eval` "
+                      f"after training: {lacking}; make it with `jaxreplay eval RUN_DIR --k {ks} --out "
+                      f"RUN_DIR/{EVAL_FILE}` for each")
+
+
+def _runs_named(dirs: Sequence[str]) -> str:
+    """Run dirs, grouped by setting folder: `/x/spi2/seed10, seed11; /x/on_policy/seed10`."""
+    folders: dict[str, list[str]] = {}
+    for d in dirs:
+        folders.setdefault(str(Path(d).parent), []).append(Path(d).name)
+    return "; ".join(f"{folder}/{', '.join(names)}" for folder, names in folders.items())
+
+
+def claims_table(claims: Sequence[Claim], settings: Sequence[Setting], base: str,
                  regime: Optional[report_regime.RegimeResult] = None,
-                 pool_of: Optional[dict[str, Setting]] = None, bootstrap_seed: int = BOOTSTRAP_SEED) -> str:
+                 pool_of: Optional[dict[str, str]] = None, bootstrap_seed: int = BOOTSTRAP_SEED,
+                 missing_runs: str = "not reported: no runs of") -> str:
     """Each claim's rule, paired numbers and verdict; a claim marked `regime` is "regime not reached"
-    (with the rule's numbers) where `regime`, the exhaustion rule's result, is not met. A claim naming no
-    baseline is paired with its first setting's pool's (`pool_of`: setting name -> baseline), else `base`.
-    Each end of an interval carries its Monte Carlo error (report_stats.Interval), and a verdict that the
-    bootstrap's random stream could flip is "borderline" (report_claims.borderline)."""
+    (with the rule's numbers) where `regime`, the exhaustion rule's result, is not met. A claim is paired
+    with the baseline `claim_baseline` names; one that reads a setting without runs here gets the verdict
+    `missing_runs` and those settings' names. Each end of an interval carries its Monte Carlo error
+    (report_stats.Interval), and a verdict that the bootstrap's random stream could flip is "borderline"
+    (report_claims.borderline)."""
     by_name = {s.name: s for s in settings}
     rows = []
     for c in claims:
-        missing = [n for n in dict.fromkeys(c.names) if n not in by_name]
-        own_base = by_name[c.baseline] if c.baseline in by_name else (pool_of or {}).get(c.settings[0], base)
-        rule = c.describe(own_base.name)
+        base_name = claim_baseline(c, base, pool_of)
+        rule = c.describe(base_name)
+        needed = (*c.names, base_name, *((regime.regime.setting,) if c.regime and regime is not None else ()))
+        missing = [n for n in dict.fromkeys(needed) if n not in by_name]
         if missing:
-            rows.append([c.text, rule, "n/a", f"not reported: no runs of {', '.join(missing)}"])
+            rows.append([c.text, rule, "n/a", f"{missing_runs} {', '.join(missing)}"])
             continue
+        own_base = by_name[base_name]
         strata = claim_values(c, by_name, own_base)
         values = [v for stratum in strata for v in stratum]
         if not values:
@@ -507,22 +562,32 @@ def _regime_on(regime: Optional[report_regime.Regime], settings: Sequence[Settin
 
 def _replication_section(claims: Sequence[Claim], pools: Sequence[tuple[Setting, list[Setting]]],
                          replicated: Sequence[Setting], regime: Optional[report_regime.Regime] = None) -> list[str]:
+    """The replication beside the declared seeds, its claims decided again on it alone. A replication of some
+    of the settings (`jaxreplay sweep FILE --replicate S --settings A,B`) decides the claims that read only
+    those; each pairs with the baseline it pairs with in the declared report, and one that reads a setting the
+    replication lacks (or its pool's baseline) is "not decided by the replication"."""
     settings = [s for _, members in pools for s in members]
-    base = pools[0][0]
     seeds, declared_seeds = _seeds(replicated), _seeds(settings)
-    again = {s.name: s for s in replicated}
-    rebase = again.get(base.name)
-    pool_of = {s.name: again[b.name] for b, members in pools if b.name in again for s in members}
+    names = {s.name for s in replicated}
+    left_out = [s.name for s in settings if s.name not in names]
+    pool_of = {s.name: b.name for b, members in pools for s in members}
+    kept = [s.name for s in settings if s.name in names]
+    which = ("the same settings," if not left_out else
+             f"{len(kept)} of the study's {len(settings)} settings ({', '.join(kept)}; not {', '.join(left_out)}), "
+             "with the same")
     doc = ["## Replication on new seeds (apart from the declared seeds, never pooled with them)", "",
-           f"Seeds {', '.join(map(str, seeds))}: the same settings, learning rates and budgets as the declared seeds "
+           f"Seeds {', '.join(map(str, seeds))}: {which} learning rates and budgets as the declared seeds "
            f"({', '.join(map(str, declared_seeds))}), run by `jaxreplay sweep FILE --replicate "
-           f"{','.join(map(str, seeds))} --out DIR` (`replication/{REPLICATION_FILE}`). The verdicts above are the "
+           f"{','.join(map(str, seeds))} --out DIR"
+           + (f" --settings {','.join(kept)}" if left_out else "")
+           + f"` (`replication/{REPLICATION_FILE}`). The verdicts above are the "
            "confirmatory ones, from the declared seeds alone; the claims are decided again below on the replication "
-           "alone, by the same rules.", ""]
+           "alone, by the same rules" + ("; a claim that reads a setting it did not run is not decided by it."
+                                         if left_out else "."), ""]
     if claims:
         doc += ["## Replication: the claims decided again on its seeds alone", "",
-                claims_table(claims, replicated, rebase, _regime_on(regime, replicated), pool_of)
-                if rebase is not None else f"Not decided: the replication has no runs of the baseline {base.name}.\n"]
+                claims_table(claims, replicated, pools[0][0].name, _regime_on(regime, replicated), pool_of,
+                             missing_runs="not decided by the replication: it has no runs of")]
     tables = [replication_table(members, replicated, b) for b, members in pools]
     return doc + ["## Replication beside the declared seeds", "", "\n".join(tables)]
 
@@ -601,6 +666,8 @@ def _regime_section(result: report_regime.RegimeResult, settings: Sequence[Setti
            f"Rule (declared in the sweep file before any run, `runs/{report_regime.REGIME_FILE}`): "
            f"{result.regime.describe()}. {'Met' if result.met else 'Not met'}: {result.numbers()}. Claims marked "
            "`regime` are decided only where it is met.", ""]
+    if result.per_seed:
+        doc += [result.seed_counts(), "", _markdown(*result.seed_rows())]
     rows = report_regime.reward_rows(settings)
     if rows:
         doc += ["## On-policy's training reward beside its test accuracy", "",
@@ -694,14 +761,18 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
         raise ConfigError("claims marked `regime` need the sweep's exhaustion rule (its `regime`, written to "
                           f"{report_regime.REGIME_FILE} beside the runs); none found")
     originals = group_settings(load_runs(run_dirs))
-    split_pools(originals, baseline)  # refuse a bad --baseline before writing anything
+    original_pools = split_pools(originals, baseline)  # refuse a bad --baseline before writing anything
     stage1_dirs = _staged(stage1)
     if stage1:
         rule = _stage1_rule(stage1_dirs, mus)
         _check_stage2(originals, _selection(group_settings(load_runs(stage1_dirs)), rule)[1])
+    pool_names = {s.name: b.name for b, members in original_pools for s in members}
+    check_evaluations(claims, originals, original_pools[0][0].name, pool_names)
     replication_dirs = _staged(replication)
     if replication:
         check_replication(originals, group_settings(load_runs(replication_dirs)))
+        check_evaluations(claims, group_settings(load_runs(replication_dirs)), original_pools[0][0].name, pool_names,
+                          "--replication: ")
     copies = _copy(originals, out / "runs")
     if claims:
         (out / "runs" / CLAIMS_FILE).write_text(yaml.safe_dump(
@@ -738,7 +809,8 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, baseline: Optional[s
     mu = measured_mu([r for s in settings for r in s.runs])
     all_mus = ([(f"measured µ = {fmt(mu)}", mu)] if mu is not None else []) + [(f"µ = {fmt(m)}", m) for m in mus]
     decided = None if regime is None else report_regime.decide(regime, settings)
-    verdicts = claims_table(claims, settings, base, decided, pool_of) if claims else None
+    verdicts = claims_table(claims, settings, base.name, decided, {n: b.name for n, b in pool_of.items()}) \
+        if claims else None
     size = _size(out / "runs") + (_size(out / "stage1") if stage1 else 0) + (
         _size(out / "replication") if replication else 0)
     doc = ["# Replay comparison", "", *_how_to_read(settings, pools, mu, mus, size,

@@ -118,10 +118,31 @@ class RegimeResult:
     seeds: int  # seeds whose runs had what the rule reads
     gain: float  # the statistic over seeds of the validation gain (nan: no seed)
     rise: float  # the statistic over seeds of the reward rise
+    per_seed: tuple[tuple[Any, float, float], ...] = ()  # (seed, validation gain, reward rise) of each such run
 
     @property
     def met(self) -> bool:
         return self.seeds > 0 and self.gain <= self.regime.plateau and self.rise >= self.regime.reward_rise
+
+    def seed_counts(self) -> str:
+        """How many seeds meet each half of the rule, and both: the picture under the statistic the rule reads."""
+        r, n = self.regime, len(self.per_seed)
+        flat = [s for s, g, _ in self.per_seed if g <= r.plateau]
+        rising = [s for s, _, rise in self.per_seed if rise >= r.reward_rise]
+        both = [s for s in flat if s in rising]
+        return (f"Per seed (the rule reads the {r.statistic}, and stays as declared): the validation gain is at most "
+                f"{r.plateau:g} in {len(flat)} of {n} seeds, the reward rise at least {r.reward_rise:g} in "
+                f"{len(rising)} of {n}, both in {len(both)} of {n}"
+                + (f" (seeds {', '.join(map(str, both))})" if 0 < len(both) < n else "") + ".")
+
+    def seed_rows(self) -> tuple[list[str], list[list[str]]]:
+        """One row per seed: its validation gain and reward rise, and which half of the rule each meets."""
+        r = self.regime
+        header = ["seed", "validation gain (last − half)", f"at most {r.plateau:g}",
+                  "training reward rise (end − half)", f"at least {r.reward_rise:g}", "both"]
+        yes = lambda ok: "yes" if ok else "no"  # noqa: E731
+        return header, [[str(s), fmt(g), yes(g <= r.plateau), fmt(rise), yes(rise >= r.reward_rise),
+                         yes(g <= r.plateau and rise >= r.reward_rise)] for s, g, rise in self.per_seed]
 
     def numbers(self) -> str:
         r = self.regime
@@ -138,12 +159,12 @@ def decide(regime: Regime, settings: Sequence[Setting]) -> RegimeResult:
     if regime.setting not in by_name:
         raise ConfigError(f"regime.setting: {regime.setting} is not one of the settings "
                           f"({', '.join(by_name)})")
-    per_seed = [v for r in by_name[regime.setting].runs if (v := seed_numbers(r, regime)) is not None]
+    per_seed = tuple((r.seed, *v) for r in by_name[regime.setting].runs if (v := seed_numbers(r, regime)) is not None)
     stat = _STATISTICS[regime.statistic]
     if not per_seed:
         return RegimeResult(regime, 0, math.nan, math.nan)
-    return RegimeResult(regime, len(per_seed), float(stat([g for g, _ in per_seed])),
-                        float(stat([r for _, r in per_seed])))
+    return RegimeResult(regime, len(per_seed), float(stat([g for _, g, _ in per_seed])),
+                        float(stat([r for _, _, r in per_seed])), per_seed)
 
 
 def reward_rows(settings: Sequence[Setting]) -> Optional[tuple[list[str], list[list[str]]]]:

@@ -38,6 +38,11 @@ none of the sweep's, its stage 1's or its pilots', and DIR neither the sweep's o
 around it; DIR/replication.yaml marks them, so that `jaxreplay report` keeps them apart
 (`--replication`) and never pools them with the declared seeds.
 
+`--settings NAME,NAME` (`pick_settings`) keeps some of the file's settings, by name or by a shell
+pattern (`'*_p128'`: one pool's arms), with the run, `--print`, `--seeds` and `--replicate` alike. A
+replication of a subset lists it in replication.yaml; its report decides the claims that read only
+those settings and names the others "not decided by the replication".
+
 Every run's config is loaded and validated before the first one starts, and so are the claims,
 which are written to OUT/claims.yaml before the first run for `jaxreplay report` to decide. Every setting of
 a seed shares its warm start, cached in OUT/.warmstart-cache unless an override names another.
@@ -46,6 +51,7 @@ a seed shares its warm start, cached in OUT/.warmstart-cache unless an override 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import math
 import os
@@ -171,13 +177,16 @@ def _inside(a: Path, b: Path) -> bool:
 
 
 def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequence[int] | None = None,
-               replicate: Sequence[int] | None = None, replicate_out: str | Path | None = None) -> Sweep:
+               replicate: Sequence[int] | None = None, replicate_out: str | Path | None = None,
+               only_settings: Sequence[str] | None = None) -> Sweep:
     """Parses and validates the sweep file and every run's config; `ConfigError` names the problem.
 
     `overrides` (the command line's) apply to every run after the file's own overrides and
     the setting's; the seed and run dir stay the sweep's. `only_seeds` keeps a subset of the
-    file's seeds, to split one sweep over several machines or cores. `replicate` runs the same
-    settings on these new seeds instead, into `replicate_out` (see the module's docstring)."""
+    file's seeds, to split one sweep over several machines or cores; `only_settings` (names or
+    shell patterns like `*_p128`, `pick_settings`) a subset of its settings, e.g. the two arms a
+    replication checks. `replicate` runs the settings on these new seeds instead, into
+    `replicate_out` (see the module's docstring)."""
     path = Path(path)
     extra = _override_list(list(overrides), "sweep (command line)")
     raw = read_yaml(path, "sweep file")
@@ -216,6 +225,7 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequ
         own_overrides[name] = _paths_from_file(path, _override_list(overrides or [], f"sweep.settings.{name}"))
     grids, rule = _stage1(raw, common, own_overrides)
     selected = _stage2(raw, path, common, own_overrides, grids)
+    picked = pick_settings(list(own_overrides), only_settings)
     replication = None
     if replicate is not None:
         if only_seeds is not None:
@@ -237,7 +247,8 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequ
         if _inside(new_out, out) or _inside(out, new_out):
             raise ConfigError(f"--out: {new_out} is the study's own folder {out}, or in it or around it; a replication "
                               "goes into a folder of its own")
-        replication = {"sweep": str(path), "out": str(out), "declared_seeds": list(seeds), "seeds": list(replicate)}
+        replication = {"sweep": str(path), "out": str(out), "declared_seeds": list(seeds), "seeds": list(replicate),
+                       **({"settings": picked} if len(picked) < len(own_overrides) else {})}
         seeds, out = list(replicate), new_out
         shared_warm_start = (f"warmstart.cache_dir={out / '.warmstart-cache'}",)
     elif replicate_out is not None:
@@ -250,6 +261,8 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequ
     runs = []
     for seed in seeds:  # seed-major: a sweep stopped early has whole seeds, and claims pool seeds
         for name, own in own_overrides.items():
+            if name not in picked:
+                continue
             for lr in grids[name] if grids else (None,):
                 setting = name if lr is None else setting_name(name, lr)
                 rate = () if lr is None else (f"{_LR}={lr!r}",)
@@ -282,6 +295,19 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), only_seeds: Sequ
     return Sweep(runs=tuple(runs), timeout_s=float(timeout_s), out=out, claims=claims,
                  select=None if rule is None else rule.as_dict(), replication=replication,
                  regime=None if regime is None else regime.as_dict())
+
+
+def pick_settings(names: Sequence[str], patterns: Sequence[str] | None) -> list[str]:
+    """The settings `patterns` pick, in the sweep file's order: each a setting's name or a shell pattern
+    (`*_p128`: one pool's arms), each matching at least one setting. None picks them all."""
+    if patterns is None:
+        return list(names)
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            guess = did_you_mean(pattern, names)
+            raise ConfigError(f"--settings: {pattern} matches none of the sweep's settings ("
+                              + (f"did you mean {guess}?" if guess else f"they are {', '.join(names)}") + ")")
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
 def _sets_lr(overrides: Sequence[str]) -> bool:
