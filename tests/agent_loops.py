@@ -67,7 +67,3 @@ def guess_digit(item, seed, endpoint, calls: int = 3, rerender_at: int = -1) -> 
                                          "reward": reward}
     return reward
 
-
-def failing(item, seed, endpoint) -> float:
-    """Raises before it calls: its episode ends at its first turn, counted."""
-    raise RuntimeError("the harness broke")
