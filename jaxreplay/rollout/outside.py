@@ -89,12 +89,11 @@ class OutsideEpisodes:
     """The engine's `TurnTaker` for agent-loop episodes, and the desk their calls come to (`call`)."""
 
     def __init__(self, harness: Harness, *, group_size: int, prompt_len: int, max_turns: int, timeout: float,
-                 model_id: str = "jaxreplay", lockstep: bool = False):
+                 pad_id: int = 0, model_id: str = "jaxreplay", lockstep: bool = False):
         """`lockstep`: the engine decodes no chunk while a harness owes its next call (see `answers`)."""
         self.harness, self.group_size, self.prompt_len, self.lockstep = harness, group_size, prompt_len, lockstep
         self.max_turns, self.timeout, self.model_id = max_turns, float(timeout), model_id
-        self.base_url, self.token = "", None  # set once the server is bound (serve/episodes.py)
-        self.pad_id = 0
+        self.base_url, self.token, self.pad_id = "", None, pad_id  # the first two set once the server is bound
         self._lock = threading.Condition()
         self._groups: dict[Any, _Group] = {}
         self._by_id: dict[str, _Episode] = {}

@@ -105,8 +105,8 @@ def _agent_loop(c: Config, task: Task):
     e, s = c.environment, c.sampling
     loop = AgentLoop(**dict(e.options))
     episodes = OutsideEpisodes(loop.bound(), group_size=c.train.group_size, prompt_len=task.prompt_len,
-                               max_turns=e.max_turns, timeout=e.step_timeout_s, lockstep=loop.lockstep)
-    episodes.pad_id = task.tokenizer.pad_id
+                               max_turns=e.max_turns, timeout=e.step_timeout_s, pad_id=task.tokenizer.pad_id,
+                               lockstep=loop.lockstep)
     serve_episodes(episodes, task.tokenizer, prompt_len=task.prompt_len, max_new_tokens=s.max_new_tokens,
                    draw=Draw.of(s.temperature, s.top_k, s.top_p), host=loop.host, port=loop.port,
                    model_id=c.model.hf_path or "jaxreplay", call_format=loop.call_format,
