@@ -2,10 +2,11 @@
 against the same engine thread called in process, on the same requests (same seeds, so the
 same tokens).
 
-    .venv/bin/python -m benchmarks.serve [--streams 1,16,64] [--requests 4] [--max-tokens 64] [--repeats 3]
+    .venv/bin/python -m benchmarks.serve [--streams 1,16,64] [--requests 4] [--max-tokens 64] [--repeats 3] [--no-stream]
 
 Each of S streams sends `--requests` completions one after another (token-id prompts, streamed
-as server-sent events through the official `openai` client's async API); in process, each stream
+as server-sent events through the official `openai` client's async API, or whole with
+`--no-stream`); in process, each stream
 submits the same `Generation`s to an `EngineWorker` and waits on them. Both sides use a fresh
 tiny Qwen2-shaped model (2 layers, d_model 128) with 64 slots; two unmeasured rounds of each
 workload compile first.
@@ -74,14 +75,19 @@ def in_process(worker, work, max_tokens: int) -> int:
     return sum(counts)
 
 
-async def over_http(url: str, work, max_tokens: int) -> int:
+async def over_http(url: str, work, max_tokens: int, stream: bool = True) -> int:
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
 
-    async def stream(items):
+    async def one_stream(items):
         total = 0
         for prompt, seed in items:
+            if not stream:
+                whole = await client.completions.create(model="bench", prompt=prompt, max_tokens=max_tokens, seed=seed,
+                                                        temperature=1.0, extra_body={"return_token_ids": True})
+                total += sum(len(c.model_extra.get("token_ids") or []) for c in whole.choices)
+                continue
             parts = await client.completions.create(model="bench", prompt=prompt, max_tokens=max_tokens, seed=seed,
                                                     temperature=1.0, stream=True,
                                                     extra_body={"return_token_ids": True})
@@ -89,7 +95,7 @@ async def over_http(url: str, work, max_tokens: int) -> int:
                 total += sum(len(c.model_extra.get("token_ids") or []) for c in part.choices)
         return total
 
-    totals = await asyncio.gather(*(stream(items) for items in work))
+    totals = await asyncio.gather(*(one_stream(items) for items in work))
     await client.close()
     return sum(totals)
 
@@ -100,6 +106,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-stream", action="store_true", help="whole responses, not server-sent events")
     args = parser.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
     from jaxreplay.models.hf import load_hf_model
@@ -128,7 +135,7 @@ def main(argv=None) -> dict:
     try:
         warm = requests(max(streams), 1)
         in_process(worker, warm, args.max_tokens)
-        asyncio.run(over_http(url, warm, args.max_tokens))
+        asyncio.run(over_http(url, warm, args.max_tokens, not args.no_stream))
         for s in streams:
             work = requests(s, args.requests)
             runs = {"in_process": [], "http": []}
@@ -136,12 +143,12 @@ def main(argv=None) -> dict:
             # window width, drain width), seconds each on CPU, in each process.
             for _ in range(2):
                 in_process(worker, work, args.max_tokens)
-                asyncio.run(over_http(url, work, args.max_tokens))
+                asyncio.run(over_http(url, work, args.max_tokens, not args.no_stream))
             for _ in range(args.repeats):
                 for side in runs:
                     t0 = time.perf_counter()
                     tokens = in_process(worker, work, args.max_tokens) if side == "in_process" else \
-                        asyncio.run(over_http(url, work, args.max_tokens))
+                        asyncio.run(over_http(url, work, args.max_tokens, not args.no_stream))
                     runs[side].append(tokens / (time.perf_counter() - t0))
             median = {side: sorted(v)[len(v) // 2] for side, v in runs.items()}
             rows.append({"streams": s, "in_process_tok_s": median["in_process"], "http_tok_s": median["http"],

@@ -295,7 +295,8 @@ class EnvironmentConfig:
     model and environment tokens together. Off (single-turn) while `name` is empty.
     """
 
-    # a registered environment (`guess_digit`), or `package.module:factory` of your own; "" = single-turn rows
+    # a registered environment (`guess_digit`), `package.module:factory` of your own, or `agent_loop`: episodes an
+    # outside agent loop plays through an endpoint the run serves (docs/serving.md); "" = single-turn rows
     name: str = ""
     # keyword arguments of the environment's factory
     options: dict[str, Any] = field(default_factory=dict)

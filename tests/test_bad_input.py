@@ -205,7 +205,7 @@ def case_unknown_environment(tmp_path):
     """The shipped environments register on first use: the error names them all the same."""
     return (["train", str(ROOT / "configs" / "demo_multiturn.yaml"), "environment.name=nope",
              f"run.dir={tmp_path / 'run'}"],
-            "unknown environment 'nope': known names are calculator, guess_digit, guess_number, skyrl, or give package.module:factory")
+            "unknown environment 'nope': known names are agent_loop, calculator, guess_digit, guess_number, skyrl, or give package.module:factory")
 
 
 def case_sweep_file_with_a_duplicate_key(tmp_path):

@@ -36,7 +36,7 @@ def test_turns_on_the_static_sampler_are_refused_at_the_edge():
     with pytest.raises(ConfigError, match="environment.name: multi-turn episodes .* need sampling.engine: continuous"):
         validate(load_config(DEMO_MT, ["sampling.engine=static"]))
     with pytest.raises(ConfigError, match="environment.name: unknown environment 'nope': known names are "
-                                          "calculator, guess_digit, guess_number, skyrl, or give package.module:factory"):
+                                          "agent_loop, calculator, guess_digit, guess_number, skyrl, or give package.module:factory"):
         validate(load_config(DEMO_MT, ["environment.name=nope"]))
     with pytest.raises(ConfigError, match="task.name: guess_digit is scored by its environment"):
         validate(load_config(DEMO_MT, ["environment.name="]))

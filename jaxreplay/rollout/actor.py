@@ -179,6 +179,12 @@ class StreamingActor:
         self._started, self._in_flight = 0, []
         self.resume(position)
 
+    def close(self) -> None:
+        """Ends what its episodes run beside the engine (an agent loop's endpoint and harnesses)."""
+        close = getattr(self.episodes, "close", None)
+        if callable(close):
+            close()
+
     def advance(self, params, version: int) -> tuple[Optional[dict[str, np.ndarray]], dict]:
         """One chunk: refill, decode under `params` (policy `version`), score what completed.
         Returns (rows, or None when no group completed; stats with "seconds" and "position")."""
@@ -253,11 +259,13 @@ class StreamingActor:
 
 def make_streaming_actor(graphdef, config: Config, task: Task, params, *, stop_ids: Sequence[int], pad_id: int,
                          shard: tuple[int, int] = (0, 1), live_vocab: int = 0,
-                         mesh: Optional[Mesh] = None) -> StreamingActor:
+                         mesh: Optional[Mesh] = None, episodes=None) -> StreamingActor:
     """A `StreamingActor` over the in-JAX engine, sampling as `sampling.make_run_samplers`' rollout
-    sampler; its slot pool laid out over `mesh` (the weights it is given must lie on it)."""
+    sampler; its slot pool laid out over `mesh` (the weights it is given must lie on it). `episodes`:
+    who takes the rows' turns, if not `environment.*`'s own environments (an outside agent loop's)."""
     s = config.sampling
-    episodes = make_episode_runner(config, task) if config.environment.name else None
+    if episodes is None and config.environment.name:
+        episodes = make_episode_runner(config, task)
     engine = JaxEngine(graphdef, config.model, params, slots=engine_slots(config, shard[1]),
                        group_size=config.train.group_size, prompt_len=task.prompt_len,
                        max_new_tokens=s.max_new_tokens, chunk_steps=s.engine_chunk_steps, temperature=s.temperature,

@@ -100,9 +100,10 @@ class TurnTaker(Protocol):
     answer's ids are put after it (`_feed_answers` prefills all but the last) and it decodes on.
     `None` ends the episode."""
 
-    def ended(self, tag: Any, row: int, turn_ids: np.ndarray, cut: bool) -> None:
+    def ended(self, tag: Any, row: int, turn_ids: np.ndarray, cut: bool,
+              logprobs: Optional[np.ndarray] = None) -> None:
         """Row `row` of group `tag` ended a turn with `turn_ids` (the model's ids of that turn,
-        its stop id last). `cut`: the token limit ended it (or left no room for the answer):
+        its stop id last; `logprobs` theirs, as drawn). `cut`: the token limit ended it (or left no room for the answer):
         the episode is over and truncated, no answer is expected."""
 
     def answers(self, wait: float) -> list[tuple[Any, int, Optional[list[int]]]]:
@@ -516,7 +517,8 @@ class JaxEngine:
                 e, start = int(self._emitted[s]), g.turn_start.get(j, 0)
                 turn = fields[0][k][self.prompt_len + start:self.prompt_len + e]
                 ended = len(turn) > 0 and int(turn[-1]) in self.stop_ids
-                self.turns.ended(g.prompt.tag, j, turn, cut=not ended)
+                self.turns.ended(g.prompt.tag, j, turn, cut=not ended,
+                                 logprobs=fields[2][k][self.prompt_len + start:self.prompt_len + e])
                 if ended:
                     self.stats.turns += 1
                     self._parked[(g.prompt.tag, j)] = s

@@ -37,9 +37,11 @@ from jaxreplay.tasks.chat import ChatFormat
 from jaxreplay.tasks.environment import STEP_ERRORS, EnvPool, Message, Step, resolve
 
 # What ends an episode early, counted per kind (`env/errors/<kind>`): an environment's own error
-# (Step.info["error"]), or an observation the chat format could not render or encode.
+# (Step.info["error"]), or an observation the chat format could not render or encode. An outside agent
+# loop's call whose prompt does not extend its episode's ids is refused and counted (rollout/outside.py).
 UNENCODABLE = "unencodable_observation"
-EPISODE_ERRORS = (*STEP_ERRORS, UNENCODABLE)
+RERENDERED = "rerendered_prompt"
+EPISODE_ERRORS = (*STEP_ERRORS, UNENCODABLE, RERENDERED)
 
 
 @dataclasses.dataclass
@@ -91,7 +93,8 @@ class EpisodeRunner:
 
     # -- the engine's TurnTaker ----------------------------------------------------------------
 
-    def ended(self, tag: Any, row: int, turn_ids: np.ndarray, cut: bool) -> None:
+    def ended(self, tag: Any, row: int, turn_ids: np.ndarray, cut: bool,
+              logprobs: Optional[np.ndarray] = None) -> None:
         ep = self._groups[tag]
         if cut:
             ep.truncated[row] = not ep.over[row] or ep.truncated[row]

@@ -108,7 +108,7 @@ class Server:
         s = protocol.sampling(body, self.limits, chat=False)
         prompts = protocol.completion_prompts(body, self.tokenizer, self.limits)
         stream = self._stream_flag(body)
-        gens = [self._generation(p, s) for p in prompts]
+        gens = [self._generation(p, s, request) for p in prompts]
         rid, created, model = protocol.new_id("cmpl"), protocol.now(), self.settings.model_id
         return_ids = body.get("return_token_ids") is True
         if not stream:
@@ -139,7 +139,7 @@ class Server:
         s = protocol.sampling(body, self.limits, chat=True)
         prompt, tools = protocol.chat_prompt(body, self.tokenizer, self.limits)
         stream = self._stream_flag(body)
-        gen = self._generation(prompt, s)
+        gen = self._generation(prompt, s, request)
         rid, created, model = protocol.new_id("chatcmpl"), protocol.now(), self.settings.model_id
         return_ids = body.get("return_token_ids") is True
 
@@ -198,7 +198,7 @@ class Server:
             raise BadRequest("sampling_params must be an object", "sampling_params")
         s = protocol.sampling(params, self.limits, chat=False, where="sampling_params.")
         prompt = protocol.check_ids(body.get("token_ids"), self.limits, "token_ids")
-        gen = self._generation(prompt, s)
+        gen = self._generation(prompt, s, request)
         await self._finish(request, [gen])
         return web.json_response({
             "request_id": body.get("request_id") or protocol.new_id("gen"),
@@ -223,6 +223,7 @@ class Server:
             raise BadRequest(f"the body is not JSON: {e}") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
+        request["body"] = body
         model = body.get("model")
         if model is not None and model != self.settings.model_id:
             raise BadRequest(f"model {model!r} is not served here (this server serves {self.settings.model_id!r})",
@@ -236,7 +237,7 @@ class Server:
             raise BadRequest("stream must be a boolean", "stream")
         return stream
 
-    def _generation(self, prompt: list[int], s: protocol.Sampling) -> Generation:
+    def _generation(self, prompt: list[int], s: protocol.Sampling, request: web.Request) -> Generation:
         if self.worker.load() + s.n > self.settings.max_in_flight:
             raise BadRequest(f"the server has {self.settings.max_in_flight} generations in flight; retry later",
                              status=503)

@@ -73,7 +73,8 @@ def make_environment(name: str, options: Optional[Mapping[str, Any]] = None) -> 
 
 # Environments shipped with the package, imported (and so registered) when first named.
 BUILTIN = {"guess_digit": "jaxreplay.tasks.guess", "calculator": "jaxreplay.tasks.tools",
-           "skyrl": "jaxreplay.tasks.skyrl_env", "guess_number": "jaxreplay.tasks.guess_number"}
+           "skyrl": "jaxreplay.tasks.skyrl_env", "guess_number": "jaxreplay.tasks.guess_number",
+           "agent_loop": "jaxreplay.tasks.agent_loop"}
 
 
 def resolve(name: str) -> Callable[..., Environment]:

@@ -66,6 +66,10 @@ METRICS: tuple[tuple[str, str, str], ...] = (
                                            "one wider than `task.max_prompt_len` (the episode ends; at reset, every "
                                            "episode of the group); that batch only",
      "`environment.name` set"),
+    ("env/errors/rerendered_prompt", "agent-loop episodes (`environment.name: agent_loop`): calls of the latest "
+                                     "actor batch's episodes refused with a 409 because their prompt did not extend "
+                                     "the episode's earlier ids (the client re-rendered earlier turns; the episode "
+                                     "goes on); that batch only", "`environment.name` set"),
     ("env/errors_total/exception", "multi-turn: cumulative `env/errors/exception` over the run, every actor batch "
                                    "counted once (resumes included; also in summary.json)", "`environment.name` set"),
     ("env/errors_total/timeout", "multi-turn: cumulative `env/errors/timeout` over the run", "`environment.name` set"),
@@ -73,6 +77,8 @@ METRICS: tuple[tuple[str, str, str], ...] = (
      "`environment.name` set"),
     ("env/errors_total/unencodable_observation", "multi-turn: cumulative `env/errors/unencodable_observation` over "
                                                  "the run", "`environment.name` set"),
+    ("env/errors_total/rerendered_prompt", "agent-loop episodes: cumulative `env/errors/rerendered_prompt` over the "
+                                           "run", "`environment.name` set"),
     # The sampled training batch (train/run.py).
     ("batch/reward_mean", "mean reward of the sampled (possibly replayed) training batch", "every step"),
     ("batch/version_min", "oldest policy version that generated a row of the batch", "every step"),

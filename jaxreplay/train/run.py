@@ -436,6 +436,8 @@ class Run:
             self._bar.close()
 
     def close(self) -> None:
+        if self.stack.stream is not None:
+            self.stack.stream.close()
         self.close_bar()
         self.notice.close()
         self.checkpointer.close()

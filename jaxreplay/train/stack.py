@@ -25,6 +25,7 @@ from jaxreplay.rollout.actor import Actor, StreamingActor, make_streaming_actor
 from jaxreplay.rollout.rollouts import row_spec
 from jaxreplay.rollout.sampling import make_run_samplers
 from jaxreplay.rollout.weights import weight_sync
+from jaxreplay.tasks.agent_loop import AgentLoop, is_agent_loop
 from jaxreplay.tasks.base import Task
 from jaxreplay.tasks.registry import make_task
 from jaxreplay.train import distributed
@@ -82,13 +83,35 @@ def build_stack(config: Config, placement: Placement, log: Callable[[str], None]
         optimizer=optimizer, opt_state=sharding.shard_params(optimizer.init(params), learner_mesh),
         train_step=make_train_step(graphdef, c, optimizer, learner_mesh, live_vocab=live),
         actor=Actor(c, task, placement.rollout_sampler(sample_fn), shard=shard),
-        evaluate=_episode_evaluation(c, task, graphdef, params, live, placement, stopping) if c.environment.name
+        evaluate=_episode_evaluation(c, task, graphdef, params, live, placement, stopping)
+        if c.environment.name and not is_agent_loop(c.environment.name)
         else lambda p: evaluations(p, task, greedy, stopping),
         to_actor=_to_mesh(c, placement) if placement.actor_mesh is not learner_mesh else (lambda p: p),
         stream=make_streaming_actor(graphdef, c, task, params, stop_ids=tok.eos_ids, pad_id=tok.pad_id, shard=shard,
-                                    live_vocab=live, mesh=placement.engine_mesh)
+                                    live_vocab=live, mesh=placement.engine_mesh,
+                                    episodes=_agent_loop(c, task) if is_agent_loop(c.environment.name) else None)
         if c.sampling.engine == "continuous" else None,
     )
+
+
+def _agent_loop(c: Config, task: Task):
+    """An outside agent loop's episodes, and the endpoint its harnesses call (serve/episodes.py):
+    the run's own engine answers, with the run's sampling settings."""
+    from jaxreplay.rollout.outside import OutsideEpisodes
+    from jaxreplay.serve.episodes import serve_episodes
+    from jaxreplay.serve.run import bearer_token
+    from jaxreplay.serve.worker import Draw
+
+    e, s = c.environment, c.sampling
+    loop = AgentLoop(**dict(e.options))
+    episodes = OutsideEpisodes(loop.bound(), group_size=c.train.group_size, prompt_len=task.prompt_len,
+                               max_turns=e.max_turns, timeout=e.step_timeout_s, pad_id=task.tokenizer.pad_id,
+                               lockstep=loop.lockstep)
+    serve_episodes(episodes, task.tokenizer, prompt_len=task.prompt_len, max_new_tokens=s.max_new_tokens,
+                   draw=Draw.of(s.temperature, s.top_k, s.top_p), host=loop.host, port=loop.port,
+                   model_id=c.model.hf_path or "jaxreplay", call_format=loop.call_format,
+                   token=bearer_token(loop.host))
+    return episodes
 
 
 def _episode_evaluation(c: Config, task: Task, graphdef, params, live: int, placement: Placement, stopping):
