@@ -96,6 +96,22 @@ class ModelConfig:
     attention_bias: bool = False
     # RMSNorm on queries and keys (Qwen3)
     qk_norm: bool = False
+    # mixture of experts (Qwen3-MoE): routed experts in each sparse layer's MLP (0: every layer has the dense
+    # SwiGLU MLP of width `d_ff`; jaxreplay/models/moe.py)
+    n_experts: int = 0
+    # experts each token is routed to: the top k of the router's softmax (HF `num_experts_per_tok`)
+    experts_per_token: int = 1
+    # each expert's SwiGLU hidden width (HF `moe_intermediate_size`)
+    moe_d_ff: int = 64
+    # renormalise each token's top-k router probabilities to sum to 1 (HF `norm_topk_prob`)
+    moe_norm_topk: bool = True
+    # with experts, layer i is sparse iff (i + 1) is a multiple of this (HF `decoder_sparse_step`)
+    moe_sparse_step: int = 1
+    # layers that keep the dense MLP among sparse ones (HF `mlp_only_layers`)
+    moe_dense_layers: tuple[int, ...] = ()
+    # weight of the routers' load-balancing loss in the learner's loss (HF `router_aux_loss_coef`, as
+    # `load_balancing_loss_func` computes it over every sparse layer and real token; `train/router_aux_loss`)
+    router_aux_loss_coef: float = 0.0
     # dtype of the parameters: float32, bfloat16 or float16
     param_dtype: DType = "float32"
     # dtype of activations and matmuls: float32, bfloat16 or float16
@@ -907,6 +923,8 @@ RANGES: dict[str, Interval] = {
     "model.max_seq_len": POSITIVE, "model.rope_theta": POSITIVE, "model.rope_scaling_factor": Interval(1),
     "model.rope_low_freq_factor": POSITIVE, "model.rope_high_freq_factor": POSITIVE,
     "model.rope_original_max_len": POSITIVE, "model.norm_eps": POSITIVE,
+    "model.n_experts": NON_NEGATIVE, "model.experts_per_token": POSITIVE, "model.moe_d_ff": POSITIVE,
+    "model.moe_sparse_step": POSITIVE, "model.router_aux_loss_coef": NON_NEGATIVE,
     "task.eval_size": POSITIVE, "task.data_seed": NON_NEGATIVE, "task.validation_size": NON_NEGATIVE,
     "task.train_size": NON_NEGATIVE, "task.warmstart_size": NON_NEGATIVE,
     "warmstart.steps": NON_NEGATIVE, "warmstart.batch_size": POSITIVE, "warmstart.learning_rate": POSITIVE,
@@ -996,6 +1014,10 @@ def validate(c: Config, local: bool = True) -> None:
     _require(m.head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {m.head_dim}")
     _require(m.rope_low_freq_factor < m.rope_high_freq_factor, "model.rope_high_freq_factor",
              f"must exceed model.rope_low_freq_factor ({m.rope_low_freq_factor})")
+    _require(m.n_experts == 0 or m.experts_per_token <= m.n_experts, "model.experts_per_token",
+             f"must not exceed model.n_experts ({m.n_experts}), got {m.experts_per_token}")
+    _require(all(0 <= i < m.n_layers for i in m.moe_dense_layers), "model.moe_dense_layers",
+             f"every layer index must lie in 0..{m.n_layers - 1}, got {list(m.moe_dense_layers)}")
     _validate_lora(m.lora)
     _require(t.loss != "asymre" or t.advantage != "group_normalized", "train.advantage",
              "AsymRE needs r - V: use group_centered or leave_one_out, not group_normalized")

@@ -25,7 +25,8 @@ from jaxreplay.learn import trainable
 from jaxreplay.learn.losses import kl_penalty, make_loss, make_weights, token_mean_weights, weighted
 from jaxreplay.learn.scoring import sequence_scores
 from jaxreplay.models import sharding
-from jaxreplay.models.transformer import abstract_params, dtype_of, score_hidden
+from jaxreplay.models.moe import load_balancing_loss
+from jaxreplay.models.transformer import abstract_params, dtype_of, routed_score_hidden
 
 Batch = dict[str, jax.Array]
 TrainStep = Callable[[Any, Any, Batch, Any], tuple[Any, Any, dict[str, jax.Array]]]
@@ -151,9 +152,13 @@ def _make_loss_fn(graphdef, config: Config, live_vocab: int = 0):
     scores = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                   chunk=train.logits_chunk_size, live_vocab=live_vocab)
 
+    model = config.model
+
     def score(params, batch: Batch, with_entropy: bool):
-        h, unembed = score_hidden(graphdef, params, batch["tokens"], batch["attention_mask"], remat=train.remat)
-        return sequence_scores(h, batch["tokens"], unembed, with_entropy=with_entropy, **scores)
+        """(log-probs, entropy, the sparse layers' routing or None)."""
+        h, unembed, routing = routed_score_hidden(graphdef, params, batch["tokens"], batch["attention_mask"],
+                                                  remat=train.remat)
+        return (*sequence_scores(h, batch["tokens"], unembed, with_entropy=with_entropy, **scores), routing)
 
     def loss_fn(params, batch: Batch, ref_params):
         mask = batch["completion_mask"]
@@ -161,12 +166,20 @@ def _make_loss_fn(graphdef, config: Config, live_vocab: int = 0):
         loss_impl = make_loss(train.loss, aggregate=weighted(batch["loss_weights"]), mean=mean,
                               eps_low=train.eps_low, eps_high=train.eps_high, tis_cap=train.tis_cap,
                               asymre_delta_v=train.asymre_delta_v)
-        logprobs, entropy = score(params, batch, with_entropy=True)
+        logprobs, entropy, routing = score(params, batch, with_entropy=True)
         loss, metrics = loss_impl(logprobs, batch["logprobs"], batch["advantage"], mask)
         metrics["pg_loss"] = loss
+        if routing is not None:
+            # HF's load-balancing loss over this (micro-)batch's real tokens, weighted by its share of the
+            # batch's completion tokens: a whole batch's is HF's; micro-batches' is their weighted mean, as
+            # HF's gradient accumulation computes it.
+            share = jnp.sum(batch["token_weights"] * mask)
+            aux = load_balancing_loss(routing.logits, batch["attention_mask"], model.experts_per_token) * share
+            loss = loss + model.router_aux_loss_coef * aux
+            metrics["train/router_aux_loss"] = aux
         if train.kl_coef > 0:  # with LoRA, the reference is the base, adapters off
             reference = trainable.kl_reference(params, ref_params)
-            ref_logprobs, _ = score(jax.lax.stop_gradient(reference), batch, with_entropy=False)
+            ref_logprobs, _, _ = score(jax.lax.stop_gradient(reference), batch, with_entropy=False)
             kl = kl_penalty(logprobs, ref_logprobs, mask, mean=mean)
             loss = loss + train.kl_coef * kl
             metrics["kl_ref"] = kl
