@@ -20,7 +20,7 @@ CONFIGS = ["pod_v4-8_qwen2.5_0.5b", "pod_v4-8_qwen2.5_1.5b", "pod_v5e-8_qwen2.5_
            "pod_v5e-8_qwen2.5_0.5b_gsm8k", "pod_v5e-16_qwen2.5_0.5b_gsm8k",
            "qwen2.5_0.5b_instruct_gsm8k_colab", "qwen3_0.6b_math", "qwen2.5_7b_math",
            "qwen2.5_1.5b_instruct_gsm8k_colab_lora", "qwen2.5_3b_instruct_gsm8k_colab_lora",
-           "pod_v5e-8_qwen2.5_7b_gsm8k_lora"]
+           "pod_v5e-8_qwen2.5_7b_gsm8k_lora", "gemma3_1b_it_gsm8k_colab_lora", "pod_v5e-8_gemma3_4b_gsm8k"]
 GiB = 1 << 30
 
 

@@ -1,6 +1,7 @@
 """Decode throughput: our jitted KV-cache sampler against `transformers` `generate`.
 
-Both sides run the same random Qwen2 weights: transformers makes the model and saves it,
+Both sides run the same random Qwen2 weights (`--family gemma3`: Gemma 3 text, local and global
+layers alternating, a window of 32 tokens of the 160 decoded): transformers makes the model and saves it,
 and our HF bridge loads that directory. Both sample at temperature 1 (no top-k/top-p) in
 float32, from the same left-padded prompts, for exactly `new_tokens` tokens (no EOS on
 either side). Throughput is generated tokens per second of wall time, each side's best of
@@ -51,7 +52,7 @@ def compiled_sampler(sample, params, tokens: np.ndarray, mask: np.ndarray) -> tu
     return compile_s, decode
 
 
-def run(quick: bool = False, torch_python: Optional[str] = None) -> list[dict]:
+def run(quick: bool = False, torch_python: Optional[str] = None, family: str = "qwen2") -> list[dict]:
     """One row per batch size: tokens/s of both sides, their ratio, and our compile seconds.
 
     The reference runs under `torch_python` (default: this interpreter if it has torch, else
@@ -62,7 +63,7 @@ def run(quick: bool = False, torch_python: Optional[str] = None) -> list[dict]:
     if python is None:
         raise RuntimeError("no interpreter with torch and transformers for the generate reference: install the "
                            "'parity' extra, or pass --torch-python PATH (e.g. .venv-reverb/bin/python)")
-    s = QUICK if quick else FULL
+    s = dict(QUICK if quick else FULL, family=family, window=4 if quick else 32)
     ref = reference(python)
     rows = []
     try:
@@ -91,7 +92,7 @@ def run(quick: bool = False, torch_python: Optional[str] = None) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    """`python -m benchmarks.sampler [--runs N] [--torch-python PATH]`: only this benchmark, N
+    """`python -m benchmarks.sampler [--runs N] [--torch-python PATH] [--family gemma3]`: only this benchmark, N
     times (each side by side), then each batch's median ratio: one run on a shared machine
     is noise."""
     import argparse
@@ -102,11 +103,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--torch-python", help="interpreter with torch + transformers (as benchmarks.run)")
+    parser.add_argument("--family", choices=("qwen2", "gemma3"), default="qwen2", help="the random model's family")
     args = parser.parse_args(argv)
     tune_cpu_compiler()  # as benchmarks.run and the CLI do
     runs = []
     for k in range(args.runs):
-        runs.append(run(torch_python=args.torch_python))
+        runs.append(run(torch_python=args.torch_python, family=args.family))
         print(f"run {k + 1}:", ", ".join(f"batch {r['batch']} {r['ratio']:.2f}x ({r['ours_tok_s']:.0f} / "
                                           f"{r['generate_tok_s']:.0f} tok/s)" for r in runs[-1]), flush=True)
     for i, row in enumerate(runs[0]):

@@ -47,6 +47,24 @@ def write_qwen2(path: Path, s: dict, dtype: str = "float32") -> None:
     transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).save_pretrained(str(path))
 
 
+def write_gemma3(path: Path, s: dict, dtype: str = "float32") -> None:
+    """A random Gemma 3 (text) model directory written by transformers itself: local and global layers
+    alternating, a sliding window of `s["window"]` (shorter than the prompt plus completion)."""
+    import torch
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=s["vocab"], hidden_size=s["width"], intermediate_size=s["d_ff"], num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["width"] // s["heads"],
+        query_pre_attn_scalar=s["width"] // s["heads"], sliding_window=s["window"], sliding_window_pattern=2,
+        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).save_pretrained(str(path))
+
+
+WRITERS = {"qwen2": write_qwen2, "gemma3": write_gemma3}
+
+
 def generate_fn(hf, tokens: np.ndarray, mask: np.ndarray, new_tokens: int, device: str = "cpu"):
     """`transformers` sampling of exactly `new_tokens` tokens at temperature 1, as a thunk."""
     import torch
@@ -72,7 +90,7 @@ class LocalReference:
         self._models: dict[str, object] = {}
 
     def write_model(self, path: str, spec: dict) -> dict:
-        write_qwen2(Path(path), spec)
+        WRITERS[spec.get("family", "qwen2")](Path(path), spec)
         return {"ok": True}
 
     def time_generate(self, path: str, tokens: np.ndarray, mask: np.ndarray, new_tokens: int, repeats: int) -> dict:

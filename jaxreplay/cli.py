@@ -154,6 +154,40 @@ def _parser() -> argparse.ArgumentParser:
     co.add_argument("--topology", help="a TPU slice, e.g. v5e-8 or v4-8 (needs the tpu extra), or 'local' for this "
                                        "machine's devices (default: the config's mesh.topology, else local)")
     co.add_argument("--json", metavar="FILE", help="also write the figures here as JSON")
+    se = command_parser(
+        sub, "serve", "serve a checkpoint's policy or a Hugging Face model over HTTP (OpenAI routes, token in/out)",
+        "Serves /v1/completions, /v1/chat/completions (streaming, tools), /inference/v1/generate (vLLM's token\n"
+        "ids in and out), /v1/models and /health through the rollout engine: concurrent requests batch\n"
+        "together. Loopback only unless JAXREPLAY_SERVE_TOKEN holds a bearer token. Needs the `serve` extra.\n"
+        "SIGTERM stops taking requests and ends those in flight within --grace-s (docs/serving.md).",
+        "  jaxreplay serve runs/demo --port 8000\n"
+        "  jaxreplay serve configs/demo.yaml --checkpoint runs/demo --slots 64\n"
+        "  jaxreplay serve configs/qwen2.5_0.5b_instruct_gsm8k_colab.yaml --hf models/qwen --max-tokens 512")
+    se.add_argument("config", metavar="run_dir|config",
+                    help="a run directory holding config.yaml, or a YAML config file")
+    se.add_argument("overrides", nargs="*", help=OVERRIDES)
+    served = se.add_mutually_exclusive_group()
+    served.add_argument("--checkpoint", metavar="RUN_DIR", help="a run directory (or its checkpoints/) to serve")
+    served.add_argument("--hf", metavar="MODEL_DIR", help="a Hugging Face model directory to serve instead")
+    se.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    se.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; another one needs "
+                                                        "JAXREPLAY_SERVE_TOKEN)")
+    se.add_argument("--port", type=int, default=8000, help="port (0: any free one; the line `serving ... on URL` "
+                                                           "names it)")
+    se.add_argument("--slots", type=int, default=0, help="decode slots per engine (default: sampling.engine_slots, "
+                                                         "else 16)")
+    se.add_argument("--max-tokens", type=int, default=0,
+                    help="the most tokens a request may draw (default: sampling.max_new_tokens)")
+    se.add_argument("--max-prompt-len", type=int, default=0,
+                    help="the longest prompt in tokens (default: model.max_seq_len - max tokens)")
+    se.add_argument("--max-n", type=int, default=16, help="the most choices (n) a request may ask (default 16)")
+    se.add_argument("--max-engines", type=int, default=4,
+                    help="engines kept at once, one per (temperature, top_k, top_p) (default 4)")
+    se.add_argument("--model-name", help="the model id clients name (default: the run dir or HF directory)")
+    se.add_argument("--tool-call-format", choices=["qwen", "llama3", "pythonic"],
+                    help="how the model writes tool calls (default: llama3 for Llama models, else qwen)")
+    se.add_argument("--grace-s", type=float, default=30.0,
+                    help="after SIGTERM, seconds requests in flight may run on (default 30)")
     research.add_parsers(sub, command_parser, OVERRIDES)
     return parser
 
@@ -249,7 +283,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         if not hasattr(args, "overrides") or any(e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
-    if args.command in ("eval", "export"):
+    if args.command in ("eval", "export", "serve"):
         _from_run_dir(args, parser)
     return args
 
@@ -281,7 +315,7 @@ def _from_run_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         refuse(f"{args.command}: {given} is a directory without config.yaml, so not a run directory; give "
                      f"the run's directory, or a config file and --checkpoint RUN_DIR")
     elif args.checkpoint is None and getattr(args, "hf", None) is None:
-        source = "one of the arguments --checkpoint --hf is" if args.command == "eval" else \
+        source = "one of the arguments --checkpoint --hf is" if args.command in ("eval", "serve") else \
             "the argument --checkpoint is"
         refuse(f"{source} required with a config file (or give a run directory holding config.yaml "
                      f"instead of {given})")
@@ -341,6 +375,8 @@ def _command(argv: list[str] | None) -> int:
                                out=args.out, batch=args.batch)
             print(json.dumps({k: v for k, v in results.items() if k != "correct_per_problem"}))
             return 0
+        if args.command == "serve":
+            return _serve(args, config)
         if args.command == "export":
             from jaxreplay.tools.export import export_checkpoint
 
@@ -425,6 +461,50 @@ def described(error: BaseException) -> tuple[str, str]:
 def _own(error: BaseException) -> bool:
     """Whether this package raised `error` (its message and `kind` are written for users)."""
     return type(error).__module__.split(".")[0] == "jaxreplay"
+
+
+def _serve(args: argparse.Namespace, config) -> int:
+    """`jaxreplay serve`: the policy as `eval` loads it, behind the HTTP server (serve/)."""
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        raise _MissingExtra("serve: needs aiohttp: pip install 'jaxreplay[serve]'") from None
+    from jaxreplay.models.hf import family_of
+    from jaxreplay.serve.app import ServerSettings
+    from jaxreplay.serve.protocol import Limits
+    from jaxreplay.serve.run import bearer_token, make_worker, run_server
+    from jaxreplay.serve.worker import Draw
+    from jaxreplay.train.eval import load_policy
+
+    bearer_token(args.host)  # refused before any loading: another address than loopback needs a token
+
+    cfg, graphdef, params, tokenizer, source = load_policy(config, checkpoint=args.checkpoint, hf=args.hf,
+                                                           step=args.step)
+    if tokenizer is None:
+        from jaxreplay.tasks.registry import make_task
+
+        tokenizer = make_task(config.task).tokenizer
+    s = config.sampling
+    max_tokens = args.max_tokens or s.max_new_tokens
+    prompt_len = args.max_prompt_len or cfg.max_seq_len - max_tokens
+    slots = args.slots or s.engine_slots or 16
+    worker = make_worker(graphdef, cfg, params, tokenizer, slots=slots, prompt_len=prompt_len, max_tokens=max_tokens,
+                         chunk_steps=s.engine_chunk_steps, kv_cache_dtype=s.kv_cache_dtype,
+                         prefill_chunk_size=s.prefill_chunk_size, max_engines=args.max_engines)
+    name = args.model_name or str(args.hf or args.checkpoint)
+    try:
+        call_format = args.tool_call_format or ("llama3" if family_of(cfg) == "llama" else "qwen")
+    except Exception:
+        call_format = args.tool_call_format or "qwen"
+    settings = ServerSettings(model_id=name, call_format=call_format, grace_s=args.grace_s)
+    limits = Limits(prompt_len=prompt_len, max_tokens=max_tokens, max_n=args.max_n, vocab_size=tokenizer.vocab_size)
+    print(f"jaxreplay {_own_version()}: serving {source}", flush=True)
+    return run_server(worker, tokenizer, limits, settings, host=args.host, port=args.port,
+                      warm_draw=Draw.of(s.temperature, s.top_k, s.top_p))
+
+
+class _MissingExtra(Exception):
+    kind = "error"
 
 
 def _compile(args: argparse.Namespace) -> int:

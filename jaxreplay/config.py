@@ -58,7 +58,7 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama/Qwen2/Qwen3-family decoder."""
+    """A Llama/Qwen2/Qwen3/Gemma 2/Gemma 3-family decoder."""
 
     # embedding rows (≥ the tokenizer's vocabulary)
     vocab_size: int = 32
@@ -80,8 +80,11 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     # Llama 3.1+ RoPE scaling (HF `rope_type: llama3`): wavelengths above `rope_original_max_len` /
     # `rope_low_freq_factor` are slowed by this factor, those below `rope_original_max_len` /
-    # `rope_high_freq_factor` kept, those between interpolated; 1 = plain RoPE
+    # `rope_high_freq_factor` kept, those between interpolated; 1 = plain RoPE. With `rope_scaling_type: linear`
+    # every frequency is divided by it (HF `rope_type: linear`, Gemma 3's global layers)
     rope_scaling_factor: float = 1.0
+    # how `rope_scaling_factor` scales the (global layers') RoPE: `llama3` or `linear`
+    rope_scaling_type: Literal["llama3", "linear"] = "llama3"
     # Llama 3.1+ RoPE scaling: wavelengths above `rope_original_max_len` / this are slowed by `rope_scaling_factor`
     rope_low_freq_factor: float = 1.0
     # Llama 3.1+ RoPE scaling: wavelengths below `rope_original_max_len` / this are kept
@@ -94,7 +97,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     # bias on q/k/v projections (Qwen2)
     attention_bias: bool = False
-    # RMSNorm on queries and keys (Qwen3)
+    # RMSNorm on queries and keys (Qwen3, Gemma 3)
     qk_norm: bool = False
     # mixture of experts (Qwen3-MoE): routed experts in each sparse layer's MLP (0: every layer has the dense
     # SwiGLU MLP of width `d_ff`; jaxreplay/models/moe.py)
@@ -112,17 +115,40 @@ class ModelConfig:
     # weight of the routers' load-balancing loss in the learner's loss (HF `router_aux_loss_coef`, as
     # `load_balancing_loss_func` computes it over every sparse layer and real token; `train/router_aux_loss`)
     router_aux_loss_coef: float = 0.0
+    # the MLP's gate activation: `silu` (SwiGLU: Llama, Qwen) or `gelu_tanh` (GeGLU with tanh-approximated GELU:
+    # Gemma's `gelu_pytorch_tanh`)
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
+    # RMSNorm scales by (1 + scale), its scale initialised to 0 (Gemma)
+    norm_plus_one: bool = False
+    # Gemma's four norms per block: the attention's and the MLP's outputs are normed too, before each joins the
+    # residual stream
+    post_norms: bool = False
+    # multiply the token embeddings by sqrt(d_model), in the compute dtype (Gemma)
+    scale_embeddings: bool = False
+    # attention scores are scaled by this ** -0.5 (Gemma's `query_pre_attn_scalar`); null: `head_dim`
+    query_pre_attn_scalar: Optional[int] = None
+    # attention scores pass through cap * tanh(score / cap) before the mask (Gemma 2); null: no cap
+    attn_logit_softcap: Optional[float] = None
+    # final logits pass through cap * tanh(logit / cap) (Gemma 2); null: no cap
+    final_logit_softcap: Optional[float] = None
+    # local (sliding-window) layers see the last this many tokens, their own included; null: every layer is global
+    sliding_window: Optional[int] = None
+    # with `sliding_window`, layer i (from 0) is global when (i + 1) is a multiple of this and local otherwise
+    # (Gemma 2: 2, Gemma 3: 6); 1: every layer global
+    sliding_window_pattern: int = 1
+    # the RoPE base of the local layers, never scaled (Gemma 3's `rope_local_base_freq`); null: `rope_theta`
+    rope_local_theta: Optional[float] = None
     # dtype of the parameters: float32, bfloat16 or float16
     param_dtype: DType = "float32"
     # dtype of activations and matmuls: float32, bfloat16 or float16
     compute_dtype: DType = "float32"
-    # a local Hugging Face model directory (Llama, Qwen2 or Qwen3; config.json, safetensors, tokenizer), or a gs://
-    # URL: the architecture comes from its config.json (every `model.*` key above except `max_seq_len` and the
-    # dtypes is ignored) and the initial weights from its safetensors
+    # a local Hugging Face model directory (Llama, Qwen2, Qwen3, Gemma 2 or Gemma 3 text; config.json, safetensors,
+    # tokenizer), or a gs:// URL: the architecture comes from its config.json (every `model.*` key above except
+    # `max_seq_len` and the dtypes is ignored) and the initial weights from its safetensors
     hf_path: Optional[str] = None
     # the architecture alone, for `jaxreplay compile` when `model.hf_path` is not given: a directory holding a
-    # config.json, or a shipped one: `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-3b`, `qwen2.5-7b`, `qwen3-0.6b`
-    # (jaxreplay/models/architectures)
+    # config.json, or a shipped one: `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-3b`, `qwen2.5-7b`, `qwen3-0.6b`,
+    # `gemma3-1b`, `gemma3-4b` (jaxreplay/models/architectures)
     hf_config: Optional[str] = None
     # LoRA: train low-rank adapters on these modules and freeze the rest (docs/lora.md)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -145,8 +171,10 @@ class TaskConfig:
 
     # `arithmetic` (the embedded task), `gsm8k` or `math` (local files in `task.path`, else TFDS), `jsonl` or
     # `parquet` (local files), `reasoning_gym` (a reasoning-gym generator: `task.dataset`; the reasoning_gym extra),
-    # `guess_digit` (the multi-turn demo's hidden digits: needs `environment.name: guess_digit`)
-    name: Literal["arithmetic", "gsm8k", "math", "jsonl", "parquet", "reasoning_gym", "guess_digit"] = "arithmetic"
+    # `guess_digit` (the multi-turn demo's hidden digits: needs `environment.name: guess_digit`), `guess_number` (the
+    # multi-turn testbed's hidden numbers in a range: needs `environment.name: guess_number`)
+    name: Literal["arithmetic", "gsm8k", "math", "jsonl", "parquet", "reasoning_gym", "guess_digit",
+                  "guess_number"] = "arithmetic"
     # reasoning_gym: the generator's name (`products`, `chain_sum`, `gcd`, `base_conversion`, `number_sorting`, ...);
     # null for the other tasks
     dataset: Optional[str] = None
@@ -412,16 +440,29 @@ class TrainConfig:
     # disaggregated mode: learner steps between weight pushes to the actor (k)
     weight_sync_every: int = 1
     # `grpo` (PPO-clipped ratio on the frozen behaviour log-probs), `tis` (truncated importance sampling: gradient
-    # min(ratio, `tis_cap`)·A·∇log π), `asymre` (REINFORCE, no ratio, advantage r − (V + dV))
-    loss: Literal["grpo", "tis", "asymre"] = "grpo"
+    # min(ratio, `tis_cap`)·A·∇log π), `asymre` (REINFORCE, no ratio, advantage r − (V + dV)); off-policy corrections
+    # (docs/comparing.md): `grpo_tis` (token TIS times the PPO clip, verl/SkyRL), `seq_mask` (the paper's loss, rows
+    # whose geometric-mean ratio leaves [`seq_mask_low`, `seq_mask_high`] dropped), `m2po` (second-moment token mask),
+    # `decoupled` (AReaL's decoupled PPO)
+    loss: Literal["grpo", "tis", "asymre", "grpo_tis", "seq_mask", "m2po", "decoupled"] = "grpo"
     # frozen at generation: `group_normalized` (GRPO), `group_centered` (Dr.GRPO, no std), `leave_one_out` (RLOO);
     # `asymre` needs one of the last two
     advantage: Literal["group_normalized", "group_centered", "leave_one_out"] = "group_normalized"
     # `token_mean` (DAPO: every completion token weighs the same), `sequence_mean` (GRPO: per completion, then over
     # the batch), `constant` (Dr.GRPO: token sum / (B · `sampling.max_new_tokens`))
     loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
-    # ratio cap of `tis`
+    # ratio cap of `tis` and `grpo_tis` (> 1)
     tis_cap: float = 2.0
+    # `seq_mask`: a row whose geometric-mean token ratio π_θ/π_behaviour is below this is dropped from the loss
+    seq_mask_low: float = 0.8
+    # `seq_mask`: a row whose geometric-mean token ratio is above this is dropped (> `seq_mask_low`)
+    seq_mask_high: float = 1.25
+    # `m2po`: the tokens of largest squared log-ratio are masked until the batch's mean squared log-ratio is at most
+    # this (M2PO's τ)
+    m2po_threshold: float = 0.04
+    # `decoupled`: a token whose weight π_prox/π_behaviour exceeds this is dropped (AReaL's `behav_imp_weight_cap`;
+    # > 1)
+    decoupled_weight_cap: float = 5.0
     # dV of `asymre`: the baseline is V + dV (V = group mean)
     asymre_delta_v: float = -0.1
     # rows per forward/backward pass, gradients summed over the batch (0: the whole batch); divides
@@ -925,6 +966,9 @@ RANGES: dict[str, Interval] = {
     "model.rope_original_max_len": POSITIVE, "model.norm_eps": POSITIVE,
     "model.n_experts": NON_NEGATIVE, "model.experts_per_token": POSITIVE, "model.moe_d_ff": POSITIVE,
     "model.moe_sparse_step": POSITIVE, "model.router_aux_loss_coef": NON_NEGATIVE,
+    "model.query_pre_attn_scalar": POSITIVE, "model.attn_logit_softcap": POSITIVE,
+    "model.final_logit_softcap": POSITIVE, "model.sliding_window": POSITIVE, "model.sliding_window_pattern": POSITIVE,
+    "model.rope_local_theta": POSITIVE,
     "task.eval_size": POSITIVE, "task.data_seed": NON_NEGATIVE, "task.validation_size": NON_NEGATIVE,
     "task.train_size": NON_NEGATIVE, "task.warmstart_size": NON_NEGATIVE,
     "warmstart.steps": NON_NEGATIVE, "warmstart.batch_size": POSITIVE, "warmstart.learning_rate": POSITIVE,
@@ -948,7 +992,9 @@ RANGES: dict[str, Interval] = {
     "train.adam_b2": Interval(0, 1, hi_open=True), "train.grad_clip": POSITIVE,
     "train.max_nonfinite_steps": POSITIVE, "train.eps_low": Interval(0, 1, hi_open=True),
     "train.eps_high": NON_NEGATIVE, "train.kl_coef": NON_NEGATIVE, "train.eval_every": POSITIVE,
-    "train.weight_sync_every": POSITIVE, "train.tis_cap": POSITIVE, "train.micro_batch_size": NON_NEGATIVE,
+    "train.weight_sync_every": POSITIVE, "train.tis_cap": Interval(1, lo_open=True),
+    "train.seq_mask_low": NON_NEGATIVE, "train.seq_mask_high": POSITIVE, "train.m2po_threshold": POSITIVE,
+    "train.decoupled_weight_cap": Interval(1, lo_open=True), "train.micro_batch_size": NON_NEGATIVE,
     "train.logits_chunk_size": NON_NEGATIVE,
     "checkpoint.every": POSITIVE, "checkpoint.every_seconds": NON_NEGATIVE, "checkpoint.keep": POSITIVE,
     "mesh.actor_devices": NON_NEGATIVE, "mesh.actor_tensor": POSITIVE,  # data/fsdp/tensor: _validate_mesh
@@ -1021,6 +1067,9 @@ def validate(c: Config, local: bool = True) -> None:
     _validate_lora(m.lora)
     _require(t.loss != "asymre" or t.advantage != "group_normalized", "train.advantage",
              "AsymRE needs r - V: use group_centered or leave_one_out, not group_normalized")
+    _require(t.seq_mask_low < t.seq_mask_high, "train.seq_mask_high",
+             f"must exceed train.seq_mask_low ({t.seq_mask_low}): the interval [{t.seq_mask_low}, {t.seq_mask_high}] "
+             "keeps no row")
     _require(t.micro_batch_size == 0 or t.batch_size % t.micro_batch_size == 0, "train.micro_batch_size",
              f"{t.micro_batch_size} does not divide train.batch_size={t.batch_size}")
     _require(c.run.dir != "", "run.dir", "must not be empty")

@@ -27,7 +27,8 @@ what differs between the tiers). The default lane runs every test; the Reverb la
 runs twice. `--lane-check` (CI's default lane) fails a test that skips for want of Reverb,
 TensorFlow or torch without the marker that sends it to the Reverb lane: it would run nowhere.
 `needs_reasoning_gym` (the reasoning_gym extra, whose pycosat builds only with a C compiler) and
-`needs_skyrl` (the skyrl extra) are the default lane's own: CI installs them there, tests skip
+`needs_skyrl` (the skyrl extra) and `needs_serve` (the serve extra's aiohttp and the test extra's openai
+client) are the default lane's own: CI installs them there, tests skip
 without them, and `--lane-check` fails such a skip.
 `needs_sidecar` tests run Reverb in its sidecar process (jaxreplay/replay/sidecar.py) and skip
 where no Python for it is found; CI builds one (`make venv-sidecar`) for the default lane, whose
@@ -70,6 +71,7 @@ NEEDS = {
 DEFAULT_LANE_NEEDS = {
     "needs_reasoning_gym": (("reasoning_gym",), "pip install 'jaxreplay[reasoning_gym]'; pycosat needs a C compiler"),
     "needs_skyrl": (("skyrl_gym",), "pip install 'jaxreplay[skyrl]'"),
+    "needs_serve": (("aiohttp", "openai"), "pip install 'jaxreplay[serve,test]'"),
 }
 REVERB_ANYWHERE = "reverb"  # Reverb in process (the Reverb lane) or through its sidecar (the default lane): both
 LANE_MARKS = (*NEEDS, "tier", REVERB_ANYWHERE)  # the Reverb lane's selection: CI's -m is these joined by "or"

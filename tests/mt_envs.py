@@ -6,16 +6,18 @@ from jaxreplay.tasks.environment import Message, Step
 
 
 class Echo:
-    """Answers every turn with `reply` and ends after `turns` turns with reward = turns seen;
-    `sleep` seconds per step, `raise_at`/`hang_at` a turn that raises or blocks for an hour."""
+    """Says `prompt` first, answers every turn with `reply` and ends after `turns` turns with
+    reward = turns seen; `sleep` seconds per step, `raise_at`/`hang_at` a turn that raises or
+    blocks for an hour."""
 
-    def __init__(self, turns: int = 3, reply: str = "+", sleep: float = 0.0, raise_at: int = -1, hang_at: int = -1):
+    def __init__(self, turns: int = 3, reply: str = "+", sleep: float = 0.0, raise_at: int = -1, hang_at: int = -1,
+                 prompt: str = ":"):
         self.turns, self.reply, self.sleep, self.raise_at, self.hang_at = turns, reply, sleep, raise_at, hang_at
-        self.seen = 0
+        self.prompt, self.seen = prompt, 0
 
     def reset(self, item, seed):
         self.seen = 0
-        return (Message("user", ":"),)
+        return (Message("user", self.prompt),)
 
     def step(self, turn_text):
         self.seen += 1
@@ -52,4 +54,24 @@ class SlowGuess:
         if self.inner.turns + 1 == self.hang_at and self.item == self.hang_item:
             time.sleep(3600)
         time.sleep(self.rng.random() * self.sleep)
+        return self.inner.step(turn_text)
+
+
+class FailingGuess:
+    """guess_digit that fails on some hidden digits, the same way every time: its reset raises
+    for those in `raise_on`, and for those in `unencodable` says `h` (which the demo's character
+    tokenizer has no id for)."""
+
+    def __init__(self, raise_on=(), unencodable=()):
+        from jaxreplay.tasks.guess import GuessDigit
+
+        self.inner, self.raise_on, self.unencodable = GuessDigit(), set(raise_on), set(unencodable)
+
+    def reset(self, item, seed):
+        if int(item) in self.raise_on:
+            raise RuntimeError(f"no episode for digit {item}")
+        first = self.inner.reset(item, seed)
+        return (Message("user", "h"),) if int(item) in self.unencodable else first
+
+    def step(self, turn_text):
         return self.inner.step(turn_text)

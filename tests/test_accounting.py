@@ -70,6 +70,19 @@ def test_counters_live_in_the_given_dict_so_a_resume_continues_them():
     assert resumed.state["rollouts_generated"] == 10
 
 
+def test_episode_errors_are_run_totals_that_a_resume_continues_and_only_multi_turn_runs_report():
+    kinds = ("exception", "timeout")
+    state = {}
+    first = Accounting(n_params=1, state=state, episode_errors=kinds)
+    first.on_episodes({"exception": 3})
+    first.on_episodes({"exception": 1, "timeout": 2})
+    resumed = Accounting(n_params=1, state=json.loads(json.dumps(state)), episode_errors=kinds)  # as checkpointed
+    resumed.on_episodes({"exception": 4})
+    totals = {k: v for k, v in resumed.metrics().items() if k.startswith("env/")}
+    assert totals == {"env/errors_total/exception": 8, "env/errors_total/timeout": 2}
+    assert not any(k.startswith("env/") for k in Accounting(n_params=1, state={}).metrics())
+
+
 def test_a_resumed_run_leaves_out_its_first_calls_too_since_they_compile_again():
     state = {}
     first = Accounting(n_params=1, state=state)

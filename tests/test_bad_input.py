@@ -201,6 +201,13 @@ def case_malformed_address(tmp_path):
     return train(tmp_path, "distributed.coordinator_address=nohost"), "distributed.coordinator_address"
 
 
+def case_unknown_environment(tmp_path):
+    """The shipped environments register on first use: the error names them all the same."""
+    return (["train", str(ROOT / "configs" / "demo_multiturn.yaml"), "environment.name=nope",
+             f"run.dir={tmp_path / 'run'}"],
+            "unknown environment 'nope': known names are calculator, guess_digit, guess_number, skyrl, or give package.module:factory")
+
+
 def case_sweep_file_with_a_duplicate_key(tmp_path):
     return ["sweep", config_file(tmp_path, f"base: {DEMO}\nout: x\nseeds: [0]\nseeds: [1]\nsettings: {{a: []}}\n",
                                  "sweep.yaml")], "duplicate key 'seeds'"
@@ -255,7 +262,8 @@ FAST = [case_malformed_yaml, case_missing_config_file, case_config_is_a_director
         case_nan_float, case_infinite_timeout, case_infinite_error_buffer, case_infinite_priority_exponent,
         case_float_out_of_range, case_integer_too_large_for_a_float, case_integer_beyond_32_bits,
         case_negative_seed, case_task_with_no_training_problem, case_deadlocking_limiter,
-        case_model_path_without_a_model, case_malformed_address, case_sweep_file_with_a_duplicate_key,
+        case_model_path_without_a_model, case_malformed_address, case_unknown_environment,
+        case_sweep_file_with_a_duplicate_key,
         case_run_dir_is_a_file, case_run_dir_under_a_file, case_run_dir_read_only, case_run_dir_with_a_nul_character,
         case_empty_run_dir,
         case_run_dir_in_use, case_missing_argument, case_bad_flag_value, case_theory_with_a_negative_cost]

@@ -338,7 +338,8 @@ def test_error_messages_echo_at_most_a_bounded_part_of_a_value():
     assert len(str(err.value)) < 200 and str(err.value).endswith("...")
     with pytest.raises(ConfigError) as err:
         load_config(None, ["train." + "k" * 100_000 + "=1"])
-    assert len(str(err.value)) < 500
+    # The echo of the key is bounded; the hint lists the section's keys, which grow with the section.
+    assert "k" * 100 not in str(err.value) and len(str(err.value)) < 1000
 
 
 def test_invalid_utf8_names_the_file(tmp_path):

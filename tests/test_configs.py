@@ -11,7 +11,8 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # The LoRA configs for real models, and the slice each is sized for (compile-checked: docs/memory.md)
 LORA_CONFIGS = {"qwen2.5_1.5b_instruct_gsm8k_colab_lora.yaml": ("qwen2.5-1.5b", "v5e-1"),
                 "qwen2.5_3b_instruct_gsm8k_colab_lora.yaml": ("qwen2.5-3b", "v5e-1"),
-                "pod_v5e-8_qwen2.5_7b_gsm8k_lora.yaml": ("qwen2.5-7b", "v5e-8")}
+                "pod_v5e-8_qwen2.5_7b_gsm8k_lora.yaml": ("qwen2.5-7b", "v5e-8"),
+                "gemma3_1b_it_gsm8k_colab_lora.yaml": ("gemma3-1b", "v5e-1")}
 
 
 @pytest.fixture(scope="module")

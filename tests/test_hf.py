@@ -308,7 +308,8 @@ def test_unknown_architecture_is_named(tmp_path):
     make_hf_model("llama", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    with pytest.raises(HFModelError, match=r"unknown architecture model_type='gpt2' \(supported: llama, qwen2, qwen3\)"):
+    with pytest.raises(HFModelError, match=r"unknown architecture model_type='gpt2' "
+                                           r"\(supported: gemma2, gemma3_text, llama, qwen2, qwen3"):
         load_hf_model(tmp_path)
 
 

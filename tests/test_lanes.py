@@ -130,8 +130,8 @@ def test_the_lane_check_fails_a_skip_for_want_of_reasoning_gym_which_the_default
         assert "1 passed" in run(reasoning_gym_suite, "--lane-check").stdout
 
 
-def test_ci_installs_the_reasoning_gym_and_skyrl_extras_in_the_default_lane_alone():
+def test_ci_installs_the_reasoning_gym_skyrl_and_serve_extras_in_the_default_lane_alone():
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'extras() { if [ "$1" = default ]; then echo "EXTRAS=test,reasoning_gym,skyrl"; fi; }' in ci
+    assert 'extras() { if [ "$1" = default ]; then echo "EXTRAS=test,reasoning_gym,skyrl,serve"; fi; }' in ci
     assert "make venv LANE=$lane $(extras $lane)" in ci
     assert 'lane_tests default PYTEST_ARGS="-rs --lane-check" $(extras default)' in ci

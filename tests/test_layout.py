@@ -27,6 +27,7 @@ STAGES = [
     "jaxreplay.tasks",
     "jaxreplay.replay",
     "jaxreplay.rollout",
+    "jaxreplay.serve",  # the HTTP endpoint over the rollout engine: nothing below imports it
     "jaxreplay.learn",
     "jaxreplay.train",
     "jaxreplay.research",

@@ -105,7 +105,9 @@ def test_kl_penalty_to_reference_is_reported_and_zero_at_the_reference():
 
 @pytest.mark.parametrize("loss", [["train.loss=tis"], ["train.loss=asymre", "train.advantage=group_centered",
                                                        "train.asymre_delta_v=0"],
-                                  ["train.loss_aggregation=constant"], ["train.loss_aggregation=sequence_mean"]])
+                                  ["train.loss_aggregation=constant"], ["train.loss_aggregation=sequence_mean"],
+                                  ["train.loss=grpo_tis"], ["train.loss=seq_mask"], ["train.loss=m2po"],
+                                  ["train.loss=decoupled"]])
 def test_every_loss_by_name_raises_the_likelihood_of_positive_advantage_rollouts(loss):
     config = load_config(None, SMALL + ["train.learning_rate=1e-3", *loss])
     graphdef, params, batch = rollout_batch(config, 1.0)

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,8 @@ TINY_MT = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_k
 def test_turns_on_the_static_sampler_are_refused_at_the_edge():
     with pytest.raises(ConfigError, match="environment.name: multi-turn episodes .* need sampling.engine: continuous"):
         validate(load_config(DEMO_MT, ["sampling.engine=static"]))
-    with pytest.raises(ConfigError, match="environment.name: unknown environment 'nope'"):
+    with pytest.raises(ConfigError, match="environment.name: unknown environment 'nope': known names are "
+                                          "calculator, guess_digit, guess_number, skyrl, or give package.module:factory"):
         validate(load_config(DEMO_MT, ["environment.name=nope"]))
     with pytest.raises(ConfigError, match="task.name: guess_digit is scored by its environment"):
         validate(load_config(DEMO_MT, ["environment.name="]))
@@ -205,6 +207,83 @@ def test_an_environment_that_raises_ends_its_episode_counted_and_the_run_goes_on
     assert len(rows["reward"]) >= 16 and np.isfinite(rows["advantage"]).all()
 
 
+def environment_tokens(rows, prompt_len):
+    """Per row, the attended completion tokens outside the completion mask: the environment's answers."""
+    return (rows["attention_mask"][:, prompt_len:] & ~rows["completion_mask"][:, prompt_len:]).sum(axis=1)
+
+
+def test_an_answer_the_tokenizer_cannot_encode_ends_its_episode_counted_and_the_run_goes_on():
+    """The demo's character tokenizer has no `h`: an episode whose environment answers "hello world"
+    ends at that step (counted under its own key), before any of it reaches the row."""
+    config, task, *_, rows, stats = run_episodes(["environment.name=mt_envs:Echo",
+                                                  "environment.options={reply: 'hello world'}"])
+    assert sum(s["env/errors/unencodable_observation"] for s in stats) > 0
+    assert not environment_tokens(rows, task.prompt_len).any()
+    assert len(rows["reward"]) >= 16 and np.isfinite(rows["advantage"]).all()
+
+
+@pytest.mark.parametrize("prompt", ["hello", ":::"], ids=["unencodable", "wider_than_the_prompt"])
+def test_a_first_observation_that_cannot_be_the_prompt_ends_every_episode_of_its_group_counted(prompt):
+    """One the tokenizer cannot encode, or one wider than the task's prompt (2 ids)."""
+    config, task, *_, rows, stats = run_episodes(["environment.name=mt_envs:Echo",
+                                                  f"environment.options={{prompt: '{prompt}'}}"], advances=12)
+    assert sum(s["env/errors/unencodable_observation"] for s in stats) == len(rows["reward"]) >= 16
+    assert sum(s["env/errors/exception"] for s in stats) == 0
+    assert not rows["attention_mask"][:, :task.prompt_len].any() and not environment_tokens(rows, task.prompt_len).any()
+    assert (rows["reward"] == 0).all()
+
+
+def counted(result):
+    return {kind: n for kind, n in result["errors"].items() if n}
+
+
+# Gemma-like: a template that refuses the system and tool roles (it raises while rendering them).
+NO_SYSTEM_NO_TOOLS = ("{% for m in messages %}{% if m.role in ('system', 'tool') %}"
+                      "{{ raise_exception(m.role + ' role not supported') }}{% endif %}"
+                      "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_chat_template_that_raises_on_an_observation_ends_that_episode_counted(tmp_path):
+    """The calculator's system message (at reset) and its tool results (after a call) through a
+    template that refuses both: the episodes end, counted, and the others go on."""
+    from jaxreplay.models.tokenizer import load_tokenizer
+    from jaxreplay.rollout.episodes import EpisodeRunner
+    from jaxreplay.tasks.chat import chat_format_for
+    from jaxreplay.tasks.environment import EnvPool
+    from jaxreplay.tasks.tools import calculator_environment
+    from tiny_hf import write_char_tokenizer
+
+    write_char_tokenizer(tmp_path, NO_SYSTEM_NO_TOOLS)
+    tok = load_tokenizer(tmp_path)
+    item = {"question": "12*34=?", "answer": "408"}
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+
+    def runner(**options):
+        return EpisodeRunner(EnvPool("calculator", options), chat_format_for(tok, environment=calculator_environment),
+                             tok, group_size=2, prompt_len=64, max_turns=4)
+
+    # at reset: the group's shared prompt cannot be rendered; both episodes end at their first turn
+    episodes = runner(system="Be brief.")
+    tokens, mask = episodes.open("g", item, seed=0)
+    assert not mask.any()
+    for row in range(2):
+        episodes.ended("g", row, np.asarray(tok.encode("408") + [tok.eos_id]), cut=False)
+    assert [answer for *_, answer in episodes.answers(0.0)] == [None, None]
+    result = episodes.result("g")
+    assert counted(result) == {"unencodable_observation": 2} and result["turns"].tolist() == [1, 1]
+
+    # at a step: row 0 calls the tool (its result cannot be rendered), row 1 answers right away
+    episodes = runner()
+    tokens, mask = episodes.open("g", item, seed=0)
+    assert tokens[mask].tolist() == tok.encode("<|im_start|>user\n12*34=?<|im_end|>\n<|im_start|>assistant\n")
+    episodes.ended("g", 0, np.asarray(tok.encode(call) + [tok.eos_id]), cut=False)
+    episodes.ended("g", 1, np.asarray(tok.encode("408") + [tok.eos_id]), cut=False)
+    assert sorted((row, answer) for _, row, answer in episodes.answers(0.0)) == [(0, None), (1, None)]
+    result = episodes.result("g")
+    assert counted(result) == {"unencodable_observation": 1} and result["reward"].tolist() == [0.0, 1.0]
+
+
 def timed_out(stats):
     """A step past its timeout was counted: the group it ended completes a second or so after
     the hang, when a fast machine may have run all its planned chunks (a CI flake)."""
@@ -329,12 +408,12 @@ def test_a_multi_turn_run_trains_evaluates_episodes_and_holds_the_limiter(tmp_pa
         assert result["episodes"] == 16 and 0 <= result["success_greedy"] <= 1 and result["turns_greedy"] > 0
 
 
-def train_mt(tmp_path, name, *overrides):
+def train_mt(tmp_path, name, *overrides, log=lambda _: None):
     from jaxreplay.train.driver import train
 
     config = load_config(DEMO_MT, [*RUN_MT, f"run.dir={tmp_path / name}", f"warmstart.cache_dir={tmp_path / 'ws'}",
                                    *overrides])
-    return config, train(config, log=lambda _: None)
+    return config, train(config, log=log)
 
 
 @pytest.mark.slow
@@ -343,7 +422,8 @@ def test_a_multi_turn_run_resumed_with_episodes_in_flight_equals_the_run_never_s
     deterministic zero-latency environment (workers 0), the episodes in flight at the checkpoint
     restart from reset(item, seed) under the checkpoint's weights and nothing is trained or
     counted twice: every step recorded once with the same metrics, the same limiter counters
-    and prompt position, and bit-equal params, optimizer state and waiting rows."""
+    and prompt position, and bit-equal params, optimizer state and waiting rows. The environment
+    fails on 3 of the 10 digits: every episode that failed is counted once in the run's totals."""
     from jaxreplay.learn.learner import make_optimizer
     from jaxreplay.rollout.rollouts import row_spec
     from jaxreplay.train.checkpoint import Checkpointer
@@ -352,10 +432,12 @@ def test_a_multi_turn_run_resumed_with_episodes_in_flight_equals_the_run_never_s
 
     # AsymRE: its advantage r - (V + dV) is never zero, so every step moves the params.
     same = ["environment.workers=0", "replay.selector=fifo", "train.eval_every=3", "train.loss=asymre",
-            "train.advantage=group_centered"]
-    straight, _ = train_mt(tmp_path, "straight", *same, "train.steps=6")
+            "train.advantage=group_centered", "environment.name=mt_envs:FailingGuess",
+            "environment.options={raise_on: [0, 1], unencodable: [2]}"]
+    straight, summary = train_mt(tmp_path, "straight", *same, "train.steps=6")
     train_mt(tmp_path, "resumed", *same, "train.steps=2")
-    resumed, _ = train_mt(tmp_path, "resumed", *same, "train.steps=6")
+    lines = []
+    resumed, resumed_summary = train_mt(tmp_path, "resumed", *same, "train.steps=6", log=lines.append)
     a, b = read_metrics(straight.run.dir), read_metrics(resumed.run.dir)
     assert [r["step"] for r in b] == list(range(7))
     assert b[2]["engine/groups_in_flight"] > 0, "the checkpoint should hold episodes in flight"
@@ -376,6 +458,23 @@ def test_a_multi_turn_run_resumed_with_episodes_in_flight_equals_the_run_never_s
     assert progress_a.learner_step == 6 and progress_a.replay_counters
     for x, y in zip(jax_leaves(state_a), jax_leaves(state_b), strict=True):
         np.testing.assert_array_equal(x, y)
+
+    # The errors of every group generated (submitted, not in flight at the end), each once.
+    g, n = straight.train.group_size, straight.train.prompts_per_step
+    digits = [task.train_problems(straight.run.seed, k // n, n)[k % n]
+              for k in sorted(set(range(progress_a.engine_started)) - set(progress_a.engine_in_flight))]
+    assert len(digits) * g == summary["rollouts/generated"]
+    expected = {"exception": g * sum(d in (0, 1) for d in digits), "unencodable_observation": g * digits.count(2),
+                "timeout": 0}
+    assert expected["exception"] and expected["unencodable_observation"], digits
+    for run, run_summary in ((straight, summary), (resumed, resumed_summary)):
+        on_disk = json.loads(Path(run.run.dir, "summary.json").read_text())
+        for kind, count in expected.items():
+            key = f"env/errors_total/{kind}"
+            assert run_summary[key] == on_disk[key] == read_metrics(run.run.dir)[-1][key] == count, (key, run.run.dir)
+    assert progress_a.accounting["episode_errors"] == progress_b.accounting["episode_errors"]
+    assert (f"env errors exception {expected['exception']}, " in lines[-1]
+            and f"unencodable_observation {expected['unencodable_observation']} |" in lines[-1]), lines[-1]
 
 
 @pytest.mark.slow

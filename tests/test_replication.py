@@ -132,7 +132,7 @@ def test_the_report_decides_the_claims_again_on_the_replication_alone_never_pool
     again = both["Replication: the claims decided again on its seeds alone"]
     # declared: paired peak differences 0.1, 0.05, -0.15 (holds); replication: -0.3 on every seed (fails)
     keeps = again["spi 2 keeps the peak"]
-    assert keeps["paired numbers"] == "IQM -0.3 [-0.3, -0.3] over 3 paired seeds; above on_policy in 0/3"
+    assert keeps["paired numbers"] == "IQM -0.3 [-0.3 ±0, -0.3 ±0] over 3 paired seeds; above on_policy in 0/3"
     assert keeps["verdict"] == "fails" and alone["Claims and verdicts"]["spi 2 keeps the peak"]["verdict"] == "holds"
     assert again["spi 8 keeps the peak"]["verdict"] == "not reported: no runs of spi8"
     beside = both["Replication beside the declared seeds"]

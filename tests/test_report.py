@@ -392,11 +392,11 @@ def test_claims_get_verdicts_from_the_rules_the_sweep_file_declared(sweep_dirs, 
     # Paired peak differences 0.1, 0.05, -0.15: IQM (three seeds: nothing cut) 0; a replicate of
     # three -0.15 (1 in 27) puts the 2.5% point at -0.15, three 0.1 the 97.5% point at 0.1.
     assert keeps["rule (declared in the sweep file)"] == "paired IQM of peak − on_policy's > -0.2"
-    assert keeps["paired numbers"] == "IQM 0 [-0.15, 0.1] over 3 paired seeds; above on_policy in 2/3"
+    assert keeps["paired numbers"] == "IQM 0 [-0.15 ±0, 0.1 ±0] over 3 paired seeds; above on_policy in 2/3"
     assert keeps["verdict"] == "holds"
     assert rows["spi 2 raises the peak"]["verdict"] == "fails"
     faster = rows["spi 2 reaches 90% of the gain with fewer tokens"]  # 0.25, 0.333, never
-    assert faster["paired numbers"].startswith("IQM > budget [0.25, > budget]") and faster["verdict"] == "inconclusive"
+    assert faster["paired numbers"].startswith("IQM > budget [0.25 ±0, > budget]") and faster["verdict"] == "inconclusive"
     assert faster["paired numbers"].endswith("reached in 2/3")
     assert rows["spi 8 keeps the peak"]["verdict"] == \
         "not testable here: on_policy's median peak is 0.6, at or above the ceiling 0.55"

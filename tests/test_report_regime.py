@@ -86,7 +86,7 @@ def test_the_regime_contrast_is_a_difference_of_paired_differences_decided_where
     # each claim pairs with its own baseline: 0.05, 0.03, 0.07, 0.01 on the small pool; -0.04 four times on the full
     assert rows["replay keeps the final accuracy on the small pool"]["verdict"] == "holds"
     full = rows["replay keeps the final accuracy on the full pool"]
-    assert full["paired numbers"].startswith("IQM -0.04 [-0.04, -0.04]")
+    assert full["paired numbers"].startswith("IQM -0.04 [-0.04 ±0, -0.04 ±0]")
     assert rows["replay keeps the final accuracy on the full pool"]["verdict"] == "fails"
     assert "Met: on_policy_small's validation rose 0 from half the budget to the end (at most 0.01) while its " \
            "training reward rose 0.22 (at least 0.1); median over 4 seeds" in md
@@ -138,7 +138,7 @@ def test_two_baselines_split_the_report_into_pools_each_setting_paired_with_its_
     assert "`on_policy_small` for task.train_size=512 (on_policy_small, replay_small)" in md
     rows = markdown_tables(md)["Claims and verdicts"]
     own = rows["the same, its baseline left to its pool"]
-    assert own["paired numbers"].startswith("IQM -0.04 [-0.04, -0.04]") and own["verdict"] == "fails"
+    assert own["paired numbers"].startswith("IQM -0.04 [-0.04 ±0, -0.04 ±0]") and own["verdict"] == "fails"
     assert own["rule (declared in the sweep file)"] == "paired IQM of final − on_policy_full's > -0.03"
     assert f"`jaxreplay report runs/*/* --out . --baseline {both}`" in md
     copies = sorted(p for p in (tmp_path / "out" / "runs").glob("*/*") if p.is_dir())

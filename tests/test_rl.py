@@ -106,7 +106,7 @@ def test_leave_one_out_baseline_excludes_the_rollout_itself():
 
 def test_estimators_are_registered_by_their_config_names():
     assert set(ADVANTAGES) == {"group_normalized", "group_centered", "leave_one_out"}
-    assert set(LOSSES) == {"grpo", "tis", "asymre"}
+    assert set(LOSSES) == {"grpo", "tis", "asymre", "grpo_tis", "seq_mask", "m2po", "decoupled"}
 
 
 def test_truncated_is_caps_the_weight_and_keeps_the_gradient():

@@ -46,23 +46,40 @@ LLAMA3_TOOLS = (
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{{ '\\n\\n' }}{% endif %}")
 LLAMA3_SPECIAL = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
 
+# Gemma-style turns, written here after Gemma 2/3's behaviour: no system role, so a system message's text
+# opens the first user turn, followed by a blank line; the assistant is `model`; each turn ends with
+# <end_of_turn> and a newline; roles must alternate user/model.
+GEMMA = (
+    "{{ bos_token }}{% if messages[0].role == 'system' %}{% set prefix = messages[0].content | trim + '\n\n' %}"
+    "{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/model') }}{% endif %}"
+    "<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+    "{{ prefix if loop.first else '' }}{{ m.content | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+GEMMA_SPECIAL = ["<start_of_turn>", "<end_of_turn>"]
+
 
 def write_char_tokenizer(path: Path, chat_template: str = CHATML, *, llama3: bool = False) -> None:
     """101 ids; EOS = <|im_end|>; `{% if add_generation_prompt %}` opens the assistant turn.
     `chat_template`: plain ChatML, or QWEN_TOOLS (a tool role and tools). With `llama3`, five more
-    ids (LLAMA3_SPECIAL) and EOS = <|eot_id|>, then <|eom_id|> (generation_config.json): for LLAMA3_TOOLS."""
+    ids (LLAMA3_SPECIAL) and EOS = <|eot_id|>, then <|eom_id|> (generation_config.json): for LLAMA3_TOOLS.
+    With GEMMA, two more ids (GEMMA_SPECIAL) and EOS = <end_of_turn>."""
     import tokenizers
     import transformers
     from tokenizers import decoders, models, pre_tokenizers
 
-    words = WORDS + (LLAMA3_SPECIAL if llama3 else [])
+    gemma = chat_template == GEMMA
+    words = WORDS + (LLAMA3_SPECIAL if llama3 else []) + (GEMMA_SPECIAL if gemma else [])
     tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
+    eos = "<|eot_id|>" if llama3 else "<end_of_turn>" if gemma else "<|im_end|>"
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="<|eot_id|>" if llama3 else "<|im_end|>",
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token=eos,
         additional_special_tokens=["<|im_start|>", "<|endoftext|>"] + (["<|im_end|>", *LLAMA3_SPECIAL] if llama3
-                                                                       else []))
+                                                                       else ["<|im_end|>"] if gemma else [])
+        + (["<start_of_turn>"] if gemma else []))
     fast.chat_template = chat_template
     fast.save_pretrained(str(path))
     if llama3:

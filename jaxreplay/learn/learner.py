@@ -24,6 +24,7 @@ from jaxreplay.config import Config, TrainConfig
 from jaxreplay.learn import trainable
 from jaxreplay.learn.losses import kl_penalty, make_loss, make_weights, token_mean_weights, weighted
 from jaxreplay.learn.scoring import sequence_scores
+from jaxreplay.learn.staleness import KEY as BY_AGE, by_age
 from jaxreplay.models import sharding
 from jaxreplay.models.moe import load_balancing_loss
 from jaxreplay.models.transformer import abstract_params, dtype_of, routed_score_hidden
@@ -116,13 +117,15 @@ def make_loss_and_grad(graphdef, config: Config, mesh: Optional[Mesh] = None, *,
     the train step's first half. `grads` are those of the trainable params (`trainable.split`).
     With `train.micro_batch_size` the batch goes through the model that many rows at a time and the
     results are summed; the loss aggregation's weights come from the whole batch's mask, so the sums
-    are exactly the whole batch's loss, metrics and gradient, up to float rounding."""
+    are exactly the whole batch's loss, metrics and gradient, up to float rounding. A batch that carries
+    each row's `age` (learner version minus `policy_version`) also gets `metrics["by_age"]`, the
+    staleness statistics by age (learn/staleness.py) of the log-probs the loss was computed from."""
     train = config.train
     params_sh = None if mesh is None else sharding.param_shardings(mesh, abstract_params(config.model))
     tuned_sh = None if mesh is None else trainable.split(params_sh)[0]
     loss_fn = _make_loss_fn(graphdef, config, live_vocab)
 
-    def grads_fn(params, batch: Batch, ref_params):  # ((loss, metrics), gradient of the trainable params)
+    def grads_fn(params, batch: Batch, ref_params):  # ((loss, (metrics, log-probs)), gradient of the trainable params)
         tuned, frozen = trainable.split(params)
         tuned_loss = lambda t: loss_fn(trainable.join(t, frozen), batch, ref_params)
         return jax.value_and_grad(tuned_loss, has_aux=True)(tuned)
@@ -137,17 +140,23 @@ def make_loss_and_grad(graphdef, config: Config, mesh: Optional[Mesh] = None, *,
         if rows % micro:
             raise ValueError(f"train.micro_batch_size={micro} does not divide a batch of {rows} rows")
         if micro == rows:
-            (loss, metrics), grads = grads_fn(params, batch, ref_params)
-            return loss, metrics, grads
-        return _accumulate(grads_fn, params, batch, ref_params, rows // micro, mesh, tuned_sh)
+            (loss, (metrics, logprobs)), grads = grads_fn(params, batch, ref_params)
+        else:
+            loss, metrics, grads, logprobs = _accumulate(grads_fn, params, batch, ref_params, rows // micro, mesh,
+                                                         tuned_sh)
+        if "age" in batch:
+            metrics[BY_AGE] = by_age(logprobs, batch["logprobs"], batch["advantage"], mask, batch["age"],
+                                     eps_low=train.eps_low, eps_high=train.eps_high)
+        return loss, metrics, grads
 
     return loss_and_grad
 
 
 def _make_loss_fn(graphdef, config: Config, live_vocab: int = 0):
-    """`loss_fn(params, batch, ref_params) -> (loss, metrics)` of one (micro-)batch that carries
-    its rows' `loss_weights` and `token_weights`: the loss and every metric are weighted sums,
-    so those of a batch are the sums over its micro-batches."""
+    """`loss_fn(params, batch, ref_params) -> (loss, (metrics, log-probs))` of one (micro-)batch that
+    carries its rows' `loss_weights` and `token_weights`: the loss and every metric are weighted sums,
+    so those of a batch are the sums over its micro-batches. The log-probs [b, T] (no gradient) are
+    those the loss used, for the statistics by age."""
     train, sampling = config.train, config.sampling
     scores = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                   chunk=train.logits_chunk_size, live_vocab=live_vocab)
@@ -165,7 +174,9 @@ def _make_loss_fn(graphdef, config: Config, live_vocab: int = 0):
         mean = weighted(batch["token_weights"])
         loss_impl = make_loss(train.loss, aggregate=weighted(batch["loss_weights"]), mean=mean,
                               eps_low=train.eps_low, eps_high=train.eps_high, tis_cap=train.tis_cap,
-                              asymre_delta_v=train.asymre_delta_v)
+                              asymre_delta_v=train.asymre_delta_v, seq_mask_low=train.seq_mask_low,
+                              seq_mask_high=train.seq_mask_high, m2po_threshold=train.m2po_threshold,
+                              decoupled_weight_cap=train.decoupled_weight_cap)
         logprobs, entropy, routing = score(params, batch, with_entropy=True)
         loss, metrics = loss_impl(logprobs, batch["logprobs"], batch["advantage"], mask)
         metrics["pg_loss"] = loss
@@ -184,16 +195,16 @@ def _make_loss_fn(graphdef, config: Config, live_vocab: int = 0):
             loss = loss + train.kl_coef * kl
             metrics["kl_ref"] = kl
         metrics["entropy"] = mean(entropy, mask)
-        return loss, metrics
+        return loss, (metrics, jax.lax.stop_gradient(logprobs))
 
     return loss_fn
 
 
 def _accumulate(grads_fn, params, batch: Batch, ref_params, count: int, mesh: Optional[Mesh], params_sh):
     """(loss, metrics, grads) of the whole batch as sums over `count` micro-batches, one
-    forward and backward pass at a time in a `lax.scan`. Micro-batch k holds rows k,
-    k + count, k + 2 count, ...: each device's rows of the batch split into its rows of
-    every micro-batch, so splitting moves no data between devices."""
+    forward and backward pass at a time in a `lax.scan`, and the log-probs of every row in the
+    batch's order. Micro-batch k holds rows k, k + count, k + 2 count, ...: each device's rows of
+    the batch split into its rows of every micro-batch, so splitting moves no data between devices."""
 
     def split(x):
         x = x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1)
@@ -204,11 +215,13 @@ def _accumulate(grads_fn, params, batch: Batch, ref_params, count: int, mesh: Op
 
     micro = jax.tree.map(split, batch)
     first = jax.tree.map(lambda x: x[0], micro)
-    shapes = jax.eval_shape(grads_fn, params, first, ref_params)
-    zeros = like_params(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+    (loss_shape, (metrics_shape, _)), grads_shape = jax.eval_shape(grads_fn, params, first, ref_params)
+    zeros = like_params(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), ((loss_shape, metrics_shape), grads_shape)))
 
     def body(total, one):
-        return like_params(jax.tree.map(jnp.add, total, grads_fn(params, one, ref_params))), None
+        (loss, (metrics, logprobs)), grads = grads_fn(params, one, ref_params)
+        return like_params(jax.tree.map(jnp.add, total, ((loss, metrics), grads))), logprobs
 
-    ((loss, metrics), grads), _ = jax.lax.scan(body, zeros, micro)
-    return loss, metrics, grads
+    ((loss, metrics), grads), logprobs = jax.lax.scan(body, zeros, micro)
+    rows = logprobs.shape[0] * logprobs.shape[1]
+    return loss, metrics, grads, logprobs.swapaxes(0, 1).reshape(rows, *logprobs.shape[2:])

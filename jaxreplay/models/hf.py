@@ -48,14 +48,20 @@ class Family:
 
     architecture: str  # the transformers class written to config.json
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool  # per-head RMSNorm on queries and keys (Qwen3)
+    qk_norm: bool  # per-head RMSNorm on queries and keys (Qwen3, Gemma 3)
+    gemma: bool = False  # Gemma's block: (1 + w) norms, four per block, scaled embeddings, GeGLU, local layers
 
 
 FAMILIES = {
+    "gemma2": Family("Gemma2ForCausalLM", attention_bias=False, qk_norm=False, gemma=True),
+    "gemma3_text": Family("Gemma3ForCausalLM", attention_bias=False, qk_norm=True, gemma=True),
     "llama": Family("LlamaForCausalLM", attention_bias=False, qk_norm=False),
     "qwen2": Family("Qwen2ForCausalLM", attention_bias=True, qk_norm=False),
     "qwen3": Family("Qwen3ForCausalLM", attention_bias=False, qk_norm=True),
 }
+
+# HF's names of Gemma's layer kinds (config.json's `layer_types`)
+_LOCAL, _GLOBAL = "sliding_attention", "full_attention"
 
 # Our parameter path -> HF tensor name. Paths under `layers[i]` are written without
 # the ("layers", i) prefix; their HF names get "model.layers.{i}.".
@@ -79,6 +85,8 @@ _PER_LAYER = {
     ("mlp", "gate_proj", "kernel"): "mlp.gate_proj.weight",
     ("mlp", "up_proj", "kernel"): "mlp.up_proj.weight",
     ("mlp", "down_proj", "kernel"): "mlp.down_proj.weight",
+    ("pre_mlp_norm", "scale"): "pre_feedforward_layernorm.weight",  # Gemma
+    ("post_mlp_norm", "scale"): "post_feedforward_layernorm.weight",  # Gemma
 }
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -147,15 +155,22 @@ def model_config_from_hf(hf: Any, *, param_dtype: DType = "float32", compute_dty
             raise HFModelError(f"{source}: {hf.model_type} with {what} is not supported")
 
     rope = dict(getattr(hf, "rope_parameters", None) or {})
+    gemma = {}
+    if family.gemma:
+        gemma, rope = _gemma_features(hf, rope, unsupported)
     rope_type = rope.get("rope_type", "default")
-    unsupported(rope_type in ("default", "llama3"), f"rope_type={rope_type!r} (RoPE scaling)")
+    unsupported(rope_type in ("default", "llama3") or (family.gemma and rope_type == "linear"),
+                f"rope_type={rope_type!r} (RoPE scaling)")
     scaling = {}
     if rope_type == "llama3":
         scaling = dict(rope_scaling_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
                        rope_high_freq_factor=float(rope["high_freq_factor"]),
                        rope_original_max_len=int(rope["original_max_position_embeddings"]))
-    unsupported(getattr(hf, "hidden_act", "silu") == "silu", f"hidden_act={getattr(hf, 'hidden_act', None)!r}")
-    unsupported(not getattr(hf, "use_sliding_window", False), "use_sliding_window=true")
+    elif rope_type == "linear":
+        scaling = dict(rope_scaling_factor=float(rope["factor"]), rope_scaling_type="linear")
+    if not family.gemma:
+        unsupported(getattr(hf, "hidden_act", "silu") == "silu", f"hidden_act={getattr(hf, 'hidden_act', None)!r}")
+        unsupported(not getattr(hf, "use_sliding_window", False), "use_sliding_window=true")
     unsupported(not getattr(hf, "mlp_bias", False), "mlp_bias=true")
     # Qwen2 always has q/k/v biases; in Llama and Qwen3 `attention_bias` also puts one on o_proj.
     unsupported(family.attention_bias or not getattr(hf, "attention_bias", False), "attention_bias=true")
@@ -182,9 +197,41 @@ def model_config_from_hf(hf: Any, *, param_dtype: DType = "float32", compute_dty
         tie_embeddings=bool(hf.tie_word_embeddings),
         attention_bias=family.attention_bias,
         qk_norm=family.qk_norm,
+        **gemma,
         param_dtype=param_dtype,
         compute_dtype=compute_dtype,
     )
+
+
+def _gemma_features(hf: Any, rope: dict, unsupported) -> tuple[dict, dict]:
+    """(the ModelConfig fields of a Gemma 2 / Gemma 3 config, its global layers' RoPE parameters).
+
+    Gemma 3 keeps one RoPE dict per layer kind: the local layers' base becomes `rope_local_theta`
+    (unscaled, as every published Gemma 3 has it), the global layers' dict is the model's RoPE."""
+    activation = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None)
+    unsupported(activation in ("gelu_pytorch_tanh", "gelu_tanh"), f"hidden_activation={activation!r}")
+    unsupported(not getattr(hf, "use_bidirectional_attention", False), "use_bidirectional_attention=true")
+    fields = dict(mlp_activation="gelu_tanh", norm_plus_one=True, post_norms=True, scale_embeddings=True,
+                  query_pre_attn_scalar=int(hf.query_pre_attn_scalar))
+    for ours, theirs in (("attn_logit_softcap", "attn_logit_softcapping"),
+                         ("final_logit_softcap", "final_logit_softcapping")):
+        if getattr(hf, theirs, None) is not None:
+            fields[ours] = float(getattr(hf, theirs))
+    if _GLOBAL in rope or _LOCAL in rope:  # Gemma 3
+        local = dict(rope.get(_LOCAL) or {})
+        unsupported(local.get("rope_type", "default") == "default",
+                    f"rope_type={local.get('rope_type')!r} on the sliding-window layers")
+        fields["rope_local_theta"] = float(local.get("rope_theta", 10_000.0))
+        rope = dict(rope.get(_GLOBAL) or {})
+    types = list(getattr(hf, "layer_types", None) or [_GLOBAL] * hf.num_hidden_layers)
+    unsupported(set(types) <= {_LOCAL, _GLOBAL}, f"layer_types {sorted(set(types) - {_LOCAL, _GLOBAL})}")
+    if _LOCAL in types:
+        pattern = types.index(_GLOBAL) + 1 if _GLOBAL in types else len(types) + 1
+        regular = [_GLOBAL if (i + 1) % pattern == 0 else _LOCAL for i in range(len(types))]
+        unsupported(types == regular, "layer_types that are not every k-th layer global (sliding_window_pattern)")
+        unsupported(getattr(hf, "sliding_window", None) is not None, "sliding layers without a sliding_window")
+        fields.update(sliding_window=int(hf.sliding_window), sliding_window_pattern=pattern)
+    return fields, rope
 
 
 def read_model_config(path: str | Path, *, param_dtype: DType = "float32", compute_dtype: DType = "float32",
@@ -199,13 +246,38 @@ def read_model_config(path: str | Path, *, param_dtype: DType = "float32", compu
     return dataclasses.replace(cfg, hf_path=named)
 
 
+def _gemma_block(cfg: ModelConfig) -> Optional[bool]:
+    """Whether `cfg` has Gemma's block (all its features), not (none of them), or None: a mix
+    that no HF family holds. Soft-caps, local layers and a score scale exist only in Gemma."""
+    gemma = (cfg.norm_plus_one, cfg.post_norms, cfg.scale_embeddings, cfg.mlp_activation == "gelu_tanh")
+    if all(gemma):
+        return True
+    only_gemma = (cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.sliding_window, cfg.query_pre_attn_scalar,
+                  cfg.rope_local_theta)
+    if any(gemma) or any(x is not None for x in only_gemma) or cfg.rope_scaling_type == "linear":
+        return None
+    return False
+
+
+def _features(cfg: ModelConfig) -> tuple:
+    return cfg.attention_bias, cfg.qk_norm, _gemma_block(cfg)
+
+
 def family_of(cfg: ModelConfig) -> str:
     """The HF model_type that holds exactly `cfg`'s features."""
     for model_type, family in FAMILIES.items():
-        if (family.attention_bias, family.qk_norm) == (cfg.attention_bias, cfg.qk_norm):
+        if (family.attention_bias, family.qk_norm, family.gemma) == _features(cfg):
             return model_type
     raise HFModelError(f"no supported HF architecture has attention_bias={cfg.attention_bias} together with "
-                       f"qk_norm={cfg.qk_norm}")
+                       f"qk_norm={cfg.qk_norm} and {_gemma_description(cfg)}")
+
+
+def _gemma_description(cfg: ModelConfig) -> str:
+    gemma = _gemma_block(cfg)
+    return "Gemma's block" if gemma else "no Gemma block" if gemma is False else (
+        "part of Gemma's block (norm_plus_one, post_norms, scale_embeddings and mlp_activation=gelu_tanh go "
+        "together, and soft-caps, sliding windows, query_pre_attn_scalar, rope_local_theta or linear RoPE scaling "
+        "need them)")
 
 
 # ----------------------------------------------------------------------------------
@@ -325,7 +397,7 @@ def _sharding_map(shardings: Any) -> dict[tuple, jax.sharding.Sharding]:
 
 def load_hf_model(path: str | Path, *, param_dtype: DType = "float32", compute_dtype: DType = "float32",
                   max_seq_len: Optional[int] = None, shardings: Any = None) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
-    """(ModelConfig, graphdef, params) of the Llama/Qwen2/Qwen3 model in the HF directory `path`.
+    """(ModelConfig, graphdef, params) of the Llama/Qwen2/Qwen3/Gemma model in the HF directory `path`.
 
     Weights are cast to `param_dtype`. `shardings`: None puts each tensor on the default
     device; otherwise a tree shaped like the params with a `jax.sharding.Sharding` per
@@ -405,9 +477,10 @@ def save_hf_model(path: str | Path, cfg: ModelConfig, params: nnx.State, *, toke
     _check_destination(path, base, tokenizer)
     model_type = _read_hf_config(Path(base)).model_type if base is not None else family_of(cfg)
     family = FAMILIES[model_type]
-    if (family.attention_bias, family.qk_norm) != (cfg.attention_bias, cfg.qk_norm):
+    if (family.attention_bias, family.qk_norm, family.gemma) != _features(cfg):
         raise HFModelError(f"cannot save as {model_type}: it has attention_bias={family.attention_bias}, "
-                           f"qk_norm={family.qk_norm}; the model has {cfg.attention_bias}, {cfg.qk_norm}")
+                           f"qk_norm={family.qk_norm}, gemma={family.gemma}; the model has {cfg.attention_bias}, "
+                           f"{cfg.qk_norm}, {_gemma_description(cfg)}")
     flat = {tuple(p): value_of(var) for p, var in nnx.to_flat_state(params)}
     out_dtype = np.dtype(dtype_of(dtype)) if dtype is not None else None
     path.mkdir(parents=True, exist_ok=True)
@@ -572,4 +645,25 @@ def _hf_config(cfg: ModelConfig, model_type: str, base: str | Path | None, dtype
             "original_max_position_embeddings": cfg.rope_original_max_len}
     if model_type != "qwen2":
         fields["attention_bias"] = False
+    if FAMILIES[model_type].gemma:
+        fields.update(_gemma_hf_fields(cfg, model_type, fields["rope_parameters"]))
+        del fields["hidden_act"]
+        keep.pop("sliding_window_pattern", None)  # layer_types says it
     return transformers.AutoConfig.for_model(model_type, **{**keep, **fields})
+
+
+def _gemma_hf_fields(cfg: ModelConfig, model_type: str, rope: dict) -> dict:
+    """config.json's Gemma keys for `cfg` (Gemma 3: one RoPE dict per layer kind)."""
+    from jaxreplay.models.transformer import is_local_layer
+
+    if model_type == "gemma3_text":
+        local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+        rope = {_GLOBAL: rope, _LOCAL: local}
+    if cfg.rope_scaling_type == "linear" and cfg.rope_scaling_factor != 1.0:
+        glob = {"rope_type": "linear", "rope_theta": cfg.rope_theta, "factor": cfg.rope_scaling_factor}
+        rope = {**rope, _GLOBAL: glob} if model_type == "gemma3_text" else glob
+    return dict(
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+        attn_logit_softcapping=cfg.attn_logit_softcap, final_logit_softcapping=cfg.final_logit_softcap,
+        sliding_window=cfg.sliding_window, rope_parameters=rope,
+        layer_types=[_LOCAL if is_local_layer(cfg, i) else _GLOBAL for i in range(cfg.n_layers)])

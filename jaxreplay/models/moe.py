@@ -129,9 +129,9 @@ def load_balancing_loss(logits: jax.Array, mask: jax.Array, top_k: int) -> jax.A
 
 
 def route_disagreement(experts: jax.Array, recorded: jax.Array, mask: jax.Array) -> jax.Array:
-    """Share of the recorded (token, layer) expert choices that `experts` does not also make, over the
-    real tokens of `mask` [B, T]: 0 when the two route alike. experts, recorded [L, B, T, k]."""
-    shared = jnp.any(experts[..., :, None] == recorded[..., None, :], axis=-1)  # [L, B, T, k]
-    missed = 1.0 - jnp.mean(shared.astype(jnp.float32), axis=-1)  # [L, B, T]
-    weight = jnp.broadcast_to(mask.astype(jnp.float32), missed.shape)
-    return jnp.sum(missed * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+    """Share of the real (token, sparse layer) pairs of `mask` [B, T] whose set of k experts in `experts`
+    differs from the one in `recorded` (both [L, B, T, k]): 0 when the two route alike."""
+    found = jnp.any(experts[..., :, None] == recorded[..., None, :], axis=-1)  # [L, B, T, k]
+    differs = 1.0 - jnp.all(found, axis=-1).astype(jnp.float32)  # [L, B, T]
+    weight = jnp.broadcast_to(mask.astype(jnp.float32), differs.shape)
+    return jnp.sum(differs * weight) / jnp.maximum(jnp.sum(weight), 1.0)

@@ -1,9 +1,15 @@
-"""A Llama/Qwen2/Qwen3-family decoder in Flax NNX, plus the pure functions jit uses.
+"""A Llama/Qwen2/Qwen3/Gemma-family decoder in Flax NNX, plus the pure functions jit uses.
 
 One residual stream, `n_layers` pre-norm blocks (RMSNorm -> GQA attention with RoPE
 -> RMSNorm -> SwiGLU MLP), a final RMSNorm and an (optionally tied) unembedding.
 Parameters are stored in `param_dtype`, cast to `compute_dtype` where used; norms,
 RoPE, softmax and the logits are computed in float32.
+
+Gemma 2 and 3 are the same decoder with features switched on (`ModelConfig`): (1 + w)
+RMSNorms, embeddings scaled by sqrt(D), a norm on each branch's output too (four per
+block), GeGLU, `query_pre_attn_scalar` as the score scale, soft-capped scores and
+logits (Gemma 2), QK-norm (Gemma 3), and local layers that attend over a sliding
+window, interleaved with global ones (`is_local_layer`), each kind with its own RoPE.
 
 Parameter names are plain so the HF importer maps them one to one; every linear
 kernel is [in, out]:
@@ -13,7 +19,9 @@ kernel is [in, out]:
     layers[i].attn.{q,k,v}_proj.kernel       [D, heads * head_dim]   (+ .bias if attention_bias)
     layers[i].attn.{q,k}_norm.scale          [head_dim]              (if qk_norm)
     layers[i].attn.o_proj.kernel             [n_heads * head_dim, D]
-    layers[i].post_attn_norm.scale           [D]
+    layers[i].post_attn_norm.scale           [D]                     (the MLP input's; with post_norms
+                                                                      the attention output's)
+    layers[i].{pre,post}_mlp_norm.scale      [D]                     (if post_norms)
     layers[i].mlp.{gate,up}_proj.kernel      [D, d_ff]
     layers[i].mlp.down_proj.kernel           [d_ff, D]
     layers[i].{attn,mlp}.<target>.lora_{a,b} [in, r], [r, out]       (if `model.lora` targets it:
@@ -165,28 +173,51 @@ def grouped_qkv_projection(x: jax.Array, q: Linear, k: Linear, v: Linear,
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale over the last axis, computed in float32."""
+    """x / rms(x) * scale over the last axis, computed in float32. With `plus_one` (Gemma) the
+    factor is (1 + scale) and the scale starts at 0, as HF's checkpoints store it."""
 
-    def __init__(self, dim: int, *, eps: float, param_dtype):
-        self.scale = param(jnp.ones((dim,), param_dtype), ("norm",))
+    def __init__(self, dim: int, *, eps: float, param_dtype, plus_one: bool = False):
+        self.scale = param((jnp.zeros if plus_one else jnp.ones)((dim,), param_dtype), ("norm",))
         self.eps = eps
+        self.plus_one = plus_one
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        return (y * (1.0 + scale if self.plus_one else scale)).astype(x.dtype)
 
 
-def rope_frequencies(cfg: ModelConfig) -> jax.Array:
-    """RoPE inverse frequencies [head_dim / 2], float32.
+def norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+    """The family's RMSNorm over `dim`."""
+    return RMSNorm(dim, eps=cfg.norm_eps, param_dtype=dtype_of(cfg.param_dtype), plus_one=cfg.norm_plus_one)
 
-    With `rope_scaling_factor` > 1, Llama 3.1's long-context scaling: wavelengths above
+
+def is_local_layer(cfg: ModelConfig, i: int) -> bool:
+    """Layer `i` attends over a sliding window of `cfg.sliding_window` tokens (Gemma's local layers)."""
+    return cfg.sliding_window is not None and (i + 1) % cfg.sliding_window_pattern != 0
+
+
+def softcap(x: jax.Array, cap: Optional[float]) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping); x itself without a cap."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> jax.Array:
+    """RoPE inverse frequencies [head_dim / 2], float32; `local`: the sliding-window layers',
+    from `rope_local_theta` and never scaled (Gemma 3).
+
+    With `rope_scaling_factor` > 1, `rope_scaling_type` "linear" divides every frequency by it;
+    "llama3" is Llama 3.1's long-context scaling: wavelengths above
     original_max_len / low_freq_factor are slowed by the factor, those below
     original_max_len / high_freq_factor are kept, and those between are interpolated.
     """
-    inv_freq = 1.0 / cfg.rope_theta ** (jnp.arange(cfg.head_dim // 2, dtype=jnp.float32) * 2.0 / cfg.head_dim)
-    if cfg.rope_scaling_factor == 1.0:
+    theta = (cfg.rope_local_theta or cfg.rope_theta) if local else cfg.rope_theta
+    inv_freq = 1.0 / theta ** (jnp.arange(cfg.head_dim // 2, dtype=jnp.float32) * 2.0 / cfg.head_dim)
+    if local or cfg.rope_scaling_factor == 1.0:
         return inv_freq
+    if cfg.rope_scaling_type == "linear":
+        return inv_freq / cfg.rope_scaling_factor
     factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
     old_len = cfg.rope_original_max_len
     wavelen = 2 * math.pi / inv_freq
@@ -198,16 +229,33 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
 
 class Rotation(NamedTuple):
     """RoPE's cos and sin for each token, [B, T, 1, head_dim / 2] float32: computed once
-    per forward pass and shared by every layer's queries and keys."""
+    per forward pass and shared by every layer's queries and keys. `local_cos` and `local_sin`
+    are the local (sliding-window) layers' (Gemma 3's own base); the same arrays where those
+    layers rotate as the global ones do."""
 
     cos: jax.Array
     sin: jax.Array
+    local_cos: jax.Array
+    local_sin: jax.Array
+
+    def of_layer(self, local: bool) -> "Rotation":
+        """This rotation as a local (`local`) or global layer applies it: its cos and sin first."""
+        return Rotation(self.local_cos, self.local_sin, self.local_cos, self.local_sin) if local else self
+
+
+def _local_rope_differs(cfg: ModelConfig) -> bool:
+    return cfg.sliding_window is not None and cfg.sliding_window_pattern > 1 and (
+        cfg.rope_local_theta not in (None, cfg.rope_theta) or cfg.rope_scaling_factor != 1.0)
 
 
 def rotation(positions: jax.Array, cfg: ModelConfig) -> Rotation:
     """The rotation of tokens at `positions` [B, T] (int)."""
     angles = positions.astype(jnp.float32)[..., None, None] * rope_frequencies(cfg)  # [B, T, 1, half]
-    return Rotation(jnp.cos(angles), jnp.sin(angles))
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if not _local_rope_differs(cfg):
+        return Rotation(cos, sin, cos, sin)
+    local = positions.astype(jnp.float32)[..., None, None] * rope_frequencies(cfg, local=True)
+    return Rotation(cos, sin, jnp.cos(local), jnp.sin(local))
 
 
 def rope(x: jax.Array, rot: Rotation) -> jax.Array:
@@ -218,9 +266,10 @@ def rope(x: jax.Array, rot: Rotation) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention: query head h reads kv head h // (n_heads // n_kv_heads)."""
+    """Grouped-query attention: query head h reads kv head h // (n_heads // n_kv_heads).
+    A `local` layer's query sees only the `cfg.sliding_window` slots up to its own (Gemma)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, local: bool = False):
         pd, cd = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
         d, hd = cfg.d_model, cfg.head_dim
         lin = dict(param_dtype=pd, compute_dtype=cd, rngs=rngs)
@@ -233,11 +282,14 @@ class Attention(nnx.Module):
                              **ad("v_proj"))
         self.o_proj = Linear(cfg.n_heads * hd, d, axes=("heads", "embed"), bias=False, **lin, **ad("o_proj"))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=pd)
-            self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=pd)
+            self.q_norm, self.k_norm = norm(cfg, hd), norm(cfg, hd)
         else:
             self.q_norm = self.k_norm = None
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
+        self.local = local
+        self.window = cfg.sliding_window if local else None
+        self.score_dim = cfg.query_pre_attn_scalar or hd  # scores are divided by its square root
+        self.logit_cap = cfg.attn_logit_softcap
 
     def __call__(self, x, rot: Rotation, key_mask, kv=None, cache_index=None):
         """x [B, T, D] -> ([B, T, D], this layer's updated (k, v) cache, or None without one).
@@ -255,8 +307,9 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+        if self.q_norm is not None:  # Qwen3, Gemma 3: per-head RMSNorm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
+        rot = rot.of_layer(self.local)
         q, k = rope(q, rot), rope(k, rot)
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, kv_heads, T, head_dim]
 
@@ -272,9 +325,14 @@ class Attention(nnx.Module):
             first = cache_index
             if isinstance(cache_index, int):  # a static index: no slot past the new tokens is needed
                 keys, values = keys[:, :, :cache_index + t], values[:, :, :cache_index + t]
-        # Query j sits in slot first + j and sees slot s iff s <= first + j and key_mask[:, s].
+        # Query j sits in slot first + j and sees slot s iff s <= first + j and key_mask[:, s];
+        # in a local layer also first + j - s < window. A row's real tokens sit in consecutive
+        # slots, so slot distance is token distance. The cache keeps every slot (masked, not a ring).
         n_keys = keys.shape[2]
-        causal = jnp.arange(n_keys)[None, :] <= first + jnp.arange(t)[:, None]  # [T, S], or [B, T, S] per row
+        slot, query_slot = jnp.arange(n_keys)[None, :], first + jnp.arange(t)[:, None]
+        causal = slot <= query_slot  # [T, S], or [B, T, S] per row
+        if self.window is not None:
+            causal = causal & (slot > query_slot - self.window)
         visible = (causal if causal.ndim == 3 else causal[None]) & key_mask[:, None, :n_keys]  # [B, T, S]
 
         # Query rows (token j, group g) of each kv head: [B, kv_heads, T * groups, head_dim].
@@ -288,14 +346,20 @@ class Attention(nnx.Module):
         # A finite floor, not -inf, so a query with no visible key (a pad slot) gives a
         # harmless uniform average instead of NaN.
         visible = jnp.repeat(visible, groups, axis=1)[:, None]  # [B, 1, T * groups, S]
-        scores = jnp.where(visible, scores / math.sqrt(self.head_dim), jnp.finfo(jnp.float32).min)
+        scores = softcap(scores / math.sqrt(self.score_dim), self.logit_cap)
+        scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
         out = jnp.einsum("bkqs,bksh->bkqh", probs, values).reshape(b, self.n_kv_heads, t, groups, self.head_dim)
         return self.o_proj(jnp.swapaxes(out, 1, 2).reshape(b, t, -1)), kv
 
 
+# The MLP's gate activation (`model.mlp_activation`): SwiGLU's, and GeGLU's tanh-approximated GELU
+# (HF's gelu_pytorch_tanh).
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with gelu_tanh."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         lin = dict(bias=False, param_dtype=dtype_of(cfg.param_dtype), compute_dtype=dtype_of(cfg.compute_dtype),
@@ -304,46 +368,63 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **lin, **ad("gate_proj"))
         self.up_proj = Linear(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **lin, **ad("up_proj"))
         self.down_proj = Linear(cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), **lin, **ad("down_proj"))
+        self.activation = cfg.mlp_activation
 
     def __call__(self, x: jax.Array, stacked: bool = False) -> jax.Array:
         """`stacked`: gate and up in one matmul (the decode loop; see `stacked_projection`)."""
         gate, up = stacked_projection(x, self.gate_proj, self.up_proj) if stacked else (self.gate_proj(x),
                                                                                           self.up_proj(x))
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(ACTIVATIONS[self.activation](gate) * up)
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)); the MLP is a mixture of
-    experts in the layers `moe.is_sparse` names."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)). With `post_norms`
+    (Gemma) each branch's output is normed too: x + norm(attn(norm(x))), then
+    + norm(mlp(norm(.))); `post_attn_norm` is then the attention output's norm (HF's
+    post_attention_layernorm in both), `pre_mlp_norm` the MLP input's. The MLP is a mixture of
+    experts in the layers `moe.is_sparse` names (Qwen3-MoE)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
-        pd = dtype_of(cfg.param_dtype)
-        self.input_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd)
-        self.attn = Attention(cfg, rngs=rngs)
-        self.post_attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd)
-        self.mlp = moe_lib.MoE(cfg, rngs=rngs) if moe_lib.is_sparse(cfg, layer) else MLP(cfg, rngs=rngs)
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, local: bool = False, sparse: bool = False):
+        self.input_norm = norm(cfg, cfg.d_model)
+        self.attn = Attention(cfg, rngs=rngs, local=local)
+        self.post_attn_norm = norm(cfg, cfg.d_model)
+        self.mlp = moe_lib.MoE(cfg, rngs=rngs) if sparse else MLP(cfg, rngs=rngs)
+        if cfg.post_norms:
+            self.pre_mlp_norm, self.post_mlp_norm = norm(cfg, cfg.d_model), norm(cfg, cfg.d_model)
+        else:
+            self.pre_mlp_norm = self.post_mlp_norm = None
 
     def __call__(self, x, rot: Rotation, key_mask, kv=None, cache_index=None, routes=None):
         """(x, kv, this layer's `moe.Routing` or None for a dense MLP); `routes`: see `moe.MoE`."""
         stacked = kv is not None  # the sampler: fewer, larger matmuls per decode step
         h, kv = self.attn(self.input_norm(x), rot, key_mask, kv, cache_index)
+        if self.pre_mlp_norm is not None:  # Gemma's four norms
+            x = x + self.post_attn_norm(h)
+            out, routing = self._mlp(self.pre_mlp_norm(x), stacked, routes)
+            return x + self.post_mlp_norm(out), kv, routing
         x = x + h
+        out, routing = self._mlp(self.post_attn_norm(x), stacked, routes)
+        return x + out, kv, routing
+
+    def _mlp(self, x, stacked: bool, routes):
         if isinstance(self.mlp, moe_lib.MoE):
-            out, routing = self.mlp(self.post_attn_norm(x), routes)
-            return x + out, kv, routing
-        return x + self.mlp(self.post_attn_norm(x), stacked), kv, None
+            return self.mlp(x, routes)
+        return self.mlp(x, stacked), None
 
 
 class Embed(nnx.Module):
-    """Token embedding table [V, D]; `attend` is the tied unembedding."""
+    """Token embedding table [V, D]; `attend` is the tied unembedding. With `scaled` (Gemma) the
+    embeddings are multiplied by sqrt(D), rounded to the compute dtype as HF rounds it."""
 
-    def __init__(self, vocab: int, dim: int, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    def __init__(self, vocab: int, dim: int, *, param_dtype, compute_dtype, rngs: nnx.Rngs, scaled: bool = False):
         init = nnx.initializers.normal(stddev=0.02)
         self.embedding = param(init(rngs.params(), (vocab, dim), param_dtype), ("vocab", "embed"))
         self.compute_dtype = compute_dtype
+        self.multiplier = math.sqrt(dim) if scaled else None
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.compute_dtype)
+        x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.compute_dtype)
+        return x if self.multiplier is None else x * jnp.asarray(self.multiplier, self.compute_dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         table = self.embedding[...].astype(self.compute_dtype)
@@ -360,9 +441,11 @@ class Transformer(nnx.Module):
             raise ValueError(f"head_dim={cfg.head_dim} must be even for RoPE")
         pd, cd = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
         self.cfg = cfg
-        self.embed = Embed(cfg.vocab_size, cfg.d_model, param_dtype=pd, compute_dtype=cd, rngs=rngs)
-        self.layers = module_list([Block(cfg, rngs=rngs, layer=i) for i in range(cfg.n_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd)
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, param_dtype=pd, compute_dtype=cd, rngs=rngs,
+                           scaled=cfg.scale_embeddings)
+        self.layers = module_list([Block(cfg, rngs=rngs, local=is_local_layer(cfg, i), sparse=moe_lib.is_sparse(cfg, i))
+                                   for i in range(cfg.n_layers)])
+        self.final_norm = norm(cfg, cfg.d_model)
         self.lm_head = None if cfg.tie_embeddings else Linear(
             cfg.d_model, cfg.vocab_size, axes=("embed", "vocab"), bias=False, param_dtype=pd, compute_dtype=cd,
             rngs=rngs)
@@ -427,11 +510,12 @@ class Transformer(nnx.Module):
         return self.final_norm(x), _stacked(routings)
 
     def unembed(self, h: jax.Array) -> jax.Array:
-        """[B, T, D] -> float32 logits [B, T, V]."""
+        """[B, T, D] -> float32 logits [B, T, V] (soft-capped where `final_logit_softcap` says)."""
         if self.lm_head is None:
-            return self.embed.attend(h)
+            return softcap(self.embed.attend(h), self.cfg.final_logit_softcap)
         kernel = self.lm_head.kernel[...].astype(h.dtype)
-        return jnp.einsum("btd,dv->btv", h, kernel, preferred_element_type=jnp.float32)
+        return softcap(jnp.einsum("btd,dv->btv", h, kernel, preferred_element_type=jnp.float32),
+                       self.cfg.final_logit_softcap)
 
 
 # What each decoder block keeps for the backward pass (`Transformer.score_hidden`):

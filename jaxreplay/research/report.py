@@ -42,7 +42,7 @@ import yaml
 
 from jaxreplay import storage
 from jaxreplay.config import ConfigError, flatten
-from jaxreplay.research import report_frontier, report_plots, report_regime
+from jaxreplay.research import report_age, report_frontier, report_plots, report_regime
 from jaxreplay.research.report_claims import (
     CLAIMS_FILE, REPLICATION_FILE, TARGET_FRACTIONS, Claim, parse_claims, verdict)
 from jaxreplay.research.report_data import (
@@ -52,7 +52,8 @@ from jaxreplay.research.report_select import (
     SELECT_FILE, SELECTED_FILE, Rule, arm_grid, choose, learning_rate, load_rule, lr_tag, stage1_rows,
     validation_scores, write_selected)
 from jaxreplay.research.report_stats import (
-    bootstrap_ci, cell, clean, first_reach, fmt, fmt_value, iqm, largest_fall, summary_cell)
+    BOOTSTRAP_REPS, BOOTSTRAP_SEED, MAX_REPS, bootstrap_interval, cell, clean, first_reach, fmt, fmt_value, iqm,
+    largest_fall, summary_cell)
 from jaxreplay.train.eval import PASS1_KEY, PASSK_KEY
 
 LR_KEY = "train.learning_rate"
@@ -378,10 +379,12 @@ def baseline_values(claim: Claim, settings: Sequence[Setting], base: Setting) ->
 
 def claims_table(claims: Sequence[Claim], settings: Sequence[Setting], base: Setting,
                  regime: Optional[report_regime.RegimeResult] = None,
-                 pool_of: Optional[dict[str, Setting]] = None) -> str:
+                 pool_of: Optional[dict[str, Setting]] = None, bootstrap_seed: int = BOOTSTRAP_SEED) -> str:
     """Each claim's rule, paired numbers and verdict; a claim marked `regime` is "regime not reached"
     (with the rule's numbers) where `regime`, the exhaustion rule's result, is not met. A claim naming no
-    baseline is paired with its first setting's pool's (`pool_of`: setting name -> baseline), else `base`."""
+    baseline is paired with its first setting's pool's (`pool_of`: setting name -> baseline), else `base`.
+    Each end of an interval carries its Monte Carlo error (report_stats.Interval), and a verdict that the
+    bootstrap's random stream could flip is "borderline" (report_claims.borderline)."""
     by_name = {s.name: s for s in settings}
     rows = []
     for c in claims:
@@ -396,12 +399,13 @@ def claims_table(claims: Sequence[Claim], settings: Sequence[Setting], base: Set
         if not values:
             rows.append([c.text, rule, "n/a", "not testable here: no paired seeds"])
             continue
-        lo, hi = bootstrap_ci(strata)
-        numbers = (f"IQM {fmt_value(iqm(values))} [{fmt_value(lo)}, {fmt_value(hi)}] over {len(values)} paired "
+        ci = bootstrap_interval(strata, seed=bootstrap_seed, threshold=c.threshold)
+        numbers = (f"IQM {fmt_value(iqm(values))} [{_end(ci.lo, ci.lo_error)}, {_end(ci.hi, ci.hi_error)}]"
+                   + (f" ({ci.reps:,} replicates)" if ci.reps != BOOTSTRAP_REPS else "") + f" over {len(values)} paired "
                    f"seeds; " + (f"reached in {sum(math.isfinite(v) for v in values)}/{len(values)}" if c.cost else
                                  f"above 0 in {sum(v > 0 for v in values)}/{len(values)}" if c.contrast else
                                  f"above {own_base.name} in {sum(v > 0 for v in values)}/{len(values)}"))
-        decided = verdict(c, (lo, hi))
+        decided = verdict(c, ci)
         if c.regime and regime is not None and not regime.met:
             rows.append([c.text, rule, numbers, f"regime not reached: {regime.numbers()}"])
             continue
@@ -412,6 +416,13 @@ def claims_table(claims: Sequence[Claim], settings: Sequence[Setting], base: Set
                            f"at or above the ceiling {fmt(c.ceiling)}")
         rows.append([c.text, rule, numbers, decided])
     return _markdown(["claim", "rule (declared in the sweep file)", "paired numbers", "verdict"], rows)
+
+
+def _end(value: float, error: float) -> str:
+    """An interval's end with its Monte Carlo error: `0.0162 ±0.0003`; `> budget` alone where it is +inf."""
+    if value == math.inf:
+        return fmt_value(value)
+    return f"{fmt(value)} ±{fmt_value(error, '> budget')}"
 
 
 def runs_table(settings: Sequence[Setting], base: Setting) -> str:
@@ -529,8 +540,12 @@ def _how_to_read(settings: Sequence[Setting], pools: Sequence[tuple[Setting, lis
         "- **Statistic:** `median [q25, q75]` over seeds (linear interpolation between seeds); where paired, also "
         "`IQM m [lo, hi]`: the interquartile mean (the mean after cutting a quarter of the seeds from each end, "
         "rliable's IQM) with its 95% percentile interval from a stratified bootstrap (seeds redrawn with "
-        "replacement within each setting, 10,000 replicates, seed 0). Plot bands are the IQR after interpolating "
-        "each seed's curve linearly onto one x grid.",
+        "replacement within each setting, 10,000 replicates, seed 0). In the claims each end carries its Monte "
+        "Carlo error `±e`: how far the bootstrap's own random stream can move it (the replicates' order statistics "
+        "that hold the infinite-replicate end with 95% probability); a claim's stream goes on with four times the "
+        f"replicates, up to {MAX_REPS:,}, until each end's error is at most a tenth of its distance to the "
+        "threshold, and a verdict whose threshold still lies within an end's error is `borderline`. Plot bands are "
+        "the IQR after interpolating each seed's curve linearly onto one x grid.",
         pairs_line,
         targets_head + "reaches one at its first evaluation at or above it; what it spent until then is divided by "
         f"what the seed's {_base_words(pools)} run spent. A run that never reaches it is `> budget` (+inf in medians and IQMs); "
@@ -762,7 +777,7 @@ def _pool_sections(settings: Sequence[Setting], base: Setting, targets: dict[flo
     main, paired, speed, passes = (main_table(settings, base), paired_table(settings, base),
                                    speed_table(settings, base), pass_table(settings, base))
     level = float(np.median([target(r, TARGET_FRACTIONS[-1]) for r in base.runs]))
-    pngs = report_plots.write(settings, level, plot_mus, out, prefix)
+    pngs = report_plots.write(settings, level, plot_mus, out, prefix) + report_age.write(settings, out, prefix)
     before = [*(_frontier_section(settings, grid, mus[0], out, h, prefix) if grid is not None else []),
               f"{h} Per setting", "", main,
               *([f"{h} Paired by seed: each run minus the {base.name} run of the same seed", "", paired]

@@ -24,6 +24,11 @@ earlier evaluation (after the peak so far); "smaller with a buffer" is `below: 0
 
 The verdict reads the IQM's 95% stratified bootstrap interval against the threshold:
 wholly on the rule's side, "holds"; wholly on the other, "fails"; across it, "inconclusive".
+A verdict must not depend on the bootstrap's random stream, so each end of the interval comes
+with its Monte Carlo range (report_stats.Interval), the replicates are quadrupled (up to
+report_stats.MAX_REPS) until each end's error is at most a tenth of its distance to the
+threshold, and where the threshold still lies within an end's range the verdict is
+"borderline", with the numbers and the verdicts another stream could give.
 
 Three optional keys serve a study over two regimes (issue 49):
 
@@ -53,6 +58,7 @@ import re
 from typing import Any, Optional
 
 from jaxreplay.config import ConfigError, did_you_mean, show
+from jaxreplay.research.report_stats import Interval, fmt
 
 CLAIMS_FILE = "claims.yaml"  # beside a sweep's setting folders: the claims its sweep file declared
 REPLICATION_FILE = "replication.yaml"  # beside a replication's setting folders (`jaxreplay sweep --replicate`)
@@ -172,12 +178,34 @@ def parse_claims(raw: Any, where: str = "sweep.claims") -> tuple[Claim, ...]:
     return tuple(claims)
 
 
-def verdict(claim: Claim, ci: tuple[float, float]) -> str:
-    """'holds', 'fails' or 'inconclusive' from where the IQM's interval lies against the threshold."""
-    lo, hi = ci
+def verdict(claim: Claim, ci: Interval) -> str:
+    """'holds', 'fails' or 'inconclusive' from where the IQM's interval lies against the threshold;
+    'borderline' where the bootstrap's own random stream could move an end across it (`borderline`)."""
+    if near := borderline(claim, ci):
+        return near
     t = claim.threshold
-    if (lo > t) if claim.above else (hi < t):
+    if (ci.lo > t) if claim.above else (ci.hi < t):
         return "holds"
-    if (hi < t) if claim.above else (lo > t):
+    if (ci.hi < t) if claim.above else (ci.lo > t):
         return "fails"
     return "inconclusive"
+
+
+def borderline(claim: Claim, ci: Interval) -> str:
+    """The verdict 'borderline: ...' with the numbers, where the threshold lies within the Monte Carlo range
+    of an end of the interval (report_stats.Interval: the range of that end over bootstrap streams), so that
+    another stream could decide otherwise; '' where neither end is that near."""
+    t = claim.threshold
+    ends = [(name, end, bracket, error) for name, end, bracket, error in
+            (("lower", ci.lo, ci.lo_range, ci.lo_error), ("upper", ci.hi, ci.hi_range, ci.hi_error))
+            if bracket[0] < bracket[1] and bracket[0] <= t <= bracket[1]]
+    if not ends:
+        return ""
+    outcomes = {"inconclusive"}
+    for name, *_ in ends:
+        outcomes.add("holds" if (name == "lower") == claim.above else "fails")
+    said = "; ".join(f"the interval's {name} end, {fmt(end)}, is within its Monte Carlo error (±{fmt(error)}, "
+                     f"range {fmt(bracket[0])} to {fmt(bracket[1])}) of the threshold {t:g}"
+                     for name, end, bracket, error in ends)
+    order = [o for o in ("holds", "inconclusive", "fails") if o in outcomes]
+    return f"borderline: {said}; another bootstrap stream can give {' or '.join(order)}"

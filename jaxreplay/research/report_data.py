@@ -32,6 +32,7 @@ import numpy as np
 import yaml
 
 from jaxreplay.config import ConfigError, read_yaml
+from jaxreplay.learn.staleness import AGE_BUCKETS, key as by_age_key
 from jaxreplay.train.eval import PASSK_KEY, TEST_KEY, VALIDATION_KEY
 from jaxreplay.train.metrics import read_metrics
 
@@ -42,6 +43,8 @@ READ_KEYS = ("step", TEST_KEY, VALIDATION_KEY, "tokens/generated", "rollouts/gen
              "replay/inserts", "compute/flops", "cost/mu", "entropy", "approx_kl", "pg_clipfrac", "replay/ratio",
              "staleness/mean", "staleness/hist", "time/generate_s", "time/train_s", "time/replay_s",
              "time/generate_timed_s", "time/train_timed_s", "reward_mean")
+AGE_STATS = ("rows", "clipfrac_low", "clipfrac_high", "kl_k3")  # the by-age statistics the report plots (report_age)
+READ_KEYS += tuple(by_age_key(b, s) for b in AGE_BUCKETS for s in AGE_STATS)
 _TIMES = ("time/generate_s", "time/train_s", "time/replay_s")
 _TIMED = ("time/generate_timed_s", "time/train_timed_s", "time/replay_s")
 

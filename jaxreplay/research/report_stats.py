@@ -10,6 +10,7 @@ seed's x inside the range all seeds cover (no extrapolation).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional, Sequence
 
@@ -133,19 +134,90 @@ def _iqm_rows(samples: np.ndarray) -> np.ndarray:
     return s[:, cut:s.shape[1] - cut].mean(axis=1)
 
 
-def bootstrap_ci(strata: Sequence[Sequence[float]], reps: int = BOOTSTRAP_REPS, size: float = 0.95,
-                 seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
+MC_Z = 1.96  # the Monte Carlo range of a CI end: 95% over bootstrap streams
+MC_SHARE = 0.1  # a claim's interval is redrawn with more replicates until each end's Monte Carlo error is ...
+MAX_REPS = 640_000  # ... at most this share of its distance to the threshold, or until this many replicates
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+    """A percentile bootstrap interval, and how far the bootstrap's own random stream moves each end.
+
+    `lo_range` and `hi_range` bracket the quantile that infinitely many replicates would give, with 95%
+    probability over the random stream: with R replicates the number below that quantile is
+    Binomial(R, q), so it lies between the order statistics R·q ∓ 1.96·sqrt(R·q·(1 − q)) (the
+    distribution-free confidence interval of a quantile). They need no second bootstrap."""
+    lo: float
+    hi: float
+    lo_range: tuple[float, float]
+    hi_range: tuple[float, float]
+    reps: int = BOOTSTRAP_REPS
+
+    @property
+    def lo_error(self) -> float:
+        return _error(self.lo, self.lo_range)
+
+    @property
+    def hi_error(self) -> float:
+        return _error(self.hi, self.hi_range)
+
+    def settled(self, threshold: float) -> bool:
+        """Whether each end's Monte Carlo error is at most MC_SHARE of its distance to `threshold` (or 0)."""
+        return all(error == 0 or (math.isfinite(error) and error <= MC_SHARE * abs(end - threshold))
+                   for end, error in ((self.lo, self.lo_error), (self.hi, self.hi_error)))
+
+
+def _error(end: float, bracket: tuple[float, float]) -> float:
+    """The Monte Carlo error of a CI end: the farther of its bracket's two ends from it (0 if all agree)."""
+    a, b = bracket
+    if a == end == b:
+        return 0.0
+    return max(end - a, b - end) if math.isfinite(a) and math.isfinite(b) else math.inf
+
+
+def _order_statistic_range(stats: np.ndarray, q: float, z: float = MC_Z) -> tuple[float, float]:
+    """Of sorted replicates: the order statistics around the q-quantile that bracket its infinite-replicate
+    value with the probability of ±z (see `Interval`)."""
+    reps = len(stats)
+    centre, half = q * (reps - 1), z * math.sqrt(reps * q * (1 - q))
+    return float(stats[max(0, math.floor(centre - half))]), float(stats[min(reps - 1, math.ceil(centre + half))])
+
+
+def _replicates(strata: Sequence[Sequence[float]], chunk: int, seed: int):
+    """IQMs of successive chunks of stratified bootstrap replicates, all from one `default_rng(seed)` stream:
+    the first chunk is what `chunk` replicates alone would give."""
+    rng = np.random.default_rng(seed)
+    values = [np.asarray(v, np.float64) for v in strata]
+    while True:
+        yield _iqm_rows(np.concatenate([v[rng.integers(0, len(v), size=(chunk, len(v)))] for v in values], axis=1))
+
+
+def bootstrap_interval(strata: Sequence[Sequence[float]], reps: int = BOOTSTRAP_REPS, size: float = 0.95,
+                       seed: int = BOOTSTRAP_SEED, threshold: Optional[float] = None,
+                       max_reps: int = MAX_REPS) -> Interval:
     """95% percentile interval of the IQM under a stratified bootstrap: each replicate redraws
     every stratum's values with replacement (within the stratum; rliable's strata are tasks, here
     settings pooled into one claim) and takes the IQM of them all together. Replicates draw their
-    indices from `np.random.default_rng(seed)` stratum by stratum, `integers(0, n, (reps, n))`."""
-    rng = np.random.default_rng(seed)
-    parts = []
-    for values in strata:
-        v = np.asarray(values, np.float64)
-        parts.append(v[rng.integers(0, len(v), size=(reps, len(v)))])
-    stats = _iqm_rows(np.concatenate(parts, axis=1))
-    return quantile(stats, (1 - size) / 2), quantile(stats, (1 + size) / 2)
+    indices from `np.random.default_rng(seed)` stratum by stratum, `integers(0, n, (reps, n))`.
+    With each end, its range over bootstrap streams (`Interval`). Given a claim's `threshold`, the stream
+    goes on, four times the replicates at a time, until the interval is `settled` or has `max_reps`."""
+    draws = _replicates(strata, reps, seed)
+    stats = next(draws)
+    while True:
+        ordered = np.sort(stats)
+        q_lo, q_hi = (1 - size) / 2, (1 + size) / 2
+        ci = Interval(quantile(ordered, q_lo), quantile(ordered, q_hi), _order_statistic_range(ordered, q_lo),
+                      _order_statistic_range(ordered, q_hi), len(stats))
+        if threshold is None or len(stats) >= max_reps or ci.settled(threshold):
+            return ci
+        stats = np.concatenate([stats, *(next(draws) for _ in range(3 * len(stats) // reps))])
+
+
+def bootstrap_ci(strata: Sequence[Sequence[float]], reps: int = BOOTSTRAP_REPS, size: float = 0.95,
+                 seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
+    """(lo, hi) of `bootstrap_interval`."""
+    ci = bootstrap_interval(strata, reps, size, seed)
+    return ci.lo, ci.hi
 
 
 def fmt_value(value: float, censored: str = "> budget") -> str:

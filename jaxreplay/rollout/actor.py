@@ -23,12 +23,12 @@ from jax.sharding import Mesh
 from jaxreplay.config import Config, ConfigError, owner_check
 from jaxreplay.rollout.advantages import ADVANTAGES
 from jaxreplay.rollout.engine import JaxEngine, PromptGroup, RolloutEngine
-from jaxreplay.rollout.episodes import EpisodeRunner
+from jaxreplay.rollout.episodes import EPISODE_ERRORS, EpisodeRunner
 from jaxreplay.rollout.rollouts import make_rows, row_spec
 from jaxreplay.rollout.sampling import Rollout, completion_ids
 from jaxreplay.tasks.base import Task, score
 from jaxreplay.tasks.chat import chat_format_for
-from jaxreplay.tasks.environment import STEP_ERRORS, EnvPool, resolve
+from jaxreplay.tasks.environment import EnvPool, resolve
 
 SampleFn = Callable[..., Rollout]
 
@@ -286,6 +286,6 @@ def episode_stats(results: Sequence[Mapping]) -> dict[str, float]:
     turns = np.concatenate([r["turns"] for r in results])
     out = {"episode/turns": float(turns.mean()),
            "episode/truncated": float(np.concatenate([r["truncated"] for r in results]).mean())}
-    for kind in STEP_ERRORS:
+    for kind in EPISODE_ERRORS:
         out[f"env/errors/{kind}"] = sum(r["errors"].get(kind, 0) for r in results)
     return out

@@ -286,6 +286,34 @@ class JaxEngine:
     def pending(self) -> int:
         return len(self._queue) + len(self._open) + len(self._completed)
 
+    # -- for a server (serve/): rows read and ended between steps ----------------------
+
+    def progress(self) -> dict[tuple[Any, int], tuple[np.ndarray, np.ndarray]]:
+        """(tag, row) -> (completion ids drawn so far, their log-probs) of every row in a slot,
+        read between steps: what a server streams, and where it sees a request's own limits
+        (its max_tokens, a stop string) reached before the engine's."""
+        rows = [(s, *row) for s, row in enumerate(self._slot_row) if row is not None]
+        if not rows:
+            return {}
+        tokens, logprobs = jax.device_get((self.pool.tokens, self.pool.logprobs))
+        p = self.prompt_len
+        return {(g.prompt.tag, j): (tokens[s, p:p + self._emitted[s]], logprobs[s, p:p + self._emitted[s]])
+                for s, g, j in rows}
+
+    def stop(self, tags: Sequence[Any]) -> None:
+        """Ends the groups of `tags` now: queued ones are dropped (never collected); their rows in
+        slots stop as at the token limit, and leave their slots at the next `step` (the group
+        completes with what they drew). A row still waiting in a prefix entry is placed later:
+        call again. For a server whose client left, or whose request's own limit was reached."""
+        tags = set(tags)
+        self._queue = collections.deque(g for g in self._queue if g.prompt.tag not in tags)
+        slots = [s for s, row in enumerate(self._slot_row)
+                 if row is not None and row[0].prompt.tag in tags and not self._done[s]]
+        if slots:
+            self.pool = self.pool._replace(done=self.pool.done.at[np.asarray(slots, np.int32)].set(True))
+            self._done = self._done.copy()  # the host's copy of the device's flags (read-only as fetched)
+            self._done[slots] = True
+
     # -- between chunks --------------------------------------------------------------
 
     def free_slots(self) -> int:

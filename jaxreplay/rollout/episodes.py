@@ -18,7 +18,10 @@ Rules, each written down once:
   by it, or an answer with no room after it for a model token, truncates the episode;
 - a truncated episode keeps the rewards it got (by the rule above) and trains like any other:
   its tokens are the policy's own choices, and the length it wasted is what its reward says;
-- an environment that raises or times out ends its episode there (info error, counted).
+- an environment that raises or times out ends its episode there (info error, counted);
+- so does an observation the chat format cannot turn into ids (a text the tokenizer cannot encode,
+  a chat template that raises) or a first observation wider than the prompt (`task.max_prompt_len`):
+  `unencodable_observation`, counted, never raised to the run.
 """
 
 from __future__ import annotations
@@ -31,7 +34,12 @@ import numpy as np
 
 from jaxreplay.config import Config, ConfigError, owner_check
 from jaxreplay.tasks.chat import ChatFormat
-from jaxreplay.tasks.environment import STEP_ERRORS, EnvPool, Step, resolve
+from jaxreplay.tasks.environment import STEP_ERRORS, EnvPool, Message, Step, resolve
+
+# What ends an episode early, counted per kind (`env/errors/<kind>`): an environment's own error
+# (Step.info["error"]), or an observation the chat format could not render or encode.
+UNENCODABLE = "unencodable_observation"
+EPISODE_ERRORS = (*STEP_ERRORS, UNENCODABLE)
 
 
 @dataclasses.dataclass
@@ -68,10 +76,10 @@ class EpisodeRunner:
                        rewards=[[] for _ in envs], truncated=[False] * len(envs), over=[False] * len(envs))
         ep.errors["exception"] += sum(ep.broken)  # a reset that raised or timed out
         observation = next((o for o in first if o is not None), ())
-        ids = self.chat.first_ids(observation)
-        if len(ids) > self.prompt_len:
-            raise ValueError(f"an episode's first observation is {len(ids)} tokens, over the prompt width "
-                             f"{self.prompt_len} (task.max_prompt_len)")
+        ids = self._ids(self.chat.first_ids, observation)
+        if ids is None or len(ids) > self.prompt_len:  # or wider than the prompt (task.max_prompt_len):
+            ep.errors[UNENCODABLE] += ep.broken.count(False)  # every episode that reset ends at its first turn,
+            ep.broken, ids = [True] * len(envs), []  # on an empty prompt
         tokens = np.full((self.prompt_len,), self.tokenizer.pad_id, np.int32)
         mask = np.zeros((self.prompt_len,), bool)
         if ids:
@@ -117,7 +125,20 @@ class EpisodeRunner:
             ep.truncated[row] = True
             self._finish(ep, row)
             return None
-        return list(self.chat.next_ids(step.observation))
+        ids = self._ids(self.chat.next_ids, step.observation)
+        if ids is None:  # the episode ends here, with the rewards it got
+            ep.errors[UNENCODABLE] += 1
+            self._finish(ep, row)
+        return ids
+
+    @staticmethod
+    def _ids(render, observation: tuple[Message, ...]) -> Optional[list[int]]:
+        """The chat format's ids for an observation, or None where rendering or encoding it raised:
+        an environment's text ends its episode, never the run."""
+        try:
+            return [int(i) for i in render(observation)]
+        except Exception:  # noqa: BLE001 - any failure of a tokenizer or template on the environment's text
+            return None
 
     def _finish(self, ep: _Episodes, row: int) -> None:
         if not ep.over[row]:

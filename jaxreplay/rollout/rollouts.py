@@ -99,10 +99,18 @@ def unpadded(rows: Mapping[str, np.ndarray]) -> Optional[Rows]:
     return {k: np.asarray(v)[:n] for k, v in rows.items() if k != "valid"} if n else None
 
 
+# Set by the learner's caller, not stored: each row's age (learner version minus `policy_version`), for the
+# update's statistics by age (learn/staleness.py).
+AGE = "age"
+
+
 def trained(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The fields the update reads, in their row dtypes."""
+    """The fields the update reads, in their row dtypes, and each row's `AGE` where the caller gave it."""
     dtypes = {f.name: f.dtype for f in FIELDS}
-    return {name: np.asarray(rows[name], dtypes[name]) for name in TRAINED}
+    out = {name: np.asarray(rows[name], dtypes[name]) for name in TRAINED}
+    if AGE in rows:
+        out[AGE] = np.asarray(rows[AGE], np.int32)
+    return out
 
 
 def to_device_batch(rows: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:

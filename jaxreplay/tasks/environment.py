@@ -73,7 +73,7 @@ def make_environment(name: str, options: Optional[Mapping[str, Any]] = None) -> 
 
 # Environments shipped with the package, imported (and so registered) when first named.
 BUILTIN = {"guess_digit": "jaxreplay.tasks.guess", "calculator": "jaxreplay.tasks.tools",
-           "skyrl": "jaxreplay.tasks.skyrl_env"}
+           "skyrl": "jaxreplay.tasks.skyrl_env", "guess_number": "jaxreplay.tasks.guess_number"}
 
 
 def resolve(name: str) -> Callable[..., Environment]:
@@ -88,8 +88,9 @@ def resolve(name: str) -> Callable[..., Environment]:
         except (ImportError, AttributeError) as e:
             raise ValueError(f"environment {name!r}: cannot import it ({e})") from None
     if name not in _ENVIRONMENTS:
-        raise ValueError(f"unknown environment {name!r} (registered: {', '.join(environment_names()) or 'none'}; "
-                         f"or give package.module:factory)")
+        known = ", ".join(sorted(set(BUILTIN) | set(_ENVIRONMENTS)))  # the shipped ones register on first use
+        raise ValueError(f"unknown environment {name!r}: known names are {known}, or give package.module:factory "
+                         f"(e.g. mypkg.envs:MyEnv)")
     return _ENVIRONMENTS[name]
 
 

@@ -19,6 +19,9 @@ def make_task(config: TaskConfig, tokenizer: Optional[Tokenizer] = None, *, trai
     if config.name == "guess_digit":
         from jaxreplay.tasks.guess import GuessDigitTask
         return GuessDigitTask(config)
+    if config.name == "guess_number":
+        from jaxreplay.tasks.guess_number import GuessNumberTask
+        return GuessNumberTask(config)
     tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
     if config.name == "reasoning_gym":
         return ReasoningGymTask(config, tokenizer, train=train)
@@ -39,6 +42,9 @@ def validate_task(c: Config) -> None:
     if c.task.name == "guess_digit":
         if not c.environment.name:
             raise ConfigError("task.name: guess_digit is scored by its environment: set environment.name: guess_digit")
+    elif c.task.name == "guess_number":
+        from jaxreplay.tasks import guess_number
+        guess_number.validate_config(c)
     elif c.task.name == "arithmetic":
         arithmetic.validate_config(c)
     elif c.task.name == "reasoning_gym":
@@ -55,4 +61,6 @@ def prompt_len(config: TaskConfig) -> int:
     """Tokens in every (left-padded) prompt row of the task, known from the config alone."""
     if config.name == "guess_digit":
         return 2  # GuessDigitTask.prompt_len: its first observation, `:`
+    if config.name == "guess_number":
+        return 6  # GuessNumberTask.prompt_len: its widest first observation, `99,99:`
     return arithmetic.prompt_length(config) if config.name == "arithmetic" else config.max_prompt_len

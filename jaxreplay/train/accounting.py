@@ -17,13 +17,16 @@ table, each with its own times-sampled count, so a rollout counts as sampled at 
 first sample of its `rollout_id` (the sampled ids are kept as ranges, which
 consecutive ids collapse into).
 
+Multi-turn runs also total the errors that ended episodes, per kind (`env/errors_total/*`),
+beside the latest actor batch's counts (`env/errors/*`): a rare failure shows over the run.
+
 The counters live in a plain dict (`Progress.accounting`), so checkpoints carry them
 and a resumed run continues the same totals.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, MutableMapping
+from typing import Any, Mapping, MutableMapping, Sequence
 
 import numpy as np
 
@@ -57,11 +60,16 @@ def param_count(params: Any) -> int:
 class Accounting:
     """Updates the counters in `state` (a dict, filled in with zeros) as the loop reports work."""
 
-    def __init__(self, n_params: int, state: MutableMapping[str, Any]):
+    def __init__(self, n_params: int, state: MutableMapping[str, Any], *, episode_errors: Sequence[str] = ()):
+        """`episode_errors`: multi-turn, the kinds of episode error to total (rollout/episodes.py)."""
         self.n_params = n_params
         self._compiled = {"generate": False, "train": False}  # per process: a resume compiles again
         for key, value in _ZERO.items():
             state.setdefault(key, value)
+        if episode_errors:
+            totals = state.setdefault("episode_errors", {})
+            for kind in episode_errors:
+                totals.setdefault(kind, 0)
         self.state = state
         self._sampled = from_ranges(state["sampled_id_ranges"])  # sorted rollout ids sampled so far
 
@@ -74,6 +82,13 @@ class Accounting:
         if self._timed("generate"):
             s["generate_s"] += seconds
             s["generate_rollouts_timed"] += n
+
+    def on_episodes(self, errors: Mapping[str, int]) -> None:
+        """The error counts, per kind, of a generated batch's episodes (each counted once: here,
+        as its batch is generated; an episode in flight at a checkpoint is counted when it completes)."""
+        totals = self.state.get("episode_errors", {})
+        for kind in totals:
+            totals[kind] += int(errors.get(kind, 0))
 
     def on_drop(self, groups: int) -> None:
         """Groups dropped at insert (`replay.drop_zero_advantage_groups`): generated, never sampled."""
@@ -145,6 +160,7 @@ class Accounting:
             "replay/evicted": s["rollouts_evicted"],
             "time/generate_timed_s": s["generate_s"],  # the first call of each process left out
             "time/train_timed_s": s["train_s"],
+            **{f"env/errors_total/{kind}": n for kind, n in s.get("episode_errors", {}).items()},
         }
 
 

@@ -32,6 +32,7 @@ from jaxreplay.replay.server import describe_reverb, serve, verify_checkpoint
 from jaxreplay.replay.tables import build_tables, resolve_backend
 from jaxreplay.replay.writer import writer_for
 from jaxreplay.rollout import rollouts
+from jaxreplay.rollout.episodes import EPISODE_ERRORS
 from jaxreplay.train import distributed, rundir
 from jaxreplay.train.accounting import Accounting, param_count
 from jaxreplay.train.calibrate import calibrated, measure_mu
@@ -341,7 +342,7 @@ def _restore(run: Run, run_dir: rundir.RunDir, step: int, coord: Optional[distri
     run.pending = rollouts.unpadded(run.placement.local_rows(state["pending"]))
     run.actor_params = None if run.actor_params is None else fresh(run.actor_params, state["actor_params"])
     run.actor_version = progress.actor_version
-    run.progress, run.accounting = progress, Accounting(param_count(run.params), progress.accounting)
+    run.progress, run.accounting = progress, accounting(run.config, run.params, progress)
     run.tokens_at_step = progress.tokens_generated
     run.start -= progress.time_total_s  # the run's seconds count every invocation
     run.last_saved = (progress.learner_step, time.perf_counter())
@@ -370,6 +371,13 @@ def _trained_with(run_dir: rundir.RunDir, config: Config, step: Optional[int],
 
 
 
+def accounting(c: Config, params: Any, progress: Progress) -> Accounting:
+    """The run's counters, kept in `progress.accounting` (so every checkpoint carries them);
+    multi-turn runs total their episode errors too."""
+    return Accounting(param_count(params), progress.accounting,
+                      episode_errors=EPISODE_ERRORS if c.environment.name else ())
+
+
 def _run_state(stack, placement: Placement, run_dir: rundir.RunDir, start: float,
                log: Callable[[str], None]) -> Run:
     """The run, fresh; `_restore` restores a checkpoint into it, `_evaluate_at_start` starts a fresh one."""
@@ -380,7 +388,7 @@ def _run_state(stack, placement: Placement, run_dir: rundir.RunDir, start: float
     progress = Progress(base_digest=base_digest(stack.params))  # its accounting dict is the one the checkpoints save
     return Run(config=c, placement=placement, stack=stack, recorder=None, checkpointer=checkpointer,
                progress=progress, params=stack.params, opt_state=stack.opt_state,
-               accounting=Accounting(param_count(stack.params), progress.accounting), start=start,
+               accounting=accounting(c, stack.params, progress), start=start,
                notice=PreemptionNotice(), log=log, run_dir=run_dir,
                actor_params=stack.to_actor(stack.params) if placement.concurrent else None)
 
@@ -498,5 +506,12 @@ def _summary(run: Run, recorder: RunRecorder, run_dir: rundir.RunDir, log: Calla
         f"{summary['replay/ratio']:.2f} (target {summary['replay/samples_per_insert_target']:g}) | "
         f"generate {summary['time/generate_s']}s, train {summary['time/train_s']}s, "
         f"replay {summary['time/replay_s']}s | "
-        + (f"turns/episode {summary[TURNS_KEY]:.2f} | " if TURNS_KEY in summary else "") + f"{run_dir}")
+        + (f"turns/episode {summary[TURNS_KEY]:.2f} | " if TURNS_KEY in summary else "")
+        + (f"env errors {errors} | " if (errors := _error_totals(summary)) else "") + f"{run_dir}")
     return summary
+
+
+def _error_totals(summary: dict[str, Any]) -> str:
+    """The run's environment-error totals that are not 0, as the done line names them."""
+    prefix = "env/errors_total/"
+    return ", ".join(f"{key.removeprefix(prefix)} {n}" for key, n in summary.items() if key.startswith(prefix) and n)

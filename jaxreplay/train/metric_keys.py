@@ -8,6 +8,8 @@ that every key a real run writes is here. A new metric gets its line here.
 
 from __future__ import annotations
 
+from jaxreplay.learn.staleness import AGE_BUCKETS, STATS, key as by_age_key
+
 # (key, meaning, when it is written). Groups in the order the docs list them.
 METRICS: tuple[tuple[str, str, str], ...] = (
     ("step", "learner step of the record; step 0 holds the warm-start evaluation", "every record"),
@@ -17,10 +19,21 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     ("entropy", "token-mean entropy on the training batch of the distribution the actor samples from: softmax at "
                 "`sampling.temperature`, truncated to `sampling.top_k` / `sampling.top_p` and renormalised (with both "
                 "off, the full softmax's)", "every step"),
-    ("pg_clipfrac", "share of tokens where PPO clipping is active", "`train.loss: grpo`"),
+    ("pg_clipfrac", "share of tokens where PPO clipping is active", "`train.loss: grpo`, `grpo_tis`, `seq_mask`, `decoupled`"),
     ("pg_clipfrac_low", "share of tokens with ratio < 1 - eps_low and A < 0", "`train.loss: grpo`"),
     ("pg_clipfrac_high", "share of tokens with ratio > 1 + eps_high and A > 0", "`train.loss: grpo`"),
-    ("tis_truncfrac", "share of tokens whose ratio the `tis` loss caps at `train.tis_cap`", "`train.loss: tis`"),
+    ("tis_truncfrac", "share of tokens whose ratio the `tis` loss caps at `train.tis_cap` (`grpo_tis`: whose "
+                      "π_prox/π_behaviour it caps)", "`train.loss: tis` or `grpo_tis`"),
+    ("is_weight_mean", "mean importance weight π_prox/π_behaviour the loss multiplies by (`grpo_tis`: truncated at "
+                       "`train.tis_cap`; `decoupled`: 0 on the dropped tokens)", "`train.loss: grpo_tis` or `decoupled`"),
+    ("seq_mask_frac", "share of tokens in rows the `seq_mask` loss drops (geometric-mean ratio outside "
+                      "[`train.seq_mask_low`, `train.seq_mask_high`])", "`train.loss: seq_mask`"),
+    ("m2po_masked_frac", "share of tokens the `m2po` loss masks to bring the second moment under "
+                         "`train.m2po_threshold`", "`train.loss: m2po`"),
+    ("m2po_m2", "mean squared log-ratio log(π_θ/π_behaviour)² of the batch's tokens, before masking",
+     "`train.loss: m2po`"),
+    ("decoupled_masked_frac", "share of tokens the `decoupled` loss drops (weight above `train.decoupled_weight_cap`)",
+     "`train.loss: decoupled`"),
     ("approx_kl", "k3 estimate of KL(behaviour ‖ current): mean of r − 1 − log r with r = π_current/π_behaviour over "
                   "the batch's tokens (drawn from the behaviour policy); drift since generation", "every step"),
     ("ratio_mean", "mean ratio π_current/π_behaviour over the batch's tokens", "every step"),
@@ -43,12 +56,26 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     ("episode/turns", "multi-turn: mean model turns per episode of the latest actor batch", "`environment.name` set"),
     ("episode/truncated", "multi-turn: share of the latest actor batch's episodes cut by `environment.max_turns` or "
                           "`sampling.max_new_tokens`", "`environment.name` set"),
-    ("env/errors/exception", "multi-turn: environment calls of the latest actor batch that raised (the episode ends)",
+    ("env/errors/exception", "multi-turn: environment calls of the latest actor batch's episodes that raised (the "
+                             "episode ends); a snapshot of that batch only, the run's total is "
+                             "`env/errors_total/exception`", "`environment.name` set"),
+    ("env/errors/timeout", "multi-turn: environment calls of the latest actor batch's episodes past "
+                           "`environment.step_timeout_s` (the episode ends); that batch only", "`environment.name` set"),
+    ("env/errors/malformed_tool_call", "multi-turn: turns of the latest actor batch's episodes the environment "
+                                       "answered with info error `malformed_tool_call`; that batch only",
      "`environment.name` set"),
-    ("env/errors/timeout", "multi-turn: environment calls of the latest actor batch past `environment.step_timeout_s` "
-                           "(the episode ends)", "`environment.name` set"),
-    ("env/errors/malformed_tool_call", "multi-turn: turns the environment answered with info error "
-                                       "`malformed_tool_call`", "`environment.name` set"),
+    ("env/errors/unencodable_observation", "multi-turn: observations of the latest actor batch's episodes the chat "
+                                           "format could not render or the tokenizer could not encode, or a first "
+                                           "one wider than `task.max_prompt_len` (the episode ends; at reset, every "
+                                           "episode of the group); that batch only",
+     "`environment.name` set"),
+    ("env/errors_total/exception", "multi-turn: cumulative `env/errors/exception` over the run, every actor batch "
+                                   "counted once (resumes included; also in summary.json)", "`environment.name` set"),
+    ("env/errors_total/timeout", "multi-turn: cumulative `env/errors/timeout` over the run", "`environment.name` set"),
+    ("env/errors_total/malformed_tool_call", "multi-turn: cumulative `env/errors/malformed_tool_call` over the run",
+     "`environment.name` set"),
+    ("env/errors_total/unencodable_observation", "multi-turn: cumulative `env/errors/unencodable_observation` over "
+                                                 "the run", "`environment.name` set"),
     # The sampled training batch (train/run.py).
     ("batch/reward_mean", "mean reward of the sampled (possibly replayed) training batch", "every step"),
     ("batch/version_min", "oldest policy version that generated a row of the batch", "every step"),
@@ -57,6 +84,10 @@ METRICS: tuple[tuple[str, str, str], ...] = (
      "every step"),
     ("staleness/max", "largest such staleness in the batch", "every step"),
     ("staleness/hist", "counts of the batch's staleness in bins 0, 1, 2-3, 4-7, ..., 256+", "every step"),
+    # Staleness by age (learn/staleness.py): the batch's rows by age (learner version − policy_version), from the
+    # forward pass the loss used; a bucket with no row is left out of the record.
+    *((by_age_key(bucket, stat), f"rows {bucket} versions old: {meaning}", "every step, for ages in the batch")
+      for bucket in AGE_BUCKETS for stat, meaning in STATS.items()),
     ("policy_version", "learner updates so far (the actor uses the latest in colocated mode)", "every step"),
     ("weights/version_at_actor", "the policy version the actor samples with (disaggregated: the last pushed)",
      "every step"),

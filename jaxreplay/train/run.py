@@ -27,12 +27,14 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxreplay.config import Config
+from jaxreplay.learn.staleness import KEY as BY_AGE, records as by_age_records
 from jaxreplay.models import sharding
 from jaxreplay.replay.limiter import LimiterState
 from jaxreplay.replay.multiprocess import checkpoint_paths, own_checkpoint_path
 from jaxreplay.replay.tables import ReplayTimeoutError, resolve_backend
 from jaxreplay.rollout import rollouts
 from jaxreplay.rollout.actor import Position, rollout_stats, waiting_capacity
+from jaxreplay.rollout.episodes import EPISODE_ERRORS
 from jaxreplay.train.accounting import Accounting
 from jaxreplay.train.checkpoint import Checkpointer, Progress, saved_params
 from jaxreplay.train.eval import TEST_KEY
@@ -44,8 +46,7 @@ from jaxreplay.train.stack import Stack
 
 ACTOR_STATS = ("reward_mean", "reward_std", "accuracy", "completion_length", "reward/errors")
 # Multi-turn runs' too (rollout/actor.py episode_stats), when the latest rollouts held episodes.
-EPISODE_STATS = ("episode/turns", "episode/truncated", "env/errors/exception", "env/errors/timeout",
-                 "env/errors/malformed_tool_call")
+EPISODE_STATS = ("episode/turns", "episode/truncated", *(f"env/errors/{kind}" for kind in EPISODE_ERRORS))
 
 
 @dataclasses.dataclass
@@ -216,6 +217,7 @@ class Run:
         p.tokens_generated += stats["tokens"]
         p.time_generate_s += stats["seconds"]
         self.accounting.on_generate(every, stats["seconds"])
+        self.accounting.on_episodes({kind: stats.get(f"env/errors/{kind}", 0) for kind in EPISODE_ERRORS})
         self.actor_stats = {k: stats[k] for k in ACTOR_STATS + EPISODE_STATS if k in stats}
         if self.config.replay.drop_zero_advantage_groups and items is not None:  # single-process only (config)
             items, dropped = rollouts.drop_flat_groups(items, self.config.train.group_size)
@@ -263,9 +265,11 @@ class Run:
         p = self.progress
         bar = self.bar  # opened at the step the run (re)started at, before this step counts
         t0 = time.perf_counter()
+        aged = {**batch, rollouts.AGE: p.policy_version - batch["policy_version"]}
         self.params, self.opt_state, step_metrics = self.stack.train_step(
-            self.params, self.opt_state, self.placement.learner_batch(batch), self.stack.ref_params)
+            self.params, self.opt_state, self.placement.learner_batch(aged), self.stack.ref_params)
         step_metrics = jax.device_get(jax.block_until_ready(step_metrics))
+        by_age = by_age_records(step_metrics.pop(BY_AGE))
         seconds = time.perf_counter() - t0
         # The records describe the whole batch (multi-host: every process's rows).
         batch = self.placement.every_process({**batch, "times_sampled": np.asarray(times_sampled)})
@@ -281,6 +285,7 @@ class Run:
         state = table()
         record = {
             **{k: float(v) for k, v in step_metrics.items()},
+            **by_age,
             **self.actor_stats,
             **self.accounting.on_train(batch, times_sampled, staleness, seconds),
             "batch/reward_mean": float(batch["reward"].mean()),
