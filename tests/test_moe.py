@@ -1,0 +1,144 @@
+"""The mixture-of-experts MLP (jaxreplay/models/moe.py) against plain per-token references: dropless
+ragged_dot dispatch equals computing each token's k experts one by one, HF's load-balancing loss,
+HF's sparse-layer rule, routing replay, and the config's checks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxreplay.config import ConfigError, ModelConfig, validate
+from jaxreplay.models import moe
+from jaxreplay.models.transformer import forward, init_params, routed_score_hidden
+
+CFG = ModelConfig(vocab_size=64, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=24,
+                  max_seq_len=32, qk_norm=True, n_experts=6, experts_per_token=2, moe_d_ff=12, moe_sparse_step=1,
+                  moe_dense_layers=(1,))
+
+
+def _layer(cfg: ModelConfig = CFG, seed: int = 0) -> moe.MoE:
+    return moe.MoE(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def _reference(layer: moe.MoE, x: np.ndarray, norm_topk: bool) -> np.ndarray:
+    """Each token through its top-k experts one at a time, in numpy float64."""
+    router = np.asarray(layer.router.kernel[...], np.float64)
+    gate, up, down = (np.asarray(w[...], np.float64) for w in (layer.experts.gate_proj, layer.experts.up_proj,
+                                                                 layer.experts.down_proj))
+    out = np.zeros_like(x, np.float64)
+    for n, token in enumerate(x.astype(np.float64)):
+        logits = token @ router
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        chosen = np.argsort(-probs)[:layer.top_k]
+        weights = probs[chosen] / (probs[chosen].sum() if norm_topk else 1.0)
+        for e, w in zip(chosen, weights):
+            g = token @ gate[e]
+            out[n] += w * (((g / (1 + np.exp(-g))) * (token @ up[e])) @ down[e])
+    return out
+
+
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_dropless_dispatch_equals_each_token_through_its_top_k_experts(norm_topk):
+    layer = _layer(dataclasses.replace(CFG, moe_norm_topk=norm_topk))
+    x = np.random.default_rng(0).normal(size=(2, 7, CFG.d_model)).astype(np.float32)
+    out, routing = layer(jnp.asarray(x))
+    assert out.shape == x.shape and routing.logits.shape == (2, 7, 6) and routing.experts.shape == (2, 7, 2)
+    np.testing.assert_allclose(np.asarray(out).reshape(-1, CFG.d_model), _reference(layer, x.reshape(-1, 16),
+                                                                                      norm_topk), atol=1e-5)
+
+
+def test_every_token_is_computed_even_when_all_pick_one_expert():
+    """Dropless: no capacity, so a router that sends every token to the same experts drops none."""
+    layer = _layer()
+    layer.router.kernel[...] = jnp.zeros_like(layer.router.kernel[...]).at[:, 3].set(5.0).at[:, 1].set(4.0)
+    x = np.abs(np.random.default_rng(1).normal(size=(40, CFG.d_model))).astype(np.float32)
+    out, routing = layer(jnp.asarray(x))
+    assert set(np.unique(np.asarray(routing.experts))) == {1, 3}
+    np.testing.assert_allclose(np.asarray(out), _reference(layer, x, True), atol=1e-5)
+
+
+def test_replayed_routes_override_the_router_and_keep_its_gradient():
+    layer = _layer()
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(5, CFG.d_model)).astype(np.float32))
+    _, own = layer(x)
+    routes = (own.experts + 1) % CFG.n_experts  # other experts than the router's
+    out, replayed = layer(x, routes)
+    np.testing.assert_array_equal(np.asarray(replayed.experts), np.asarray(routes))
+    assert not np.allclose(np.asarray(out), np.asarray(layer(x)[0]))
+    graphdef, state = nnx.split(layer)
+    grads = jax.grad(lambda s: jnp.sum(nnx.merge(graphdef, s)(x, routes)[0] ** 2))(state)
+    assert float(jnp.abs(grads["router"]["kernel"][...]).max()) > 0
+
+
+def _hf_load_balancing_loss(logits: np.ndarray, mask: np.ndarray, top_k: int) -> float:
+    """transformers' `load_balancing_loss_func` with an attention mask, transcribed in numpy: gate logits
+    of every layer concatenated [L * B * T, E]."""
+    n_layers, b, t, e = logits.shape
+    flat = logits.reshape(-1, e)
+    probs = np.exp(flat - flat.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    chosen = np.argsort(-probs, axis=-1)[:, :top_k]
+    expert_mask = np.eye(e)[chosen]  # [N, k, E]
+    m = np.broadcast_to(mask[None], (n_layers, b, t)).reshape(-1)
+    tokens_per_expert = (expert_mask * m[:, None, None]).sum(0) / m.sum()
+    router_prob = (probs * m[:, None]).sum(0) / m.sum()
+    return float(np.sum(tokens_per_expert * router_prob[None]) * e)
+
+
+def test_load_balancing_loss_is_hf_s_over_real_tokens():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(2, 3, 5, 6)).astype(np.float32)
+    mask = np.ones((3, 5), bool)
+    mask[0, 3:] = False
+    ours = float(moe.load_balancing_loss(jnp.asarray(logits), jnp.asarray(mask), 2))
+    assert ours == pytest.approx(_hf_load_balancing_loss(logits, mask, 2), rel=1e-5)
+    # padding does not count: the masked positions' logits change nothing
+    logits[:, 0, 3:] = 50.0
+    assert float(moe.load_balancing_loss(jnp.asarray(logits), jnp.asarray(mask), 2)) == pytest.approx(ours, rel=1e-5)
+
+
+def test_sparse_layers_follow_hf_s_step_and_dense_list():
+    assert moe.sparse_layers(CFG) == (0, 2)
+    assert moe.sparse_layers(dataclasses.replace(CFG, moe_sparse_step=2, moe_dense_layers=())) == (1,)
+    assert moe.sparse_layers(dataclasses.replace(CFG, n_experts=0)) == ()
+    _, params = init_params(CFG, 0)
+    assert "experts" in params["layers"][0]["mlp"] and "gate_proj" in params["layers"][1]["mlp"]
+
+
+def test_the_model_reports_each_sparse_layer_s_routing_and_replays_it():
+    graphdef, params = init_params(CFG, 0)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 9)), jnp.int32)
+    mask = jnp.ones(tokens.shape, bool)
+    h, unembed, routing = routed_score_hidden(graphdef, params, tokens, mask)
+    assert routing.experts.shape == (2, 2, 9, 2) and routing.logits.shape == (2, 2, 9, 6)
+    np.testing.assert_allclose(np.asarray(unembed(h)), np.asarray(forward(graphdef, params, tokens, mask)), atol=1e-6)
+    h2, _, replayed = routed_score_hidden(graphdef, params, tokens, mask, routes=routing.experts, remat="full")
+    np.testing.assert_array_equal(np.asarray(replayed.experts), np.asarray(routing.experts))
+    np.testing.assert_allclose(np.asarray(h2), np.asarray(h), atol=1e-6)
+
+
+def test_route_disagreement_counts_tokens_whose_expert_set_differs():
+    recorded = jnp.asarray([[[[0, 1], [2, 3], [4, 5]]]])  # [L=1, B=1, T=3, k=2]
+    current = jnp.asarray([[[[1, 0], [2, 4], [4, 5]]]])  # same set, a different set, same
+    mask = jnp.ones((1, 3), bool)
+    assert float(moe.route_disagreement(current, recorded, mask)) == pytest.approx(1 / 3)
+    assert float(moe.route_disagreement(current, recorded, jnp.asarray([[True, False, True]]))) == 0.0
+
+
+@pytest.mark.parametrize("override, key", [
+    ({"experts_per_token": 7}, "model.experts_per_token"),
+    ({"moe_dense_layers": [5]}, "model.moe_dense_layers"),
+    ({"n_experts": -1}, "model.n_experts"),
+])
+def test_mismatched_expert_counts_are_config_errors(override, key):
+    from jaxreplay.config import Config
+
+    cfg = Config(model=dataclasses.replace(CFG, **override))
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(cfg)
