@@ -113,7 +113,7 @@ class ModelConfig:
     # layers that keep the dense MLP among sparse ones (HF `mlp_only_layers`)
     moe_dense_layers: tuple[int, ...] = ()
     # weight of the routers' load-balancing loss in the learner's loss (HF `router_aux_loss_coef`, as
-    # `load_balancing_loss_func` computes it over every sparse layer and real token; `train/router_aux_loss`)
+    # `load_balancing_loss_func` computes it over every sparse layer and real token; `router_aux_loss`)
     router_aux_loss_coef: float = 0.0
     # the MLP's gate activation: `silu` (SwiGLU: Llama, Qwen) or `gelu_tanh` (GeGLU with tanh-approximated GELU:
     # Gemma's `gelu_pytorch_tanh`)

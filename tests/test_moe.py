@@ -5,6 +5,7 @@ HF's sparse-layer rule, routing replay, and the config's checks."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,8 @@ from flax import nnx
 from jaxreplay.config import ConfigError, ModelConfig, validate
 from jaxreplay.models import moe
 from jaxreplay.models.transformer import forward, init_params, routed_score_hidden
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CFG = ModelConfig(vocab_size=64, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=24,
                   max_seq_len=32, qk_norm=True, n_experts=6, experts_per_token=2, moe_d_ff=12, moe_sparse_step=1,
@@ -142,3 +145,38 @@ def test_mismatched_expert_counts_are_config_errors(override, key):
     cfg = Config(model=dataclasses.replace(CFG, **override))
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(cfg)
+
+
+def test_a_qwen3_moe_config_json_routing_to_more_experts_than_it_has_is_refused():
+    import transformers
+
+    from jaxreplay.models.errors import HFModelError
+    from jaxreplay.models.hf import model_config_from_hf
+
+    hf = transformers.Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=8, moe_intermediate_size=8,
+                                     num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1])
+    cfg = model_config_from_hf(hf)
+    assert (cfg.n_experts, cfg.experts_per_token, cfg.moe_dense_layers, cfg.router_aux_loss_coef) == (4, 2, (1,), 0.0)
+    hf.num_experts_per_tok = 6
+    with pytest.raises(HFModelError, match="num_experts_per_tok=6 of num_experts=4 is not supported"):
+        model_config_from_hf(hf)
+
+
+@pytest.mark.slow
+def test_the_demo_moe_config_trains_with_the_load_balancing_loss_in_its_loss(tmp_path):
+    from test_train import TINY
+
+    from jaxreplay.config import load_config
+    from jaxreplay.train.driver import train
+    from jaxreplay.train.metrics import read_metrics
+
+    config = load_config(ROOT / "configs" / "demo_moe.yaml", [*TINY, "train.steps=3", "model.router_aux_loss_coef=0.5",
+                                                              f"run.dir={tmp_path / 'run'}"])
+    assert (config.model.n_experts, config.model.experts_per_token) == (8, 2)
+    train(config, log=lambda _: None)
+    records = read_metrics(config.run.dir)[1:]
+    assert len(records) == 3
+    for r in records:
+        assert r["router_aux_loss"] > 0
+        assert r["loss"] == pytest.approx(r["pg_loss"] + 0.5 * r["router_aux_loss"], rel=1e-4, abs=1e-5)

@@ -187,7 +187,7 @@ def _make_loss_fn(graphdef, config: Config, live_vocab: int = 0):
             share = jnp.sum(batch["token_weights"] * mask)
             aux = load_balancing_loss(routing.logits, batch["attention_mask"], model.experts_per_token) * share
             loss = loss + model.router_aux_loss_coef * aux
-            metrics["train/router_aux_loss"] = aux
+            metrics["router_aux_loss"] = aux
         if train.kl_coef > 0:  # with LoRA, the reference is the base, adapters off
             reference = trainable.kl_reference(params, ref_params)
             ref_logprobs, _, _ = score(jax.lax.stop_gradient(reference), batch, with_entropy=False)

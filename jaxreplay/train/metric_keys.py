@@ -38,7 +38,7 @@ METRICS: tuple[tuple[str, str, str], ...] = (
                   "the batch's tokens (drawn from the behaviour policy); drift since generation", "every step"),
     ("ratio_mean", "mean ratio π_current/π_behaviour over the batch's tokens", "every step"),
     ("kl_ref", "KL to the warm-start policy", "`train.kl_coef` > 0"),
-    ("train/router_aux_loss", "mixture of experts: the routers' load-balancing loss on the training batch, as HF's "
+    ("router_aux_loss", "mixture of experts: the routers' load-balancing loss on the training batch, as HF's "
                               "`load_balancing_loss_func` (before `model.router_aux_loss_coef`)",
      "`model.n_experts` > 0"),
     ("grad_norm", "global gradient norm before clipping", "every step"),
