@@ -471,6 +471,10 @@ class TrainConfig:
     # per decoder block: `none`, `full` (recompute the block in the backward pass) or `dots` (keep its projections'
     # outputs, recompute the rest)
     remat: Literal["none", "full", "dots"] = "none"
+    # a mixture of experts: the learner routes each token to the experts the sampler chose for it (recorded on the
+    # row), not its router's own top k; off, `router_disagreement` says how often the two differ. Needs
+    # `sampling.engine: static`, whose sampler records them
+    routing_replay: bool = False
     # positions whose logits the learner computes at a time (0: all at once)
     logits_chunk_size: int = 0
     # dtype of Adam's first moment (null: the params'); `bfloat16` saves 2 bytes per parameter (see "Memory and
@@ -1064,6 +1068,10 @@ def validate(c: Config, local: bool = True) -> None:
              f"must not exceed model.n_experts ({m.n_experts}), got {m.experts_per_token}")
     _require(all(0 <= i < m.n_layers for i in m.moe_dense_layers), "model.moe_dense_layers",
              f"every layer index must lie in 0..{m.n_layers - 1}, got {list(m.moe_dense_layers)}")
+    _require(not c.train.routing_replay or m.n_experts > 0 or m.hf_path is not None, "train.routing_replay",
+             "needs a mixture of experts (model.n_experts > 0)")
+    _require(not c.train.routing_replay or c.sampling.engine == "static", "train.routing_replay",
+             "needs sampling.engine: static (the continuous engine does not record routes yet)")
     _validate_lora(m.lora)
     _require(t.loss != "asymre" or t.advantage != "group_normalized", "train.advantage",
              "AsymRE needs r - V: use group_centered or leave_one_out, not group_normalized")

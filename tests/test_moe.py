@@ -179,4 +179,107 @@ def test_the_demo_moe_config_trains_with_the_load_balancing_loss_in_its_loss(tmp
     assert len(records) == 3
     for r in records:
         assert r["router_aux_loss"] > 0
+        assert 0 <= r["router_disagreement"] <= 1  # the rows carried the sampler's routes through the table
         assert r["loss"] == pytest.approx(r["pg_loss"] + 0.5 * r["router_aux_loss"], rel=1e-4, abs=1e-5)
+
+
+# A two-layer Qwen3-MoE-shaped policy on the demo's task, both layers sparse: rollouts from the real sampler.
+MOE_POLICY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+              "model.d_ff=64", "model.qk_norm=true", "model.n_experts=6", "model.experts_per_token=2",
+              "model.moe_d_ff=16", "task.max_digits=2"]
+
+
+@pytest.fixture(scope="module")
+def moe_rollouts():
+    from jaxreplay.config import load_config
+    from jaxreplay.rollout.rollouts import row_spec
+    from jaxreplay.rollout.sampling import make_sampler
+    from jaxreplay.tasks.registry import make_task
+
+    config = load_config(None, MOE_POLICY)
+    task = make_task(config.task)
+    graphdef, params = init_params(config.model, 0)
+    s = config.sampling
+    sample = make_sampler(graphdef, config.model, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                          stop_ids=task.tokenizer.eos_ids, pad_id=task.tokenizer.pad_id, prefill_chunk_size=3)
+    prompts, mask = task.encode_prompts(task.train_problems(0, 0, 8))
+    r = jax.device_get(sample(params, prompts, mask, jax.random.PRNGKey(1)))
+    assert row_spec(config, prompts.shape[1])["routes"] == ((r.tokens.shape[1], 2, 2), np.dtype(np.int16))
+    return config, graphdef, params, r
+
+
+def _batch(r, advantage: float = 1.0):
+    from jaxreplay.rollout.rollouts import to_device_batch
+
+    return to_device_batch({"tokens": r.tokens, "attention_mask": r.attention_mask, "completion_mask": r.completion_mask,
+                            "logprobs": r.logprobs, "advantage": np.full(len(r.tokens), advantage, np.float32),
+                            "routes": r.routes})
+
+
+def _ran(r) -> np.ndarray:
+    return np.asarray(r.routes[:, :, 0, 0]) >= 0  # [B, T]: the tokens the sampler ran through the model
+
+
+def test_the_sampler_records_each_token_s_experts_and_the_learner_rescores_its_logprobs(moe_rollouts):
+    from jaxreplay.rollout.sampling import policy_logprobs
+
+    config, graphdef, params, r = moe_rollouts
+    ran = _ran(r)
+    mask = np.asarray(r.attention_mask)
+    # every real token but each row's last one went through the model (prefilled in chunks of 3, then decoded)
+    last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+    expected = mask.copy()
+    expected[np.arange(len(mask)), last] = last < mask.shape[1] - 1  # a row that filled every column ran its last
+    np.testing.assert_array_equal(ran[:, :-1], expected[:, :-1])
+    h, unembed, routing = routed_score_hidden(graphdef, params, jnp.asarray(r.tokens), jnp.asarray(r.attention_mask))
+    own = np.sort(np.moveaxis(np.asarray(routing.experts), 0, 2), axis=-1)  # [B, T, L, k]
+    np.testing.assert_array_equal(own[ran], np.sort(np.asarray(r.routes), axis=-1)[ran])
+    lp = policy_logprobs(unembed(h), jnp.asarray(r.tokens), temperature=config.sampling.temperature)
+    completion = np.asarray(r.completion_mask)
+    np.testing.assert_allclose(np.asarray(lp)[completion], np.asarray(r.logprobs)[completion], atol=1e-5)
+
+
+def _moved_router(params, seed: int = 7):
+    """A copy of `params` with every router kernel moved far enough that it routes many tokens elsewhere."""
+    rng = np.random.default_rng(seed)
+
+    def move(path, x):
+        if "router" not in jax.tree_util.keystr(path):
+            return jnp.array(x, copy=True)  # the update donates its params: the fixture's stay whole
+        return x + jnp.asarray(rng.normal(size=x.shape), x.dtype)
+
+    return jax.tree_util.tree_map_with_path(move, params)
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_with_routing_replay_the_learner_routes_as_the_sampler_did(moe_rollouts, replay):
+    """The router moves between sampling and learning: its own top k then differs from the recorded one on
+    many tokens. With `train.routing_replay` the update's log-probs are those of the recorded routes;
+    without, of the router's own."""
+    from jaxreplay.config import load_config
+    from jaxreplay.learn.learner import make_optimizer, make_train_step
+    from jaxreplay.rollout.sampling import policy_logprobs
+
+    _, graphdef, params, r = moe_rollouts
+    config = load_config(None, [*MOE_POLICY, f"train.routing_replay={str(replay).lower()}"])
+    moved = _moved_router(params)
+    tokens, mask = jnp.asarray(r.tokens), jnp.asarray(r.attention_mask)
+    recorded = jnp.moveaxis(jnp.asarray(r.routes), 2, 0)
+    _, _, own = routed_score_hidden(graphdef, moved, tokens, mask)
+    h, unembed, replayed = routed_score_hidden(graphdef, moved, tokens, mask, routes=recorded)
+    ran = _ran(r)
+    np.testing.assert_array_equal(np.moveaxis(np.asarray(replayed.experts), 0, 2)[ran], np.asarray(r.routes)[ran])
+    differs = float(moe.route_disagreement(own.experts, recorded, jnp.asarray(ran)))
+    assert differs > 0.2
+
+    lp = np.asarray(policy_logprobs(unembed(h) if replay else forward(graphdef, moved, tokens, mask), tokens,
+                                    temperature=config.sampling.temperature))
+    completion = np.asarray(r.completion_mask)
+    want = float(np.mean(np.exp(lp - np.asarray(r.logprobs))[completion]))
+    optimizer = make_optimizer(config.train)
+    _, _, m = make_train_step(graphdef, config, optimizer)(moved, optimizer.init(moved), _batch(r), None)
+    assert float(m["ratio_mean"]) == pytest.approx(want, rel=1e-5)
+    # the router's own top k on the update's activations (with replay, the replayed layers' outputs) against the record
+    choice = jax.lax.top_k((replayed if replay else own).logits, 2)[1]
+    assert float(m["router_disagreement"]) == pytest.approx(
+        float(moe.route_disagreement(choice, recorded, jnp.asarray(ran))), rel=1e-4)

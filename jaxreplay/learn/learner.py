@@ -26,8 +26,9 @@ from jaxreplay.learn.losses import kl_penalty, make_loss, make_weights, token_me
 from jaxreplay.learn.scoring import sequence_scores
 from jaxreplay.learn.staleness import KEY as BY_AGE, by_age
 from jaxreplay.models import sharding
-from jaxreplay.models.moe import load_balancing_loss
+from jaxreplay.models.moe import load_balancing_loss, route_disagreement
 from jaxreplay.models.transformer import abstract_params, dtype_of, routed_score_hidden
+from jaxreplay.rollout.rollouts import ROUTES
 
 Batch = dict[str, jax.Array]
 TrainStep = Callable[[Any, Any, Batch, Any], tuple[Any, Any, dict[str, jax.Array]]]
@@ -164,9 +165,13 @@ def _make_loss_fn(graphdef, config: Config, live_vocab: int = 0):
     model = config.model
 
     def score(params, batch: Batch, with_entropy: bool):
-        """(log-probs, entropy, the sparse layers' routing or None)."""
+        """(log-probs, entropy, the sparse layers' routing or None); with `train.routing_replay`, routed as
+        the sampler routed the batch's tokens."""
+        routes = None
+        if train.routing_replay and ROUTES in batch:
+            routes = jnp.moveaxis(batch[ROUTES], 2, 0)  # [B, T, L, k] -> [L, B, T, k]
         h, unembed, routing = routed_score_hidden(graphdef, params, batch["tokens"], batch["attention_mask"],
-                                                  remat=train.remat)
+                                                  remat=train.remat, routes=routes)
         return (*sequence_scores(h, batch["tokens"], unembed, with_entropy=with_entropy, **scores), routing)
 
     def loss_fn(params, batch: Batch, ref_params):
@@ -188,6 +193,11 @@ def _make_loss_fn(graphdef, config: Config, live_vocab: int = 0):
             aux = load_balancing_loss(routing.logits, batch["attention_mask"], model.experts_per_token) * share
             loss = loss + model.router_aux_loss_coef * aux
             metrics["router_aux_loss"] = aux
+            if ROUTES in batch:  # the router's own top k against the sampler's, replayed or not
+                recorded = jnp.moveaxis(batch[ROUTES], 2, 0)
+                _, own = jax.lax.top_k(routing.logits, model.experts_per_token)
+                ran = batch["attention_mask"].astype(bool) & (recorded[0, ..., 0] >= 0)
+                metrics["router_disagreement"] = route_disagreement(own, recorded, ran) * share
         if train.kl_coef > 0:  # with LoRA, the reference is the base, adapters off
             reference = trainable.kl_reference(params, ref_params)
             ref_logprobs, _, _ = score(jax.lax.stop_gradient(reference), batch, with_entropy=False)

@@ -20,9 +20,9 @@ its gradient); the outputs are
 weighted and summed back per token. Chosen over computing every expert on every token and masking
 (E / k times the FLOPs) by measurement (docs/benchmarks.md). Compute scales with tokens, not E.
 
-Routing replay: given the experts a sampler chose (`routes`, [..., k] int), the layer sends each
-token to those experts instead of its own top k; the weights are still the router's probabilities of
-those experts (renormalised the same way), so the router keeps its gradient.
+Routing replay: given the experts a sampler chose (`routes`, [..., k] int; -1 for a token it did not
+run), the layer sends each token to those experts instead of its own top k; the weights are still the
+router's probabilities of those experts (renormalised the same way), so the router keeps its gradient.
 """
 
 from __future__ import annotations
@@ -97,16 +97,17 @@ class MoE(nnx.Module):
         self.top_k, self.norm_topk = cfg.experts_per_token, cfg.moe_norm_topk
 
     def __call__(self, x: jax.Array, routes: Optional[jax.Array] = None) -> tuple[jax.Array, Routing]:
-        """x [..., D] -> (output [..., D], this call's Routing). `routes` [..., k]: route as these say."""
+        """x [..., D] -> (output [..., D], this call's Routing). `routes` [..., k]: route as these say
+        (a token whose routes are -1: by the router)."""
         lead, d = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, d)
         logits = self.router(flat).astype(jnp.float32)  # [N, E]
         probs = jax.nn.softmax(logits, axis=-1)
-        if routes is None:
-            weights, experts = jax.lax.top_k(probs, self.top_k)
-        else:
-            experts = routes.reshape(-1, self.top_k).astype(jnp.int32)
-            weights = jnp.take_along_axis(probs, experts, axis=-1)
+        _, experts = jax.lax.top_k(probs, self.top_k)
+        if routes is not None:  # a token the sampler ran no route for (-1) keeps the router's own choice
+            given = routes.reshape(-1, self.top_k).astype(jnp.int32)
+            experts = jnp.where(given[:, :1] >= 0, given, experts)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
         if self.norm_topk:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         out = self.experts(flat, experts, weights).astype(x.dtype)
