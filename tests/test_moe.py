@@ -283,3 +283,23 @@ def test_with_routing_replay_the_learner_routes_as_the_sampler_did(moe_rollouts,
     choice = jax.lax.top_k((replayed if replay else own).logits, 2)[1]
     assert float(m["router_disagreement"]) == pytest.approx(
         float(moe.route_disagreement(choice, recorded, jnp.asarray(ran))), rel=1e-4)
+
+
+def test_lora_adapts_attention_and_the_dense_mlps_and_freezes_the_experts(tmp_path):
+    import json
+
+    from flax import nnx
+
+    from jaxreplay.config import LoraConfig
+    from jaxreplay.models import lora
+    from jaxreplay.models.hf import save_peft_adapters
+
+    cfg = dataclasses.replace(CFG, lora=LoraConfig(targets=("q_proj", "gate_proj", "down_proj"), rank=4, alpha=8))
+    _, params = init_params(cfg, 0)
+    adapters, _ = lora.split_adapters(params)
+    owners = {".".join(map(str, p[:-1])) for p, _ in nnx.to_flat_state(adapters)}
+    assert owners == {"layers.0.attn.q_proj", "layers.1.attn.q_proj", "layers.2.attn.q_proj",
+                      "layers.1.mlp.gate_proj", "layers.1.mlp.down_proj"}  # layer 1 is the dense one
+    out = save_peft_adapters(tmp_path / "peft", cfg, params)
+    assert json.loads((out / "adapter_config.json").read_text())["target_modules"] == ["down_proj", "gate_proj",
+                                                                                     "q_proj"]

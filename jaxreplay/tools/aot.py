@@ -160,7 +160,7 @@ def compile_config(config: Config, topology: Optional[str] = None, log=print) ->
         c.sampling.kv_cache_dtype or m.compute_dtype))
     cache_shard = sharding.cache_sharding(mesh, KV_CACHE_AXES, cache.shape).shard_shape(cache.shape)
     kv = 2 * m.n_layers * math.prod(cache_shard) * cache.dtype.itemsize
-    family = "qwen3" if m.qk_norm else ("qwen2" if m.attention_bias else "llama")
+    family = architecture_name(m)
     return Report(
         target=topology or "local", device_kind=devices[0].device_kind, n_devices=len(devices),
         hbm=hbm_bytes(devices[0]), libtpu=libtpu_version() if topology else None, mesh=sharding.describe(mesh),
@@ -185,6 +185,17 @@ def check_fits(report: Report) -> None:
             raise DoesNotFit(f"{p.name} does not fit a {where}: {p.oom}")
         raise DoesNotFit(f"{p.name} needs {p.total / GiB:.2f} GiB per device, over the {report.hbm / GiB:.1f} GiB HBM "
                          f"of a {where}")
+
+
+def architecture_name(m) -> str:
+    """The HF family whose features the model has (`hf.family_of`: gemma3_text, qwen3_moe, ...), or "custom"."""
+    from jaxreplay.models.errors import HFModelError
+    from jaxreplay.models.hf import family_of
+
+    try:
+        return family_of(m)
+    except HFModelError:
+        return "custom"
 
 
 def _with_architecture(config: Config) -> Config:
