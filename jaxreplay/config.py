@@ -112,6 +112,11 @@ class ModelConfig:
     moe_sparse_step: int = 1
     # layers that keep the dense MLP among sparse ones (HF `mlp_only_layers`)
     moe_dense_layers: tuple[int, ...] = ()
+    # how tokens reach their experts, both dropless (no capacity, no token dropped): `ragged_dot` sorts the
+    # (token, expert) pairs by expert and runs one grouped matmul (compute grows with tokens * k); `dense` runs
+    # every expert on every token and weights the unchosen by 0 (E / k times the FLOPs; faster on CPU at demo
+    # sizes, docs/hf.md); a run setting, kept over `model.hf_path`'s architecture
+    moe_dispatch: Literal["ragged_dot", "dense"] = "ragged_dot"
     # weight of the routers' load-balancing loss in the learner's loss (HF `router_aux_loss_coef`, as
     # `load_balancing_loss_func` computes it over every sparse layer and real token; `router_aux_loss`)
     router_aux_loss_coef: float = 0.0

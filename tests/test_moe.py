@@ -46,9 +46,9 @@ def _reference(layer: moe.MoE, x: np.ndarray, norm_topk: bool) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("norm_topk", [True, False])
-def test_dropless_dispatch_equals_each_token_through_its_top_k_experts(norm_topk):
-    layer = _layer(dataclasses.replace(CFG, moe_norm_topk=norm_topk))
+@pytest.mark.parametrize("norm_topk, dispatch", [(True, "ragged_dot"), (False, "ragged_dot"), (True, "dense")])
+def test_dropless_dispatch_equals_each_token_through_its_top_k_experts(norm_topk, dispatch):
+    layer = _layer(dataclasses.replace(CFG, moe_norm_topk=norm_topk, moe_dispatch=dispatch))
     x = np.random.default_rng(0).normal(size=(2, 7, CFG.d_model)).astype(np.float32)
     out, routing = layer(jnp.asarray(x))
     assert out.shape == x.shape and routing.logits.shape == (2, 7, 6) and routing.experts.shape == (2, 7, 2)
@@ -56,9 +56,10 @@ def test_dropless_dispatch_equals_each_token_through_its_top_k_experts(norm_topk
                                                                                       norm_topk), atol=1e-5)
 
 
-def test_every_token_is_computed_even_when_all_pick_one_expert():
+@pytest.mark.parametrize("dispatch", ["ragged_dot", "dense"])
+def test_every_token_is_computed_even_when_all_pick_one_expert(dispatch):
     """Dropless: no capacity, so a router that sends every token to the same experts drops none."""
-    layer = _layer()
+    layer = _layer(dataclasses.replace(CFG, moe_dispatch=dispatch))
     layer.router.kernel[...] = jnp.zeros_like(layer.router.kernel[...]).at[:, 3].set(5.0).at[:, 1].set(4.0)
     x = np.abs(np.random.default_rng(1).normal(size=(40, CFG.d_model))).astype(np.float32)
     out, routing = layer(jnp.asarray(x))

@@ -13,12 +13,14 @@ float32); its output is their outputs weighted by those probabilities, renormali
 `moe_norm_topk` (HF's `norm_topk_prob`). `jaxreplay.models.sharding` splits the "experts" axis over
 a mesh axis (expert parallelism).
 
-Dispatch is dropless: no capacity factor, so no token is ever dropped or sent to another expert. The
-N tokens' N * k (token, expert) pairs are sorted by expert and each expert's contiguous run goes
-through it with `jax.lax.ragged_dot` (a grouped matmul with one group per expert; on jax 0.4.34 too, with
-its gradient); the outputs are
-weighted and summed back per token. Chosen over computing every expert on every token and masking
-(E / k times the FLOPs) by measurement (docs/benchmarks.md). Compute scales with tokens, not E.
+Dispatch is dropless: no capacity factor, so no token is ever dropped or sent to another expert. With
+`moe_dispatch: ragged_dot` (the default) the N tokens' N * k (token, expert) pairs are sorted by expert
+and each expert's contiguous run goes through it with `jax.lax.ragged_dot` (a grouped matmul with one
+group per expert; on jax 0.4.34 too, with its gradient); the outputs are weighted and summed back per
+token. Compute scales with tokens * k, not E: the choice for a model of many experts (Qwen3-30B-A3B:
+128, top 8), whose every-expert intermediates [E, N, F] would not fit. `dense` runs every expert on
+every token and weights the unchosen by 0: E / k times the FLOPs, yet faster on CPU at demo sizes,
+where XLA's ragged_dot is slow (measured: benchmarks/moe.py, docs/hf.md).
 
 Routing replay: given the experts a sampler chose (`routes`, [..., k] int; -1 for a token it did not
 run), the layer sends each token to those experts instead of its own top k; the weights are still the
@@ -66,12 +68,20 @@ class Experts(nnx.Module):
         self.up_proj = param(init(rngs.params(), (e, d, f), param_dtype), ("experts", "embed", "mlp"))
         self.down_proj = param(init(rngs.params(), (e, f, d), param_dtype), ("experts", "mlp", "embed"))
         self.compute_dtype = compute_dtype
+        self.dispatch = cfg.moe_dispatch
 
     def __call__(self, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
         """x [N, D], experts and weights [N, k] -> sum_j weights[:, j] * expert_{experts[:, j]}(x) [N, D]."""
         n, k = experts.shape
         n_experts = self.gate_proj.shape[0]
         cd = self.compute_dtype
+        if self.dispatch == "dense":  # every expert on every token, the unchosen weighted by 0
+            combine = jnp.zeros((n, n_experts), cd).at[jnp.arange(n)[:, None], experts].add(weights.astype(cd))
+            xc = x.astype(cd)
+            gate = jnp.einsum("nd,edf->enf", xc, self.gate_proj[...].astype(cd))
+            up = jnp.einsum("nd,edf->enf", xc, self.up_proj[...].astype(cd))
+            out = jnp.einsum("enf,efd->end", jax.nn.silu(gate) * up, self.down_proj[...].astype(cd))
+            return jnp.einsum("end,ne->nd", out, combine)
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)  # the N * k pairs, grouped by expert
         token = order // k

@@ -207,7 +207,7 @@ def _with_architecture(config: Config) -> Config:
 
     cfg = read_model_config(m.hf_path, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
                             max_seq_len=m.max_seq_len)
-    return dataclasses.replace(config, model=dataclasses.replace(cfg, lora=m.lora))
+    return dataclasses.replace(config, model=dataclasses.replace(cfg, lora=m.lora, moe_dispatch=m.moe_dispatch))
 
 
 def _placed(tree: Any, shardings: Any) -> Any:
