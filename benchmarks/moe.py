@@ -37,9 +37,10 @@ def run(tokens: int = 2048, steps: int = 10, repeats: int = 3, n_experts: int = 
         top_k: int = CFG.experts_per_token, moe_d_ff: int = CFG.moe_d_ff) -> dict:
     cfg = dataclasses.replace(CFG, n_experts=n_experts, experts_per_token=top_k, moe_d_ff=moe_d_ff)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(tokens // 256, 256, CFG.d_model)), jnp.float32)
+    f32 = dict(param_dtype=jnp.float32, compute_dtype=jnp.float32)
     variants = {
-        "ragged_dot": (moe.MoE(cfg, rngs=nnx.Rngs(params=0)), lambda m, x: m(x)[0]),
-        "dense_einsum": (moe.MoE(dataclasses.replace(cfg, moe_dispatch="dense"), rngs=nnx.Rngs(params=0)),
+        "ragged_dot": (moe.MoE(cfg, **f32, rngs=nnx.Rngs(params=0)), lambda m, x: m(x)[0]),
+        "dense_einsum": (moe.MoE(dataclasses.replace(cfg, moe_dispatch="dense"), **f32, rngs=nnx.Rngs(params=0)),
                          lambda m, x: m(x)[0]),
         "dense_active_mlp": (MLP(dataclasses.replace(cfg, d_ff=top_k * moe_d_ff), rngs=nnx.Rngs(params=0)),
                              lambda m, x: m(x)),

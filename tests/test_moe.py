@@ -25,7 +25,7 @@ CFG = ModelConfig(vocab_size=64, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1
 
 
 def _layer(cfg: ModelConfig = CFG, seed: int = 0) -> moe.MoE:
-    return moe.MoE(cfg, rngs=nnx.Rngs(params=seed))
+    return moe.MoE(cfg, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(params=seed))
 
 
 def _reference(layer: moe.MoE, x: np.ndarray, norm_topk: bool) -> np.ndarray:

@@ -94,16 +94,26 @@ class Experts(nnx.Module):
         return jnp.zeros((n, out.shape[-1]), cd).at[token].add(out)
 
 
+class Router(nnx.Module):
+    """The linear map to one logit per expert: kernel [D, E], no bias; logits in float32."""
+
+    def __init__(self, d_model: int, n_experts: int, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.kernel = param(init(rngs.params(), (d_model, n_experts), param_dtype), ("embed", "router"))
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cd = self.compute_dtype
+        return (x.astype(cd) @ self.kernel[...].astype(cd)).astype(jnp.float32)
+
+
 class MoE(nnx.Module):
     """The sparse layer's MLP; see the module docstring."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        from jaxreplay.models.transformer import Linear, dtype_of  # the block that holds this layer
-
-        pd, cd = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
-        self.router = Linear(cfg.d_model, cfg.n_experts, axes=("embed", "router"), bias=False, param_dtype=pd,
-                             compute_dtype=cd, rngs=rngs)
-        self.experts = Experts(cfg, param_dtype=pd, compute_dtype=cd, rngs=rngs)
+    def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+        self.router = Router(cfg.d_model, cfg.n_experts, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                             rngs=rngs)
+        self.experts = Experts(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
         self.top_k, self.norm_topk = cfg.experts_per_token, cfg.moe_norm_topk
 
     def __call__(self, x: jax.Array, routes: Optional[jax.Array] = None) -> tuple[jax.Array, Routing]:
@@ -111,7 +121,7 @@ class MoE(nnx.Module):
         (a token whose routes are -1: by the router)."""
         lead, d = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, d)
-        logits = self.router(flat).astype(jnp.float32)  # [N, E]
+        logits = self.router(flat)  # [N, E] float32
         probs = jax.nn.softmax(logits, axis=-1)
         _, experts = jax.lax.top_k(probs, self.top_k)
         if routes is not None:  # a token the sampler ran no route for (-1) keeps the router's own choice

@@ -388,7 +388,8 @@ class Block(nnx.Module):
         self.input_norm = norm(cfg, cfg.d_model)
         self.attn = Attention(cfg, rngs=rngs, local=local)
         self.post_attn_norm = norm(cfg, cfg.d_model)
-        self.mlp = moe_lib.MoE(cfg, rngs=rngs) if sparse else MLP(cfg, rngs=rngs)
+        pd, cd = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
+        self.mlp = moe_lib.MoE(cfg, param_dtype=pd, compute_dtype=cd, rngs=rngs) if sparse else MLP(cfg, rngs=rngs)
         if cfg.post_norms:
             self.pre_mlp_norm, self.post_mlp_norm = norm(cfg, cfg.d_model), norm(cfg, cfg.d_model)
         else:
