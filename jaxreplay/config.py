@@ -99,6 +99,27 @@ class ModelConfig:
     attention_bias: bool = False
     # RMSNorm on queries and keys (Qwen3, Gemma 3)
     qk_norm: bool = False
+    # mixture of experts (Qwen3-MoE): routed experts in each sparse layer's MLP (0: every layer has the dense
+    # SwiGLU MLP of width `d_ff`; jaxreplay/models/moe.py)
+    n_experts: int = 0
+    # experts each token is routed to: the top k of the router's softmax (HF `num_experts_per_tok`)
+    experts_per_token: int = 1
+    # each expert's SwiGLU hidden width (HF `moe_intermediate_size`)
+    moe_d_ff: int = 64
+    # renormalise each token's top-k router probabilities to sum to 1 (HF `norm_topk_prob`)
+    moe_norm_topk: bool = True
+    # with experts, layer i is sparse iff (i + 1) is a multiple of this (HF `decoder_sparse_step`)
+    moe_sparse_step: int = 1
+    # layers that keep the dense MLP among sparse ones (HF `mlp_only_layers`)
+    moe_dense_layers: tuple[int, ...] = ()
+    # how tokens reach their experts, both dropless (no capacity, no token dropped): `ragged_dot` sorts the
+    # (token, expert) pairs by expert and runs one grouped matmul (compute grows with tokens * k); `dense` runs
+    # every expert on every token and weights the unchosen by 0 (E / k times the FLOPs; faster on CPU at demo
+    # sizes, docs/hf.md); a run setting, kept over `model.hf_path`'s architecture
+    moe_dispatch: Literal["ragged_dot", "dense"] = "ragged_dot"
+    # weight of the routers' load-balancing loss in the learner's loss (HF `router_aux_loss_coef`, as
+    # `load_balancing_loss_func` computes it over every sparse layer and real token; `router_aux_loss`)
+    router_aux_loss_coef: float = 0.0
     # the MLP's gate activation: `silu` (SwiGLU: Llama, Qwen) or `gelu_tanh` (GeGLU with tanh-approximated GELU:
     # Gemma's `gelu_pytorch_tanh`)
     mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
@@ -459,6 +480,10 @@ class TrainConfig:
     # per decoder block: `none`, `full` (recompute the block in the backward pass) or `dots` (keep its projections'
     # outputs, recompute the rest)
     remat: Literal["none", "full", "dots"] = "none"
+    # a mixture of experts: the learner routes each token to the experts the sampler chose for it (recorded on the
+    # row), not its router's own top k; off, `router_disagreement` says how often the two differ. Needs
+    # `sampling.engine: static`, whose sampler records them
+    routing_replay: bool = False
     # positions whose logits the learner computes at a time (0: all at once)
     logits_chunk_size: int = 0
     # dtype of Adam's first moment (null: the params'); `bfloat16` saves 2 bytes per parameter (see "Memory and
@@ -952,6 +977,8 @@ RANGES: dict[str, Interval] = {
     "model.max_seq_len": POSITIVE, "model.rope_theta": POSITIVE, "model.rope_scaling_factor": Interval(1),
     "model.rope_low_freq_factor": POSITIVE, "model.rope_high_freq_factor": POSITIVE,
     "model.rope_original_max_len": POSITIVE, "model.norm_eps": POSITIVE,
+    "model.n_experts": NON_NEGATIVE, "model.experts_per_token": POSITIVE, "model.moe_d_ff": POSITIVE,
+    "model.moe_sparse_step": POSITIVE, "model.router_aux_loss_coef": NON_NEGATIVE,
     "model.query_pre_attn_scalar": POSITIVE, "model.attn_logit_softcap": POSITIVE,
     "model.final_logit_softcap": POSITIVE, "model.sliding_window": POSITIVE, "model.sliding_window_pattern": POSITIVE,
     "model.rope_local_theta": POSITIVE,
@@ -1047,6 +1074,14 @@ def validate(c: Config, local: bool = True) -> None:
     _require(m.head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {m.head_dim}")
     _require(m.rope_low_freq_factor < m.rope_high_freq_factor, "model.rope_high_freq_factor",
              f"must exceed model.rope_low_freq_factor ({m.rope_low_freq_factor})")
+    _require(m.n_experts == 0 or m.experts_per_token <= m.n_experts, "model.experts_per_token",
+             f"must not exceed model.n_experts ({m.n_experts}), got {m.experts_per_token}")
+    _require(all(0 <= i < m.n_layers for i in m.moe_dense_layers), "model.moe_dense_layers",
+             f"every layer index must lie in 0..{m.n_layers - 1}, got {list(m.moe_dense_layers)}")
+    _require(not c.train.routing_replay or m.n_experts > 0 or m.hf_path is not None, "train.routing_replay",
+             "needs a mixture of experts (model.n_experts > 0)")
+    _require(not c.train.routing_replay or c.sampling.engine == "static", "train.routing_replay",
+             "needs sampling.engine: static (the continuous engine does not record routes yet)")
     _validate_lora(m.lora)
     _require(t.loss != "asymre" or t.advantage != "group_normalized", "train.advantage",
              "AsymRE needs r - V: use group_centered or leave_one_out, not group_normalized")

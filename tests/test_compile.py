@@ -137,7 +137,8 @@ def test_without_libtpu_the_error_names_the_extra_and_exits_2(capsys):
 
 @pytest.mark.parametrize("name, params", [("qwen2.5-0.5b", 494_032_768), ("qwen2.5-1.5b", 1_543_714_304),
                                           ("qwen2.5-3b", 3_085_938_688), ("qwen2.5-7b", 7_615_616_512),
-                                          ("qwen3-0.6b", 596_049_920), ("gemma3-1b", 999_885_952),
+                                          ("qwen3-0.6b", 596_049_920), ("qwen3-30b-a3b", 30_532_122_624),
+                                          ("gemma3-1b", 999_885_952),
                                           ("gemma3-4b", 3_880_263_168)])  # 4B: its language model alone
 def test_the_shipped_architectures_are_the_published_models(name, params):
     """The parameter counts the model cards give, from the shipped config.json alone."""

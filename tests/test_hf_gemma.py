@@ -25,9 +25,8 @@ pytestmark = pytest.mark.needs_torch
 from jaxreplay.models.hf import load_hf_model, read_model_config, save_hf_model  # noqa: E402
 from jaxreplay.models.tokenizer import load_tokenizer  # noqa: E402
 from jaxreplay.models.transformer import forward  # noqa: E402
-from jaxreplay.rollout.engine import JaxEngine, PromptGroup  # noqa: E402
 from jaxreplay.rollout.sampling import make_sampler  # noqa: E402
-from tiny_hf import GEMMA, write_char_tokenizer  # noqa: E402
+from tiny_hf import GEMMA, engine_greedy, flat_params, hf_greedy, hf_logits, write_char_tokenizer  # noqa: E402
 
 VOCAB, WINDOW = 128, 5
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -67,11 +66,6 @@ def gemma(request, tmp_path_factory):
     return request.param, path, make_gemma(request.param, path)
 
 
-def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.from_numpy(tokens).long()).logits.numpy()
-
-
 def test_config_json_becomes_the_gemma_features(gemma):
     family, path, _ = gemma
     cfg = read_model_config(path)
@@ -99,15 +93,6 @@ def test_logits_match_transformers_past_the_window(gemma):
     assert diff < 1e-4
 
 
-def _hf_greedy(model, prompts: np.ndarray, n: int, tok) -> np.ndarray:
-    with torch.no_grad():
-        out = model.generate(torch.from_numpy(prompts).long(), attention_mask=torch.ones(prompts.shape, dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, eos_token_id=list(tok.eos_ids),
-                             pad_token_id=tok.pad_id)
-    ref = out[:, prompts.shape[1]:].numpy()
-    return np.pad(ref, ((0, 0), (0, n - ref.shape[1])), constant_values=tok.pad_id)  # HF stops once all rows end
-
-
 def test_greedy_generation_matches_transformers_on_sampler_and_engine(gemma):
     """24 greedy tokens after 8-token prompts (32 positions, past the window of 5), from the static
     sampler and from the rollout engine's slot pool; a row that emits EOS is padded after it."""
@@ -116,7 +101,7 @@ def test_greedy_generation_matches_transformers_on_sampler_and_engine(gemma):
     tok = load_tokenizer(path, vocab_size=cfg.vocab_size)
     n = 24
     prompts = np.random.default_rng(1).integers(5, VOCAB, (2, 8)).astype(np.int32)
-    ref = _hf_greedy(model, prompts, n, tok)
+    ref = hf_greedy(model, prompts, n, tok)
     if not cfg.tie_embeddings:
         assert all(len(set(row.tolist())) > 2 for row in ref), ref  # real sequences, not one token repeated
 
@@ -125,15 +110,7 @@ def test_greedy_generation_matches_transformers_on_sampler_and_engine(gemma):
                              jax.random.PRNGKey(0)).tokens[:, prompts.shape[1]:])
     np.testing.assert_array_equal(ours, ref)
 
-    engine = JaxEngine(graphdef, cfg, params, slots=2, group_size=1, prompt_len=prompts.shape[1], max_new_tokens=n,
-                       greedy=True, stop_ids=tok.eos_ids, pad_id=tok.pad_id, chunk_steps=4)
-    mask = np.ones(prompts.shape[1], bool)
-    engine.submit([PromptGroup(i, prompts[i], mask, jax.random.key(i)) for i in range(len(prompts))])
-    done = {}
-    while engine.pending():
-        engine.step()
-        done.update((c.tag, c.rollout) for c in engine.collect())
-    np.testing.assert_array_equal(np.concatenate([done[i].tokens[:, prompts.shape[1]:] for i in range(2)]), ref)
+    np.testing.assert_array_equal(engine_greedy(graphdef, cfg, params, prompts, n, tok), ref)
 
 
 def test_export_then_import_is_bit_exact_and_transformers_reads_it(gemma, tmp_path):
@@ -146,7 +123,7 @@ def test_export_then_import_is_bit_exact_and_transformers_reads_it(gemma, tmp_pa
         assert written["model_type"] == MODEL_TYPE[family]
         cfg2, _, params2 = load_hf_model(out)
         assert cfg2 == dataclasses.replace(cfg, hf_path=str(out))
-        for (p, a), (q, b) in zip(_flat(params), _flat(params2)):
+        for (p, a), (q, b) in zip(flat_params(params), flat_params(params2)):
             assert p == q
             np.testing.assert_array_equal(a, b, err_msg=str(p))
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
@@ -154,15 +131,6 @@ def test_export_then_import_is_bit_exact_and_transformers_reads_it(gemma, tmp_pa
         assert type(reloaded) is type(model)
         tokens = np.random.default_rng(2).integers(0, VOCAB, (2, 4 * WINDOW)).astype(np.int32)
         np.testing.assert_array_equal(hf_logits(reloaded, tokens), hf_logits(model, tokens))
-
-
-def _flat(params):
-    from flax import nnx
-
-    from jaxreplay.compat import value_of
-
-    return sorted(((tuple(map(str, p)), np.asarray(value_of(v))) for p, v in nnx.to_flat_state(params)),
-                  key=lambda item: item[0])
 
 
 def test_chat_template_puts_the_system_message_in_the_first_user_turn(gemma):

@@ -97,3 +97,57 @@ def write_model(path: Path, *, vocab_size: int = 128, max_seq_len: int = 256, to
     if tokenizer:
         write_char_tokenizer(path)
     return path
+
+
+# Parity helpers shared by the tests that run transformers' own models (the Reverb lane's torch).
+
+
+def hf_logits(model, tokens):
+    """transformers' float logits [B, T, V] of int tokens [B, T] (numpy in, numpy out)."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens).long()).logits.numpy()
+
+
+def hf_greedy(model, prompts, n: int, tok):
+    """transformers' `generate` greedy continuation [B, n] of full-length prompts, padded with the
+    tokenizer's pad id after a row stops (HF stops once all rows end)."""
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.from_numpy(prompts).long(), attention_mask=torch.ones(prompts.shape, dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, eos_token_id=list(tok.eos_ids),
+                             pad_token_id=tok.pad_id)
+    ref = out[:, prompts.shape[1]:].numpy()
+    return np.pad(ref, ((0, 0), (0, n - ref.shape[1])), constant_values=tok.pad_id)
+
+
+def flat_params(params):
+    """Sorted (path of strings, numpy array) pairs of an nnx params state: two loads compared leaf by leaf."""
+    import numpy as np
+    from flax import nnx
+
+    from jaxreplay.compat import value_of
+
+    return sorted(((tuple(map(str, p)), np.asarray(value_of(v))) for p, v in nnx.to_flat_state(params)),
+                  key=lambda item: item[0])
+
+
+def engine_greedy(graphdef, cfg, params, prompts, n: int, tok):
+    """The rollout engine's greedy completions [B, n] of `prompts` [B, P], one slot per prompt."""
+    import jax
+    import numpy as np
+
+    from jaxreplay.rollout.engine import JaxEngine, PromptGroup
+
+    engine = JaxEngine(graphdef, cfg, params, slots=len(prompts), group_size=1, prompt_len=prompts.shape[1],
+                       max_new_tokens=n, greedy=True, stop_ids=tok.eos_ids, pad_id=tok.pad_id, chunk_steps=4)
+    mask = np.ones(prompts.shape[1], bool)
+    engine.submit([PromptGroup(i, prompts[i], mask, jax.random.key(i)) for i in range(len(prompts))])
+    done = {}
+    while engine.pending():
+        engine.step()
+        done.update((c.tag, c.rollout) for c in engine.collect())
+    return np.concatenate([done[i].tokens[:, prompts.shape[1]:] for i in range(len(prompts))])

@@ -26,7 +26,9 @@ from jaxreplay.learn.losses import kl_penalty, make_loss, make_weights, token_me
 from jaxreplay.learn.scoring import sequence_scores
 from jaxreplay.learn.staleness import KEY as BY_AGE, by_age
 from jaxreplay.models import sharding
-from jaxreplay.models.transformer import abstract_params, dtype_of, score_hidden
+from jaxreplay.models.moe import load_balancing_loss, route_disagreement
+from jaxreplay.models.transformer import abstract_params, dtype_of, routed_score_hidden
+from jaxreplay.rollout.rollouts import ROUTES
 
 Batch = dict[str, jax.Array]
 TrainStep = Callable[[Any, Any, Batch, Any], tuple[Any, Any, dict[str, jax.Array]]]
@@ -160,9 +162,17 @@ def _make_loss_fn(graphdef, config: Config, live_vocab: int = 0):
     scores = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                   chunk=train.logits_chunk_size, live_vocab=live_vocab)
 
+    model = config.model
+
     def score(params, batch: Batch, with_entropy: bool):
-        h, unembed = score_hidden(graphdef, params, batch["tokens"], batch["attention_mask"], remat=train.remat)
-        return sequence_scores(h, batch["tokens"], unembed, with_entropy=with_entropy, **scores)
+        """(log-probs, entropy, the sparse layers' routing or None); with `train.routing_replay`, routed as
+        the sampler routed the batch's tokens."""
+        routes = None
+        if train.routing_replay and ROUTES in batch:
+            routes = jnp.moveaxis(batch[ROUTES], 2, 0)  # [B, T, L, k] -> [L, B, T, k]
+        h, unembed, routing = routed_score_hidden(graphdef, params, batch["tokens"], batch["attention_mask"],
+                                                  remat=train.remat, routes=routes)
+        return (*sequence_scores(h, batch["tokens"], unembed, with_entropy=with_entropy, **scores), routing)
 
     def loss_fn(params, batch: Batch, ref_params):
         mask = batch["completion_mask"]
@@ -172,12 +182,25 @@ def _make_loss_fn(graphdef, config: Config, live_vocab: int = 0):
                               asymre_delta_v=train.asymre_delta_v, seq_mask_low=train.seq_mask_low,
                               seq_mask_high=train.seq_mask_high, m2po_threshold=train.m2po_threshold,
                               decoupled_weight_cap=train.decoupled_weight_cap)
-        logprobs, entropy = score(params, batch, with_entropy=True)
+        logprobs, entropy, routing = score(params, batch, with_entropy=True)
         loss, metrics = loss_impl(logprobs, batch["logprobs"], batch["advantage"], mask)
         metrics["pg_loss"] = loss
+        if routing is not None:
+            # HF's load-balancing loss over this (micro-)batch's real tokens, weighted by its share of the
+            # batch's completion tokens: a whole batch's is HF's; micro-batches' is their weighted mean, as
+            # HF's gradient accumulation computes it.
+            share = jnp.sum(batch["token_weights"] * mask)
+            aux = load_balancing_loss(routing.logits, batch["attention_mask"], model.experts_per_token) * share
+            loss = loss + model.router_aux_loss_coef * aux
+            metrics["router_aux_loss"] = aux
+            if ROUTES in batch:  # the router's own top k against the sampler's, replayed or not
+                recorded = jnp.moveaxis(batch[ROUTES], 2, 0)
+                _, own = jax.lax.top_k(routing.logits, model.experts_per_token)
+                ran = batch["attention_mask"].astype(bool) & (recorded[0, ..., 0] >= 0)
+                metrics["router_disagreement"] = route_disagreement(own, recorded, ran) * share
         if train.kl_coef > 0:  # with LoRA, the reference is the base, adapters off
             reference = trainable.kl_reference(params, ref_params)
-            ref_logprobs, _ = score(jax.lax.stop_gradient(reference), batch, with_entropy=False)
+            ref_logprobs, _, _ = score(jax.lax.stop_gradient(reference), batch, with_entropy=False)
             kl = kl_penalty(logprobs, ref_logprobs, mask, mean=mean)
             loss = loss + train.kl_coef * kl
             metrics["kl_ref"] = kl

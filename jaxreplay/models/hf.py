@@ -50,6 +50,7 @@ class Family:
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # per-head RMSNorm on queries and keys (Qwen3, Gemma 3)
     gemma: bool = False  # Gemma's block: (1 + w) norms, four per block, scaled embeddings, GeGLU, local layers
+    moe: bool = False  # a mixture of experts in the sparse layers' MLP (Qwen3-MoE)
 
 
 FAMILIES = {
@@ -58,6 +59,7 @@ FAMILIES = {
     "llama": Family("LlamaForCausalLM", attention_bias=False, qk_norm=False),
     "qwen2": Family("Qwen2ForCausalLM", attention_bias=True, qk_norm=False),
     "qwen3": Family("Qwen3ForCausalLM", attention_bias=False, qk_norm=True),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", attention_bias=False, qk_norm=True, moe=True),
 }
 
 # HF's names of Gemma's layer kinds (config.json's `layer_types`)
@@ -87,6 +89,14 @@ _PER_LAYER = {
     ("mlp", "down_proj", "kernel"): "mlp.down_proj.weight",
     ("pre_mlp_norm", "scale"): "pre_feedforward_layernorm.weight",  # Gemma
     ("post_mlp_norm", "scale"): "post_feedforward_layernorm.weight",  # Gemma
+    ("mlp", "router", "kernel"): "mlp.gate.weight",  # Qwen3-MoE's router [E, D]
+}
+# A sparse layer's experts: one of our tensors [E, in, out] is E of HF's [out, in], one per expert (the layout of
+# published checkpoints; transformers 5 fuses them in memory, not on disk).
+_EXPERTS = {
+    ("mlp", "experts", "gate_proj"): "mlp.experts.{}.gate_proj.weight",
+    ("mlp", "experts", "up_proj"): "mlp.experts.{}.up_proj.weight",
+    ("mlp", "experts", "down_proj"): "mlp.experts.{}.down_proj.weight",
 }
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -94,12 +104,24 @@ SINGLE_FILE = "model.safetensors"
 
 
 def hf_name(path: tuple) -> tuple[str, bool]:
-    """(HF tensor name, whether it is stored transposed) of one of our parameter paths."""
+    """(HF tensor name, whether it is stored transposed) of one of our parameter paths; for a stack of
+    experts, the name with `{}` where each expert's index goes (`hf_names`)."""
+    if len(path) > 2 and path[0] == "layers" and path[2:] in _EXPERTS:
+        return f"model.layers.{path[1]}.{_EXPERTS[path[2:]]}", True
     if path in _TOP_LEVEL:
         return _TOP_LEVEL[path], path[-1] == "kernel"
     if len(path) > 2 and path[0] == "layers" and path[2:] in _PER_LAYER:
         return f"model.layers.{path[1]}.{_PER_LAYER[path[2:]]}", path[-1] == "kernel"
     raise KeyError(f"no HF name for parameter {'.'.join(map(str, path))}")  # a model change this table missed
+
+
+def hf_names(path: tuple, shape: tuple[int, ...]) -> tuple[list[str], bool, bool]:
+    """(the HF tensor names one of our parameters of `shape` is stored as, transposed, stacked): one name,
+    or for a stack of experts [E, ...] one name per expert, stacked on our axis 0."""
+    name, transposed = hf_name(path)
+    if "{}" not in name:
+        return [name], transposed, False
+    return [name.format(j) for j in range(shape[0])], transposed, True
 
 
 # ----------------------------------------------------------------------------------
@@ -158,6 +180,8 @@ def model_config_from_hf(hf: Any, *, param_dtype: DType = "float32", compute_dty
     gemma = {}
     if family.gemma:
         gemma, rope = _gemma_features(hf, rope, unsupported)
+    if family.moe:
+        gemma = _moe_features(hf, unsupported)
     rope_type = rope.get("rope_type", "default")
     unsupported(rope_type in ("default", "llama3") or (family.gemma and rope_type == "linear"),
                 f"rope_type={rope_type!r} (RoPE scaling)")
@@ -234,6 +258,20 @@ def _gemma_features(hf: Any, rope: dict, unsupported) -> tuple[dict, dict]:
     return fields, rope
 
 
+def _moe_features(hf: Any, unsupported) -> dict:
+    """The ModelConfig fields of a Qwen3-MoE config. The load-balancing loss's weight is HF's
+    `router_aux_loss_coef` where `output_router_logits` turns it on in HF's own loss, else 0."""
+    n_experts, top_k = int(hf.num_experts), int(hf.num_experts_per_tok)
+    unsupported(0 < top_k <= n_experts, f"num_experts_per_tok={top_k} of num_experts={n_experts}")
+    dense = tuple(sorted(int(i) for i in (getattr(hf, "mlp_only_layers", None) or ())))
+    unsupported(all(0 <= i < hf.num_hidden_layers for i in dense), f"mlp_only_layers={list(dense)}")
+    coef = float(getattr(hf, "router_aux_loss_coef", 0.0)) if getattr(hf, "output_router_logits", False) else 0.0
+    return dict(n_experts=n_experts, experts_per_token=top_k, moe_d_ff=int(hf.moe_intermediate_size),
+                moe_norm_topk=bool(getattr(hf, "norm_topk_prob", False)),
+                moe_sparse_step=int(getattr(hf, "decoder_sparse_step", 1)), moe_dense_layers=dense,
+                router_aux_loss_coef=coef)
+
+
 def read_model_config(path: str | Path, *, param_dtype: DType = "float32", compute_dtype: DType = "float32",
                       max_seq_len: Optional[int] = None) -> ModelConfig:
     """The ModelConfig of the HF directory `path`, from its config.json alone (no weights read).
@@ -260,16 +298,21 @@ def _gemma_block(cfg: ModelConfig) -> Optional[bool]:
 
 
 def _features(cfg: ModelConfig) -> tuple:
-    return cfg.attention_bias, cfg.qk_norm, _gemma_block(cfg)
+    return cfg.attention_bias, cfg.qk_norm, _gemma_block(cfg), cfg.n_experts > 0
+
+
+def _family_features(family: Family) -> tuple:
+    return family.attention_bias, family.qk_norm, family.gemma, family.moe
 
 
 def family_of(cfg: ModelConfig) -> str:
     """The HF model_type that holds exactly `cfg`'s features."""
     for model_type, family in FAMILIES.items():
-        if (family.attention_bias, family.qk_norm, family.gemma) == _features(cfg):
+        if _family_features(family) == _features(cfg):
             return model_type
     raise HFModelError(f"no supported HF architecture has attention_bias={cfg.attention_bias} together with "
-                       f"qk_norm={cfg.qk_norm} and {_gemma_description(cfg)}")
+                       f"qk_norm={cfg.qk_norm}, {_gemma_description(cfg)} and "
+                       f"{'experts' if cfg.n_experts else 'no experts'}")
 
 
 def _gemma_description(cfg: ModelConfig) -> str:
@@ -397,7 +440,7 @@ def _sharding_map(shardings: Any) -> dict[tuple, jax.sharding.Sharding]:
 
 def load_hf_model(path: str | Path, *, param_dtype: DType = "float32", compute_dtype: DType = "float32",
                   max_seq_len: Optional[int] = None, shardings: Any = None) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
-    """(ModelConfig, graphdef, params) of the Llama/Qwen2/Qwen3/Gemma model in the HF directory `path`.
+    """(ModelConfig, graphdef, params) of the Llama/Qwen2/Qwen3/Qwen3-MoE/Gemma model in the HF directory `path`.
 
     Weights are cast to `param_dtype`. `shardings`: None puts each tensor on the default
     device; otherwise a tree shaped like the params with a `jax.sharding.Sharding` per
@@ -415,40 +458,51 @@ def load_hf_model(path: str | Path, *, param_dtype: DType = "float32", compute_d
         if unplaced:
             raise HFModelError(f"shardings has no entry for parameter {'.'.join(map(str, unplaced[0]))}")
 
-    names = {p: hf_name(p) for p in targets}
-    wanted = [name for name, _ in names.values()]
+    names = {p: hf_names(p, tuple(value_of(var).shape)) for p, var in targets.items()}
+    wanted = [name for parts, _, _ in names.values() for name in parts]
     files, index = _weight_files(path, wanted)
     shapes = {}
-    for p, (name, transposed) in names.items():
-        shape = tuple(value_of(targets[p]).shape)
-        shapes[name] = shape[::-1] if transposed else shape
+    for p, (parts, transposed, stacked) in names.items():
+        shape = tuple(value_of(targets[p]).shape)[1 if stacked else 0:]
+        shapes.update((name, shape[::-1] if transposed else shape) for name in parts)
     _check_headers(path, files, index, wanted, shapes)
 
     from safetensors import SafetensorError
 
     dtype = np.dtype(dtype_of(param_dtype))
     loaded = {}
-    for p in sorted(targets, key=lambda p: (str(files[names[p][0]]), names[p][0])):
-        name, transposed = names[p]
-        # The file is mapped per tensor: pages read stay resident only while it is open.
-        with _opened(files[name], name) as f:
+    for p in sorted(targets, key=lambda p: (str(files[names[p][0][0]]), names[p][0][0])):
+        parts, transposed, stacked = names[p]
+        # Files are mapped per tensor: pages read stay resident only while they are open.
+        with contextlib.ExitStack() as opened:
+            handles = {}
+            for name in parts:
+                if files[name] not in handles:
+                    handles[files[name]] = opened.enter_context(_opened(files[name], name))
             try:
-                array = _place(f.get_slice(name), transposed, tuple(value_of(targets[p]).shape), dtype,
+                views = [handles[files[name]].get_slice(name) for name in parts]
+                array = _place(views, transposed, stacked, tuple(value_of(targets[p]).shape), dtype,
                                placement.get(p))
             except SafetensorError as e:
-                raise _read_failure(files[name], name, e) from None
+                raise _read_failure(files[parts[0]], parts[0], e) from None
         loaded[p] = with_value(targets[p], array)
     return cfg, graphdef, nnx.from_flat_state(loaded)
 
 
-def _place(view: Any, transposed: bool, shape: tuple[int, ...], dtype: np.dtype,
+def _place(views: list, transposed: bool, stacked: bool, shape: tuple[int, ...], dtype: np.dtype,
            sharding: Optional[jax.sharding.Sharding]) -> jax.Array:
-    """One tensor on device(s), read from the file slice by slice when it is sharded."""
+    """One tensor on device(s), read from the file slice by slice when it is sharded; `stacked`: from
+    one file tensor per index of its axis 0 (experts), reading only the experts a device holds."""
+
+    def one(view: Any, index: tuple) -> np.ndarray:
+        x = view[index[::-1] if transposed else index]
+        return np.ascontiguousarray(x.T if transposed else x, dtype=dtype)
 
     def read(index: tuple = ()) -> np.ndarray:
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-        x = view[index[::-1] if transposed else index]
-        return np.ascontiguousarray(x.T if transposed else x, dtype=dtype)
+        if not stacked:
+            return one(views[0], index)
+        return np.stack([one(views[j], index[1:]) for j in range(shape[0])[index[0]]])
 
     if sharding is None:
         return jax.device_put(read())
@@ -477,31 +531,36 @@ def save_hf_model(path: str | Path, cfg: ModelConfig, params: nnx.State, *, toke
     _check_destination(path, base, tokenizer)
     model_type = _read_hf_config(Path(base)).model_type if base is not None else family_of(cfg)
     family = FAMILIES[model_type]
-    if (family.attention_bias, family.qk_norm, family.gemma) != _features(cfg):
+    if _family_features(family) != _features(cfg):
         raise HFModelError(f"cannot save as {model_type}: it has attention_bias={family.attention_bias}, "
-                           f"qk_norm={family.qk_norm}, gemma={family.gemma}; the model has {cfg.attention_bias}, "
-                           f"{cfg.qk_norm}, {_gemma_description(cfg)}")
+                           f"qk_norm={family.qk_norm}, gemma={family.gemma}, moe={family.moe}; the model has "
+                           f"{cfg.attention_bias}, {cfg.qk_norm}, {_gemma_description(cfg)}, "
+                           f"{'experts' if cfg.n_experts else 'no experts'}")
     flat = {tuple(p): value_of(var) for p, var in nnx.to_flat_state(params)}
     out_dtype = np.dtype(dtype_of(dtype)) if dtype is not None else None
     path.mkdir(parents=True, exist_ok=True)
 
-    entries = sorted((hf_name(p)[0], p) for p in flat)  # HF's own order: lm_head, then model.*
-    shards: list[list[tuple[str, tuple]]] = [[]]
+    entries = []  # (HF name, our path, the expert's index in a stacked tensor or None)
+    for p in flat:
+        parts, _, stacked = hf_names(p, tuple(flat[p].shape))
+        entries += [(name, p, j if stacked else None) for j, name in enumerate(parts)]
+    entries.sort()  # HF's own order: lm_head, then model.*
+    shards: list[list[tuple[str, tuple, Optional[int]]]] = [[]]
     size = 0
-    for name, p in entries:
-        nbytes = flat[p].size * (out_dtype or flat[p].dtype).itemsize
+    for name, p, j in entries:
+        nbytes = flat[p].size // (1 if j is None else flat[p].shape[0]) * (out_dtype or flat[p].dtype).itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((name, p))
+        shards[-1].append((name, p, j))
         size += nbytes
 
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         file = SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
-        for name, p in shard:
-            x = np.asarray(jax.device_get(flat[p]))
+        for name, p, j in shard:
+            x = np.asarray(jax.device_get(flat[p] if j is None else flat[p][j]))
             x = x.T if hf_name(p)[1] else x
             tensors[name] = np.ascontiguousarray(x, dtype=out_dtype or x.dtype)
             weight_map[name] = file
@@ -645,6 +704,13 @@ def _hf_config(cfg: ModelConfig, model_type: str, base: str | Path | None, dtype
             "original_max_position_embeddings": cfg.rope_original_max_len}
     if model_type != "qwen2":
         fields["attention_bias"] = False
+    if FAMILIES[model_type].moe:
+        fields.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+                      moe_intermediate_size=cfg.moe_d_ff, norm_topk_prob=cfg.moe_norm_topk,
+                      decoder_sparse_step=cfg.moe_sparse_step, mlp_only_layers=list(cfg.moe_dense_layers),
+                      output_router_logits=cfg.router_aux_loss_coef > 0)
+        if cfg.router_aux_loss_coef > 0:
+            fields["router_aux_loss_coef"] = cfg.router_aux_loss_coef
     if FAMILIES[model_type].gemma:
         fields.update(_gemma_hf_fields(cfg, model_type, fields["rope_parameters"]))
         del fields["hidden_act"]

@@ -36,6 +36,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
+    # a mixture of experts' expert axis: expert parallelism over the fsdp devices (each holds E / fsdp whole
+    # experts; the experts' "embed" axis then stays unsplit, as a mesh axis splits one dimension only)
+    "experts": ("fsdp",),
+    "router": (),  # the router's per-expert logits: a [D, E] kernel, kept whole
     "head_dim": (),
     "lora_rank": (),  # LoRA adapters' rank: a few columns, kept whole
     "norm": (),

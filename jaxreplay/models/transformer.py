@@ -26,6 +26,7 @@ kernel is [in, out]:
     layers[i].mlp.down_proj.kernel           [d_ff, D]
     layers[i].{attn,mlp}.<target>.lora_{a,b} [in, r], [r, out]       (if `model.lora` targets it:
                                                                       jaxreplay/models/lora.py)
+    layers[i].mlp.router / .experts.*        (sparse layers of a mixture of experts: jaxreplay/models/moe.py)
     final_norm.scale                         [D]
     lm_head.kernel                           [D, V]                  (if not tie_embeddings)
 
@@ -57,6 +58,7 @@ from flax import nnx
 from jaxreplay.compat import module_list, param
 from jaxreplay.config import ModelConfig
 from jaxreplay.models import lora as lora_lib
+from jaxreplay.models import moe as moe_lib
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -379,26 +381,36 @@ class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)). With `post_norms`
     (Gemma) each branch's output is normed too: x + norm(attn(norm(x))), then
     + norm(mlp(norm(.))); `post_attn_norm` is then the attention output's norm (HF's
-    post_attention_layernorm in both), `pre_mlp_norm` the MLP input's."""
+    post_attention_layernorm in both), `pre_mlp_norm` the MLP input's. The MLP is a mixture of
+    experts in the layers `moe.is_sparse` names (Qwen3-MoE)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, local: bool = False):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, local: bool = False, sparse: bool = False):
         self.input_norm = norm(cfg, cfg.d_model)
         self.attn = Attention(cfg, rngs=rngs, local=local)
         self.post_attn_norm = norm(cfg, cfg.d_model)
-        self.mlp = MLP(cfg, rngs=rngs)
+        pd, cd = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
+        self.mlp = moe_lib.MoE(cfg, param_dtype=pd, compute_dtype=cd, rngs=rngs) if sparse else MLP(cfg, rngs=rngs)
         if cfg.post_norms:
             self.pre_mlp_norm, self.post_mlp_norm = norm(cfg, cfg.d_model), norm(cfg, cfg.d_model)
         else:
             self.pre_mlp_norm = self.post_mlp_norm = None
 
-    def __call__(self, x, rot: Rotation, key_mask, kv=None, cache_index=None):
+    def __call__(self, x, rot: Rotation, key_mask, kv=None, cache_index=None, routes=None):
+        """(x, kv, this layer's `moe.Routing` or None for a dense MLP); `routes`: see `moe.MoE`."""
         stacked = kv is not None  # the sampler: fewer, larger matmuls per decode step
         h, kv = self.attn(self.input_norm(x), rot, key_mask, kv, cache_index)
         if self.pre_mlp_norm is not None:  # Gemma's four norms
             x = x + self.post_attn_norm(h)
-            return x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x), stacked)), kv
+            out, routing = self._mlp(self.pre_mlp_norm(x), stacked, routes)
+            return x + self.post_mlp_norm(out), kv, routing
         x = x + h
-        return x + self.mlp(self.post_attn_norm(x), stacked), kv
+        out, routing = self._mlp(self.post_attn_norm(x), stacked, routes)
+        return x + out, kv, routing
+
+    def _mlp(self, x, stacked: bool, routes):
+        if isinstance(self.mlp, moe_lib.MoE):
+            return self.mlp(x, routes)
+        return self.mlp(x, stacked), None
 
 
 class Embed(nnx.Module):
@@ -432,7 +444,8 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.d_model, param_dtype=pd, compute_dtype=cd, rngs=rngs,
                            scaled=cfg.scale_embeddings)
-        self.layers = module_list([Block(cfg, rngs=rngs, local=is_local_layer(cfg, i)) for i in range(cfg.n_layers)])
+        self.layers = module_list([Block(cfg, rngs=rngs, local=is_local_layer(cfg, i), sparse=moe_lib.is_sparse(cfg, i))
+                                   for i in range(cfg.n_layers)])
         self.final_norm = norm(cfg, cfg.d_model)
         self.lm_head = None if cfg.tie_embeddings else Linear(
             cfg.d_model, cfg.vocab_size, axes=("embed", "vocab"), bias=False, param_dtype=pd, compute_dtype=cd,
@@ -455,28 +468,47 @@ class Transformer(nnx.Module):
         `positions` may also be their `Rotation`: a decode loop computes every step's
         before the loop, which keeps cos and sin out of the loop body.
         """
+        h, cache, _ = self.routed_hidden(tokens, positions, key_mask, cache, cache_index)
+        return h, cache
+
+    def routed_hidden(self, tokens, positions, key_mask, cache: Optional[KVCache] = None, cache_index=None,
+                      routes=None):
+        """`hidden`, and the sparse layers' `moe.Routing` stacked [L_sparse, ...] (None for a dense model).
+        `routes` [L_sparse, B, T, k]: the sparse layers route as these say (routing replay)."""
         if cache is not None and cache_index is None:
             raise ValueError("a cache needs cache_index: the slot the first new token is written to")
         x = self.embed(tokens)
         rot = positions if isinstance(positions, Rotation) else rotation(positions, self.cfg)
-        ks, vs = [], []
+        ks, vs, routings = [], [], []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, rot, key_mask, None if cache is None else (cache.k[i], cache.v[i]), cache_index)
+            layer_routes = None if routes is None or not isinstance(layer.mlp, moe_lib.MoE) else routes[len(routings)]
+            x, kv, routing = layer(x, rot, key_mask, None if cache is None else (cache.k[i], cache.v[i]), cache_index,
+                                   layer_routes)
             if kv is not None:
                 ks.append(kv[0])
                 vs.append(kv[1])
-        return self.final_norm(x), None if cache is None else KVCache(tuple(ks), tuple(vs))
+            if routing is not None:
+                routings.append(routing)
+        return (self.final_norm(x), None if cache is None else KVCache(tuple(ks), tuple(vs)),
+                _stacked(routings))
 
-    def score_hidden(self, tokens, positions, key_mask, remat: str = "none"):
-        """`hidden` of whole sequences (no cache), each block rematerialised by `REMAT_POLICIES[remat]`."""
+    def score_hidden(self, tokens, positions, key_mask, remat: str = "none", routes=None):
+        """(`hidden` of whole sequences (no cache), the stacked `moe.Routing` or None), each block
+        rematerialised by `REMAT_POLICIES[remat]`."""
         policy = REMAT_POLICIES[remat]
         if policy is None:
-            return self.hidden(tokens, positions, key_mask)[0]
+            h, _, routing = self.routed_hidden(tokens, positions, key_mask, routes=routes)
+            return h, routing
         x = self.embed(tokens)
         rot = rotation(positions, self.cfg)
+        routings = []
         for layer in self.layers:
-            x = _rematerialised(layer, policy, x, rot, key_mask)
-        return self.final_norm(x)
+            sparse = isinstance(layer.mlp, moe_lib.MoE)
+            layer_routes = routes[len(routings)] if sparse and routes is not None else None
+            x, routing = _rematerialised(layer, policy, x, rot, key_mask, layer_routes)
+            if routing is not None:
+                routings.append(routing)
+        return self.final_norm(x), _stacked(routings)
 
     def unembed(self, h: jax.Array) -> jax.Array:
         """[B, T, D] -> float32 logits [B, T, V] (soft-capped where `final_logit_softcap` says)."""
@@ -498,15 +530,21 @@ REMAT_POLICIES = {
 }
 
 
-def _rematerialised(layer: Block, policy, x, rot: Rotation, key_mask):
-    """`layer(x)` under `jax.checkpoint(policy)`: its params enter as arguments, so their
-    gradients flow, and the backward pass recomputes what `policy` does not save."""
+def _stacked(routings: list) -> Optional[moe_lib.Routing]:
+    """The sparse layers' routings as one `moe.Routing` [L_sparse, ...], or None without any."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *routings) if routings else None
+
+
+def _rematerialised(layer: Block, policy, x, rot: Rotation, key_mask, routes=None):
+    """(`layer(x)`, its routing) under `jax.checkpoint(policy)`: its params enter as arguments, so
+    their gradients flow, and the backward pass recomputes what `policy` does not save."""
     graphdef, state = nnx.split(layer)
 
-    def run(state, x, rot, key_mask):
-        return nnx.merge(graphdef, state)(x, rot, key_mask)[0]
+    def run(state, x, rot, key_mask, routes):
+        out, _, routing = nnx.merge(graphdef, state)(x, rot, key_mask, None, None, routes)
+        return out, routing
 
-    return jax.checkpoint(run, policy=policy)(state, x, rot, key_mask)
+    return jax.checkpoint(run, policy=policy)(state, x, rot, key_mask, routes)
 
 
 # ----------------------------------------------------------------------------------
@@ -573,9 +611,18 @@ def forward(graphdef, params, tokens: jax.Array, attention_mask: jax.Array) -> j
 def score_hidden(graphdef, params, tokens: jax.Array, attention_mask: jax.Array, *, remat: str = "none"):
     """(final hidden states [B, T, D], the model's `unembed`) of whole sequences, as `forward`
     without the [B, T, V] product: the caller unembeds as many positions at a time as it likes."""
+    h, unembed, _ = routed_score_hidden(graphdef, params, tokens, attention_mask, remat=remat)
+    return h, unembed
+
+
+def routed_score_hidden(graphdef, params, tokens: jax.Array, attention_mask: jax.Array, *, remat: str = "none",
+                        routes=None):
+    """`score_hidden`, and the sparse layers' stacked `moe.Routing` (None for a dense model);
+    `routes` [L_sparse, B, T, k] replays a sampler's expert choices."""
     attention_mask = attention_mask.astype(bool)
     model = nnx.merge(graphdef, params)
-    return model.score_hidden(tokens, positions_from_mask(attention_mask), attention_mask, remat), model.unembed
+    h, routing = model.score_hidden(tokens, positions_from_mask(attention_mask), attention_mask, remat, routes)
+    return h, model.unembed, routing
 
 
 def count_params(params) -> int:

@@ -24,7 +24,7 @@ from jaxreplay.config import Config, ConfigError, owner_check
 from jaxreplay.rollout.advantages import ADVANTAGES
 from jaxreplay.rollout.engine import JaxEngine, PromptGroup, RolloutEngine
 from jaxreplay.rollout.episodes import EPISODE_ERRORS, EpisodeRunner
-from jaxreplay.rollout.rollouts import make_rows, row_spec
+from jaxreplay.rollout.rollouts import ROUTES, make_rows, row_spec
 from jaxreplay.rollout.sampling import Rollout, completion_ids
 from jaxreplay.tasks.base import Task, score
 from jaxreplay.tasks.chat import chat_format_for
@@ -64,7 +64,8 @@ class Actor:
             self.spec, tokens=rollout.tokens, attention_mask=rollout.attention_mask,
             completion_mask=rollout.completion_mask, logprobs=rollout.logprobs, advantage=advantages,
             reward=rewards, policy_version=np.full(len(rewards), policy_version),
-            rollout_id=rollout_ids(actor_step, index * per_shard * group, len(rewards), c.rollouts_per_step))
+            rollout_id=rollout_ids(actor_step, index * per_shard * group, len(rewards), c.rollouts_per_step),
+            **({ROUTES: rollout.routes} if ROUTES in self.spec else {}))
         return items, {**rollout_stats(items), "reward/errors": reward_errors, "seconds": time.perf_counter() - start}
 
 

@@ -736,7 +736,7 @@ def _prefill_prompts(graphdef, cfg: ModelConfig, kv_cache_dtype, prefill_chunk_s
     model = nnx.merge(graphdef, params)
     mask = mask.astype(bool)
     cache = constrain(init_cache(cfg, n, p, kv_cache_dtype))
-    h, cache = _prefill(model, tokens, positions_from_mask(mask), mask, cache, prefill_chunk_size, constrain)
+    h, cache, _ = _prefill(model, tokens, positions_from_mask(mask), mask, cache, prefill_chunk_size, constrain)
     return Prefixes(cache=cache, logits=model.unembed(h)[:, 0], tokens=tokens.astype(jnp.int32), mask=mask,
                     version=jnp.full((n,), version, jnp.int32))
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxreplay.config import Config
+from jaxreplay.models import moe
 
 Rows = dict[str, np.ndarray]  # field -> [n, *shape]
 RowSpec = Mapping[str, tuple[tuple[int, ...], np.dtype]]  # field -> (per-row shape, dtype)
@@ -42,16 +43,28 @@ FIELDS = (
           "(sampling.engine continuous only: weights change between decode chunks)"),
     Field("rollout_id", False, np.int32, False, "actor_step * R + the row's index in that step's prompt batch "
           "(every process's rows counted): one rollout's items in several tables share it"),
+    Field("routes", True, np.int16, True, "a mixture of experts' only (`sampling.engine: static`): [T, sparse "
+          "layers, k], the experts each sparse layer sent each token to at generation, -1 where none ran"),
 )
 TRAINED = tuple(f.name for f in FIELDS if f.trained)
+ROUTES = "routes"  # the one field that only some rows have (`records_routes`)
 
 
 def row_spec(config: Config, prompt_len: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Shape and dtype of one row: sequences of the prompt plus `sampling.max_new_tokens`."""
     t = prompt_len + config.sampling.max_new_tokens
     streaming = config.sampling.engine == "continuous"  # a static batch's rows have one version
-    return {f.name: ((t,) if f.per_token else (), np.dtype(f.dtype)) for f in FIELDS
-            if streaming or f.name != "last_version"}
+    spec = {f.name: ((t,) if f.per_token else (), np.dtype(f.dtype)) for f in FIELDS
+            if f.name not in ("last_version", ROUTES) or (streaming and f.name == "last_version")}
+    if records_routes(config):
+        spec[ROUTES] = ((t, len(moe.sparse_layers(config.model)), config.model.experts_per_token), np.dtype(np.int16))
+    return spec
+
+
+def records_routes(config: Config) -> bool:
+    """Whether rows carry `routes`: a mixture of experts sampled by the static sampler, which records them
+    (the continuous engine does not yet)."""
+    return config.sampling.engine == "static" and bool(moe.sparse_layers(config.model))
 
 
 def make_rows(spec: RowSpec, **fields: np.ndarray) -> Rows:
@@ -107,7 +120,7 @@ AGE = "age"
 def trained(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The fields the update reads, in their row dtypes, and each row's `AGE` where the caller gave it."""
     dtypes = {f.name: f.dtype for f in FIELDS}
-    out = {name: np.asarray(rows[name], dtypes[name]) for name in TRAINED}
+    out = {name: np.asarray(rows[name], dtypes[name]) for name in TRAINED if name != ROUTES or ROUTES in rows}
     if AGE in rows:
         out[AGE] = np.asarray(rows[AGE], np.int32)
     return out

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxreplay.config import Config, ModelConfig
-from jaxreplay.models import sharding
+from jaxreplay.models import moe, sharding
 from jaxreplay.models.transformer import (
     KV_CACHE_AXES, KVCache, Rotation, abstract_params, dtype_of, init_cache, positions_from_mask, rotation)
 
@@ -42,6 +42,9 @@ class Rollout(NamedTuple):
     completion_mask: jax.Array  # [B, P+N] bool: completion tokens, the stop token included
     logprobs: jax.Array  # [B, P+N] f32: log-prob of each completion token under the
     #                      sampling distribution (after temperature/top-k/top-p); 0 elsewhere
+    # [B, P+N, L_sparse, k] int16, a mixture of experts' only: the experts each sparse layer sent each token
+    # to when the sampler ran it, -1 where it ran none (padding, the last token drawn); None without experts
+    routes: Optional[jax.Array] = None
 
 
 # ----------------------------------------------------------------------------------
@@ -199,6 +202,15 @@ class _Decode(NamedTuple):
     logprobs: jax.Array  # [B, L]
     done: jax.Array  # [B] bool: the row has emitted a stop id
     rng: jax.Array
+    routes: Optional[jax.Array] = None  # [B, L, L_sparse, k] int16 (`Rollout.routes`); None without experts
+
+
+NO_ROUTE = -1  # `Rollout.routes` where the sampler ran no token
+
+
+def _as_routes(routing) -> jax.Array:
+    """A model call's stacked `moe.Routing` -> its experts [B, T, L_sparse, k] int16."""
+    return jnp.moveaxis(routing.experts, 0, 2).astype(jnp.int16)
 
 
 def make_sampler(
@@ -284,8 +296,11 @@ def make_sampler(
             token = jax.lax.dynamic_slice_in_dim(s.tokens, slot, 1, axis=1)
             rot = Rotation(*(jax.lax.dynamic_slice_in_dim(x, s.i - 1, 1, axis=1) for x in decode_rotations))
             slots = s.cache.k[0].shape[2]  # this phase's cache length
-            h, cache = model.hidden(token, rot, s.mask[:, :slots], s.cache, slot)
-            return emit(s._replace(logits=model.unembed(h)[:, 0], cache=constrain(cache)))
+            h, cache, routing = model.routed_hidden(token, rot, s.mask[:, :slots], s.cache, slot)
+            routes = s.routes
+            if routes is not None:  # the input token's experts, in its own column
+                routes = jax.lax.dynamic_update_slice_in_dim(routes, _as_routes(routing), slot, axis=1)
+            return emit(s._replace(logits=model.unembed(h)[:, 0], cache=constrain(cache), routes=routes))
 
         # Decode in phases whose cache grows: attention reads only the slots a phase can
         # fill (128 new tokens after 32 read 112 slots a step on average, not 160). Shapes
@@ -296,8 +311,12 @@ def make_sampler(
         # token in slot P-1, so only that slot's logits are needed.
         mask = jnp.zeros((batch, length), bool).at[:, :p].set(prompt_mask)
         cache = constrain(init_cache(model_cfg, batch, p + ends[0], kv_cache_dtype))
-        h, cache = _prefill(model, prompt_tokens, positions_from_mask(prompt_mask), mask, cache, prefill_chunk_size,
-                            constrain)
+        routes = None
+        if moe.sparse_layers(model_cfg):
+            routes = jnp.full((batch, length, len(moe.sparse_layers(model_cfg)), model_cfg.experts_per_token),
+                              NO_ROUTE, jnp.int16)
+        h, cache, routes = _prefill(model, prompt_tokens, positions_from_mask(prompt_mask), mask, cache,
+                                    prefill_chunk_size, constrain, routes)
         state = _Decode(
             i=jnp.zeros((), jnp.int32),
             logits=model.unembed(h)[:, 0],
@@ -307,6 +326,7 @@ def make_sampler(
             logprobs=jnp.zeros((batch, length), jnp.float32),
             done=jnp.zeros((batch,), bool),
             rng=rng,
+            routes=routes,
         )
         state = emit(state)
         for k, end in enumerate(ends):
@@ -315,8 +335,12 @@ def make_sampler(
                 state = state._replace(cache=constrain(jax.tree.map(grow, state.cache)))
             state = jax.lax.while_loop(lambda s, end=end: (s.i < end) & ~jnp.all(s.done), step, state)
         completion = state.mask & (jnp.arange(length) >= p)[None, :]
+        routes = state.routes
+        if routes is not None:  # padding's routes, and the last drawn token's, are none
+            ran = state.mask & (jnp.arange(length) < p + state.i - 1)[None, :]
+            routes = jnp.where(ran[:, :, None, None], routes, jnp.int16(NO_ROUTE))
         return Rollout(tokens=state.tokens, attention_mask=state.mask, completion_mask=completion,
-                       logprobs=state.logprobs)
+                       logprobs=state.logprobs, routes=routes)
 
     if mesh is None:
         return jax.jit(sample)
@@ -337,32 +361,40 @@ def constrain_cache(mesh: Optional[Mesh], cache: KVCache) -> KVCache:
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, shard), cache)
 
 
-def _prefill(model, tokens, positions, mask, cache: KVCache, chunk: int, constrain) -> tuple[jax.Array, KVCache]:
-    """(hidden state of the last prompt slot [B, 1, D], the cache holding the prompt's slots).
+def _prefill(model, tokens, positions, mask, cache: KVCache, chunk: int, constrain,
+             routes: Optional[jax.Array] = None) -> tuple[jax.Array, KVCache, Optional[jax.Array]]:
+    """(hidden state of the last prompt slot [B, 1, D], the cache holding the prompt's slots, `routes`
+    with the prompt's columns written: `_Decode.routes`, None without experts).
 
     With `chunk` > 0 the prompt goes through the model `chunk` tokens at a time, each
     chunk attending to the cache written so far: a first chunk of P mod `chunk` tokens,
     then a `fori_loop` over equal ones (one copy of the model in the program)."""
     p = tokens.shape[1]
+
+    def record(routes, routing, start):
+        if routes is None:
+            return None
+        return jax.lax.dynamic_update_slice_in_dim(routes, _as_routes(routing), start, axis=1)
+
     if chunk <= 0 or chunk >= p:
-        h, cache = model.hidden(tokens, positions, mask, cache, 0)
-        return h[:, -1:], cache
+        h, cache, routing = model.routed_hidden(tokens, positions, mask, cache, 0)
+        return h[:, -1:], cache, record(routes, routing, 0)
     first = p % chunk
     h = None
     if first:
-        h, cache = model.hidden(tokens[:, :first], positions[:, :first], mask, cache, 0)
-        h = h[:, -1:]
+        h, cache, routing = model.routed_hidden(tokens[:, :first], positions[:, :first], mask, cache, 0)
+        h, routes = h[:, -1:], record(routes, routing, 0)
     take = lambda x, start: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
 
     def one(k, carry):
-        _, cache = carry
+        _, cache, routes = carry
         start = first + k * chunk
-        h, cache = model.hidden(take(tokens, start), take(positions, start), mask, cache, start)
-        return h[:, -1:].astype(carry[0].dtype), constrain(cache)
+        h, cache, routing = model.routed_hidden(take(tokens, start), take(positions, start), mask, cache, start)
+        return h[:, -1:].astype(carry[0].dtype), constrain(cache), record(routes, routing, start)
 
     dtype = dtype_of(model.cfg.compute_dtype)
     h0 = jnp.zeros((tokens.shape[0], 1, model.cfg.d_model), dtype) if h is None else h
-    return jax.lax.fori_loop(0, p // chunk, one, (h0, cache))
+    return jax.lax.fori_loop(0, p // chunk, one, (h0, cache, routes))
 
 
 def kv_cache_bytes(model_cfg: ModelConfig, batch: int, prompt_len: int, max_new_tokens: int,

@@ -160,7 +160,7 @@ def compile_config(config: Config, topology: Optional[str] = None, log=print) ->
         c.sampling.kv_cache_dtype or m.compute_dtype))
     cache_shard = sharding.cache_sharding(mesh, KV_CACHE_AXES, cache.shape).shard_shape(cache.shape)
     kv = 2 * m.n_layers * math.prod(cache_shard) * cache.dtype.itemsize
-    family = "qwen3" if m.qk_norm else ("qwen2" if m.attention_bias else "llama")
+    family = architecture_name(m)
     return Report(
         target=topology or "local", device_kind=devices[0].device_kind, n_devices=len(devices),
         hbm=hbm_bytes(devices[0]), libtpu=libtpu_version() if topology else None, mesh=sharding.describe(mesh),
@@ -187,6 +187,17 @@ def check_fits(report: Report) -> None:
                          f"of a {where}")
 
 
+def architecture_name(m) -> str:
+    """The HF family whose features the model has (`hf.family_of`: gemma3_text, qwen3_moe, ...), or "custom"."""
+    from jaxreplay.models.errors import HFModelError
+    from jaxreplay.models.hf import family_of
+
+    try:
+        return family_of(m)
+    except HFModelError:
+        return "custom"
+
+
 def _with_architecture(config: Config) -> Config:
     """The config with the architecture of `model.hf_path`'s config.json, as training reads it."""
     m = config.model
@@ -196,7 +207,7 @@ def _with_architecture(config: Config) -> Config:
 
     cfg = read_model_config(m.hf_path, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
                             max_seq_len=m.max_seq_len)
-    return dataclasses.replace(config, model=dataclasses.replace(cfg, lora=m.lora))
+    return dataclasses.replace(config, model=dataclasses.replace(cfg, lora=m.lora, moe_dispatch=m.moe_dispatch))
 
 
 def _placed(tree: Any, shardings: Any) -> Any:

@@ -144,7 +144,8 @@ def load_policy(config: Config, *, checkpoint: Optional[str] = None, hf: Optiona
     from jaxreplay.train.checkpoint import restore_policy_params
 
     cfg = m if m.hf_path is None else dataclasses.replace(read_model_config(
-        m.hf_path, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, max_seq_len=m.max_seq_len), lora=m.lora)
+        m.hf_path, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, max_seq_len=m.max_seq_len), lora=m.lora,
+        moe_dispatch=m.moe_dispatch)
     graphdef, abstract = split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))
     directory = str(checkpoint)  # a run dir or its checkpoints/, on a disk or in a bucket
     if storage.isdir(storage.join(directory, "checkpoints")):

@@ -38,6 +38,13 @@ METRICS: tuple[tuple[str, str, str], ...] = (
                   "the batch's tokens (drawn from the behaviour policy); drift since generation", "every step"),
     ("ratio_mean", "mean ratio π_current/π_behaviour over the batch's tokens", "every step"),
     ("kl_ref", "KL to the warm-start policy", "`train.kl_coef` > 0"),
+    ("router_aux_loss", "mixture of experts: the routers' load-balancing loss on the training batch, as HF's "
+                              "`load_balancing_loss_func` (before `model.router_aux_loss_coef`)",
+     "`model.n_experts` > 0"),
+    ("router_disagreement", "mixture of experts: share of the training batch's (token, sparse layer) pairs whose top-k "
+                            "experts under the learner's router differ from those the sampler chose (recorded on the "
+                            "row); with `train.routing_replay` the learner routes as the sampler did all the same",
+     "`model.n_experts` > 0 with `sampling.engine: static`"),
     ("grad_norm", "global gradient norm before clipping", "every step"),
     ("learning_rate", "the learning rate this update applied (it warms up over `train.warmup_steps`)", "every step"),
     ("nonfinite", "1 if this step's loss, gradient or update was not finite and the update was skipped",

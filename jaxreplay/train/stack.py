@@ -60,7 +60,7 @@ def resolved_model(config: Config) -> Config:
         return config
     model = read_model_config(m.hf_path, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
                               max_seq_len=m.max_seq_len)
-    return dataclasses.replace(config, model=dataclasses.replace(model, lora=m.lora))
+    return dataclasses.replace(config, model=dataclasses.replace(model, lora=m.lora, moe_dispatch=m.moe_dispatch))
 
 
 def build_stack(config: Config, placement: Placement, log: Callable[[str], None]) -> Stack:

@@ -2,7 +2,8 @@
 no weights), so `jaxreplay compile` sizes a run without a model directory.
 
 The published config.json of the Hugging Face repositories Qwen/Qwen2.5-0.5B,
-Qwen/Qwen2.5-1.5B, Qwen/Qwen2.5-3B, Qwen/Qwen2.5-7B, Qwen/Qwen3-0.6B and google/gemma-3-1b-it, and the
+Qwen/Qwen2.5-1.5B, Qwen/Qwen2.5-3B, Qwen/Qwen2.5-7B, Qwen/Qwen3-0.6B, Qwen/Qwen3-30B-A3B (a mixture of
+experts: 128, top 8) and google/gemma-3-1b-it, and the
 `text_config` of google/gemma-3-4b-it written as the gemma3_text model it holds (tests/test_compile.py
 checks that they give the published parameter counts); `models.hf.read_model_config` reads them like
 any model directory's. This module imports no JAX: `config.validate` runs its check.
@@ -17,7 +18,8 @@ from jaxreplay.config import Config, ConfigError, owner_check
 
 _HERE = Path(__file__).resolve().parent
 
-SHIPPED = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen3-0.6b", "gemma3-1b", "gemma3-4b")
+SHIPPED = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-30b-a3b", "gemma3-1b",
+           "gemma3-4b")
 
 
 def architecture_dir(name_or_path: str) -> Optional[Path]:
