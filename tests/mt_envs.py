@@ -75,3 +75,15 @@ class FailingGuess:
 
     def step(self, turn_text):
         return self.inner.step(turn_text)
+
+
+class EvenNumberWins:
+    """Ends at the first turn, whatever it says, with reward 1 when the item's number is even."""
+
+    def reset(self, item, seed):
+        self.number = item[2]
+        return (Message("user", f"{item[0]},{item[1]}:"),)
+
+    def step(self, turn_text):
+        return Step(reward=float(self.number % 2 == 0), done=True)
+

@@ -15,7 +15,7 @@ import pytest
 
 from jaxreplay.config import ConfigError, TaskConfig, load_config, validate
 from jaxreplay.tasks.arithmetic import CharTokenizer
-from jaxreplay.tasks.environment import EnvPool, Message, Step, make_environment, register_environment
+from jaxreplay.tasks.environment import EnvPool, Message, make_environment
 from jaxreplay.tasks.guess_number import MAX_TURNS, MIN_WIDTH, GuessNumber, GuessNumberTask, all_items, play
 from jaxreplay.tasks.latency import Latency
 from jaxreplay.tasks.scripted import episode_rows
@@ -177,18 +177,6 @@ def test_scripted_episodes_become_rows_with_only_the_players_turns_in_the_loss()
     assert cut[1].tolist() == [5, 6] + second[:4] and cut_loss[1].tolist() == [False, False, True, True, False, True]
 
 
-class EvenNumberWins:
-    """Ends at the first turn, whatever it says, with reward 1 when the item's number is even."""
-
-    def reset(self, item, seed):
-        self.number = item[2]
-        return (Message("user", f"{item[0]},{item[1]}:"),)
-
-    def step(self, turn_text):
-        return Step(reward=float(self.number % 2 == 0), done=True)
-
-
-register_environment("test_even_number_wins", EvenNumberWins)
 
 
 class EveryIdEndsATurn(CharTokenizer):
@@ -209,7 +197,7 @@ def test_evaluation_plays_greedy_episodes_on_the_test_and_the_validation_split()
         "model.d_ff=64", "model.max_seq_len=10", "sampling.max_new_tokens=4", "task.eval_size=24",
         "task.validation_size=40"])
     config = dataclasses.replace(config, environment=dataclasses.replace(
-        config.environment, name="test_even_number_wins", options={}, workers=2, eval_slots=16))
+        config.environment, name="mt_envs:EvenNumberWins", options={}, workers=2, eval_slots=16))
     graphdef, params = init_params(config.model, 0)
     task = GuessNumberTask(config.task)
     task.tokenizer = EveryIdEndsATurn()  # a random policy's first token ends its turn
