@@ -32,6 +32,7 @@ from jaxreplay.models.tokenizer import load_tokenizer
 from jaxreplay.models.transformer import forward
 from jaxreplay.rollout.sampling import make_sampler
 from conftest import cpu_devices_env
+from tiny_hf import save_random_hf_model
 
 # Qwen2 and Qwen3 tie their embeddings as Qwen2.5-0.5B and Qwen3-0.6B do; Llama does not.
 # Qwen3's head_dim is not hidden/heads, as in the real Qwen3 models.
@@ -73,12 +74,7 @@ def make_hf_model(family: str, path: Path, seed: int = 0, **overrides):
     shape = dict(vocab_size=VOCAB, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1)
     config = config_cls(eos_token_id=4, pad_token_id=0, bos_token_id=1, **{**shape, **kwargs, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(str(path))
+    model = save_random_hf_model(config, path, seed)
     write_tokenizer(path)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [4, 2], "pad_token_id": 0}))
     return model

@@ -26,7 +26,8 @@ from jaxreplay.models.hf import load_hf_model, read_model_config, save_hf_model 
 from jaxreplay.models.tokenizer import load_tokenizer  # noqa: E402
 from jaxreplay.models.transformer import forward  # noqa: E402
 from jaxreplay.rollout.sampling import make_sampler  # noqa: E402
-from tiny_hf import GEMMA, engine_greedy, flat_params, hf_greedy, hf_logits, write_char_tokenizer  # noqa: E402
+from tiny_hf import (GEMMA, engine_greedy, flat_params, hf_greedy, hf_logits, save_random_hf_model,  # noqa: E402
+                     write_char_tokenizer)
 
 VOCAB, WINDOW = 128, 5
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -50,12 +51,7 @@ MODEL_TYPE = {"gemma3": "gemma3_text", "gemma3_tied": "gemma3_text", "gemma2": "
 def make_gemma(family: str, path: Path, seed: int = 0):
     config_cls, extra = FAMILIES[family]
     config = config_cls(**SHAPE, **extra)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(str(path))
+    model = save_random_hf_model(config, path, seed)
     write_char_tokenizer(path, GEMMA)
     return model
 

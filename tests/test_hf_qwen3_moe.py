@@ -27,7 +27,8 @@ from jaxreplay.models.moe import load_balancing_loss, sparse_layers  # noqa: E40
 from jaxreplay.models.tokenizer import load_tokenizer  # noqa: E402
 from jaxreplay.models.transformer import forward, routed_score_hidden  # noqa: E402
 from jaxreplay.rollout.sampling import make_sampler  # noqa: E402
-from tiny_hf import QWEN_TOOLS, engine_greedy, flat_params, hf_greedy, hf_logits, write_char_tokenizer  # noqa: E402
+from tiny_hf import (QWEN_TOOLS, engine_greedy, flat_params, hf_greedy, hf_logits,  # noqa: E402
+                     save_random_hf_model, write_char_tokenizer)
 
 VOCAB = 128
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
@@ -43,12 +44,7 @@ SPARSE = {"dense_layer_1": (0, 2, 3), "every_second": (1, 3)}
 
 def make_qwen3_moe(variant: str, path: Path, seed: int = 0):
     config = transformers.Qwen3MoeConfig(**SHAPE, **VARIANTS[variant])
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(str(path))
+    model = save_random_hf_model(config, path, seed)
     write_char_tokenizer(path, QWEN_TOOLS)
     return model
 

@@ -102,6 +102,21 @@ def write_model(path: Path, *, vocab_size: int = 128, max_seq_len: int = 256, to
 # Parity helpers shared by the tests that run transformers' own models (the Reverb lane's torch).
 
 
+def save_random_hf_model(config, path: Path, seed: int = 0):
+    """transformers' model of `config` in float32, its random weights widened (+ 0.1 N(0, 1) each, so
+    that no logit ties), saved at `path`; returns the torch model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(path))
+    return model
+
+
 def hf_logits(model, tokens):
     """transformers' float logits [B, T, V] of int tokens [B, T] (numpy in, numpy out)."""
     import torch
