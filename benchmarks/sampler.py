@@ -1,7 +1,9 @@
 """Decode throughput: our jitted KV-cache sampler against `transformers` `generate`.
 
 Both sides run the same random Qwen2 weights (`--family gemma3`: Gemma 3 text, local and global
-layers alternating, a window of 32 tokens of the 160 decoded): transformers makes the model and saves it,
+layers alternating, a window of 32 tokens of the 160 decoded; `--family qwen3_moe`: Qwen3-MoE, 8 experts
+of which each token takes 2, each half the dense MLP, our sampler recording every token's experts as a
+run's does): transformers makes the model and saves it,
 and our HF bridge loads that directory. Both sample at temperature 1 (no top-k/top-p) in
 float32, from the same left-padded prompts, for exactly `new_tokens` tokens (no EOS on
 either side). Throughput is generated tokens per second of wall time, each side's best of
@@ -63,7 +65,7 @@ def run(quick: bool = False, torch_python: Optional[str] = None, family: str = "
     if python is None:
         raise RuntimeError("no interpreter with torch and transformers for the generate reference: install the "
                            "'parity' extra, or pass --torch-python PATH (e.g. .venv-reverb/bin/python)")
-    s = dict(QUICK if quick else FULL, family=family, window=4 if quick else 32)
+    s = dict(QUICK if quick else FULL, family=family, window=4 if quick else 32, experts=4 if quick else 8)
     ref = reference(python)
     rows = []
     try:
@@ -92,7 +94,7 @@ def run(quick: bool = False, torch_python: Optional[str] = None, family: str = "
 
 
 def main(argv=None) -> None:
-    """`python -m benchmarks.sampler [--runs N] [--torch-python PATH] [--family gemma3]`: only this benchmark, N
+    """`python -m benchmarks.sampler [--runs N] [--torch-python PATH] [--family gemma3|qwen3_moe]`: only this benchmark, N
     times (each side by side), then each batch's median ratio: one run on a shared machine
     is noise."""
     import argparse
@@ -103,7 +105,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--torch-python", help="interpreter with torch + transformers (as benchmarks.run)")
-    parser.add_argument("--family", choices=("qwen2", "gemma3"), default="qwen2", help="the random model's family")
+    parser.add_argument("--family", choices=("qwen2", "gemma3", "qwen3_moe"), default="qwen2", help="the random model's family")
     args = parser.parse_args(argv)
     tune_cpu_compiler()  # as benchmarks.run and the CLI do
     runs = []

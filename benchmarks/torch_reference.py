@@ -62,7 +62,23 @@ def write_gemma3(path: Path, s: dict, dtype: str = "float32") -> None:
     transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).save_pretrained(str(path))
 
 
-WRITERS = {"qwen2": write_qwen2, "gemma3": write_gemma3}
+def write_qwen3_moe(path: Path, s: dict, dtype: str = "float32") -> None:
+    """A random Qwen3-MoE model directory written by transformers itself: every layer sparse, `s["experts"]`
+    experts of which each token takes 2 (normalised, as Qwen3-30B-A3B), each expert half the dense `d_ff`,
+    so a token's active MLP has the dense model's parameters."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=s["vocab"], hidden_size=s["width"], intermediate_size=s["d_ff"], num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["width"] // s["heads"],
+        moe_intermediate_size=s["d_ff"] // 2, num_experts=s["experts"], num_experts_per_tok=2, norm_topk_prob=True,
+        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).save_pretrained(str(path))
+
+
+WRITERS = {"qwen2": write_qwen2, "gemma3": write_gemma3, "qwen3_moe": write_qwen3_moe}
 
 
 def generate_fn(hf, tokens: np.ndarray, mask: np.ndarray, new_tokens: int, device: str = "cpu"):

@@ -1021,6 +1021,7 @@ RANGES: dict[str, Interval] = {
 # run. `validate` imports them when it first runs, so importing this module pulls in no higher stage.
 OWNERS = (
     "jaxreplay.models.architectures",
+    "jaxreplay.models.hf",
     "jaxreplay.replay.limiter",
     "jaxreplay.tasks.registry",
     "jaxreplay.tools.topology",
@@ -1137,10 +1138,6 @@ def _validate_machine(c: Config) -> None:
              "dependencies, builds from source with a C compiler: docs/install.md)")
     _require(c.wandb.mode == "disabled" or importlib.util.find_spec("wandb") is not None, "wandb.mode",
              f"{c.wandb.mode} needs wandb (pip install 'jaxreplay[tracking]'), or use disabled")
-    hf_path = c.model.hf_path
-    config_json = None if hf_path is None else storage.join(hf_path, "config.json")
-    _require(hf_path is None or (storage.exists(config_json) if storage.is_url(hf_path) else Path(config_json).is_file()),
-             "model.hf_path", f"{show(hf_path)} is not a Hugging Face model directory (no config.json)")
 
 
 def _check_numbers(c: Config) -> None:

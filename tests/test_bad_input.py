@@ -204,6 +204,14 @@ def case_model_of_an_unsupported_family(tmp_path):
     return train(tmp_path, f"model.hf_path={model}"), "unknown architecture model_type='mixtral'"
 
 
+def case_model_routing_to_more_experts_than_it_has(tmp_path):
+    model = tmp_path / "qwen3_moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4,
+                                                   "num_experts_per_tok": 6}))
+    return train(tmp_path, f"model.hf_path={model}"), "num_experts_per_tok=6 of num_experts=4"
+
+
 def case_more_experts_per_token_than_experts(tmp_path):
     return (["train", str(ROOT / "configs" / "demo_moe.yaml"), "model.experts_per_token=9",
              f"run.dir={tmp_path / 'run'}"], "model.experts_per_token: must not exceed model.n_experts (8), got 9")
@@ -274,7 +282,9 @@ FAST = [case_malformed_yaml, case_missing_config_file, case_config_is_a_director
         case_nan_float, case_infinite_timeout, case_infinite_error_buffer, case_infinite_priority_exponent,
         case_float_out_of_range, case_integer_too_large_for_a_float, case_integer_beyond_32_bits,
         case_negative_seed, case_task_with_no_training_problem, case_deadlocking_limiter,
-        case_model_path_without_a_model, case_more_experts_per_token_than_experts, case_malformed_address, case_unknown_environment,
+        case_model_path_without_a_model, case_model_of_an_unsupported_family,
+        case_model_routing_to_more_experts_than_it_has, case_more_experts_per_token_than_experts,
+        case_malformed_address, case_unknown_environment,
         case_sweep_file_with_a_duplicate_key,
         case_run_dir_is_a_file, case_run_dir_under_a_file, case_run_dir_read_only, case_run_dir_with_a_nul_character,
         case_empty_run_dir,
@@ -322,7 +332,7 @@ def case_multi_host_setting_that_sharding_would_change(tmp_path):
 SLOW = [case_mesh_larger_than_the_machine, case_prompt_longer_than_the_context,
         case_dataset_prompt_longer_than_max_prompt_len, case_empty_dataset, case_eval_of_a_missing_checkpoint,
         case_eval_of_a_corrupt_checkpoint, case_resume_from_a_corrupt_checkpoint,
-        case_multi_host_setting_that_sharding_would_change, case_model_of_an_unsupported_family]
+        case_multi_host_setting_that_sharding_would_change]
 
 
 def read_only_dir(tmp_path):

@@ -34,7 +34,7 @@ from flax import nnx
 
 from jaxreplay import storage
 from jaxreplay.compat import is_variable, value_of, with_value
-from jaxreplay.config import DType, ModelConfig
+from jaxreplay.config import Config, ConfigError, DType, ModelConfig, machine_check
 from jaxreplay.models.errors import HFModelError
 from jaxreplay.models.transformer import Transformer, dtype_of, split
 
@@ -128,13 +128,11 @@ def hf_names(path: tuple, shape: tuple[int, ...]) -> tuple[list[str], bool, bool
 # config.json <-> ModelConfig
 
 
-def _read_hf_config(path: Path) -> Any:
-    """The transformers config of `path` (legacy keys such as rope_theta normalised), or a one-line error."""
-    file = path / "config.json"
-    if not file.is_file():
-        raise HFModelError(f"{path} is not a Hugging Face model directory: no config.json")
+def _checked_config_json(text: bytes | str, file: str) -> dict:
+    """config.json's object, refused in one line where its family or expert counts cannot run:
+    the checks that need neither transformers nor the weights, so a run makes them at its edge."""
     try:
-        raw = json.loads(file.read_text())
+        raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise HFModelError(f"{file}: malformed JSON at line {e.lineno}") from None
     except UnicodeDecodeError:
@@ -145,6 +143,44 @@ def _read_hf_config(path: Path) -> Any:
     if model_type not in FAMILIES:
         raise HFModelError(f"{file}: unknown architecture model_type={model_type!r} "
                            f"(supported: {', '.join(sorted(FAMILIES))})")
+    # Published checkpoints say num_experts; transformers 5 writes num_local_experts. Absent, HF's defaults hold.
+    n_experts, top_k = raw.get("num_experts", raw.get("num_local_experts")), raw.get("num_experts_per_tok")
+    if FAMILIES[model_type].moe and n_experts is not None and top_k is not None:
+        if not (type(n_experts) is int and type(top_k) is int and 0 < top_k <= n_experts):
+            raise HFModelError(f"{file}: {model_type} with num_experts_per_tok={top_k} of num_experts={n_experts} "
+                               "is not supported (each token goes to 1 to num_experts experts)")
+    return raw
+
+
+@machine_check
+def check_model_dirs(c: Config) -> None:
+    """`model.hf_path`'s and `model.hf_config`'s config.json, read before the run touches anything
+    (a bucket's file alone, not its weights)."""
+    from jaxreplay.models.architectures import architecture_dir
+
+    for key, where in (("model.hf_path", c.model.hf_path), ("model.hf_config", c.model.hf_config)):
+        if where is None:
+            continue
+        folder = where if key == "model.hf_path" else architecture_dir(where)  # hf_config: its owner's check
+        file = storage.join(folder, "config.json")
+        try:
+            text = storage.read_bytes(file)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ConfigError(f"{key}: {where} is not a Hugging Face model directory (no config.json)") from None
+        except OSError as e:
+            raise ConfigError(f"{key}: cannot read {file}: {e.strerror or e}") from None
+        try:
+            _checked_config_json(text, file)
+        except HFModelError as e:
+            raise ConfigError(f"{key}: {e}") from None
+
+
+def _read_hf_config(path: Path) -> Any:
+    """The transformers config of `path` (legacy keys such as rope_theta normalised), or a one-line error."""
+    file = path / "config.json"
+    if not file.is_file():
+        raise HFModelError(f"{path} is not a Hugging Face model directory: no config.json")
+    _checked_config_json(file.read_bytes(), str(file))
     import transformers  # the demo path never needs it
     from huggingface_hub.errors import StrictDataclassError
 
