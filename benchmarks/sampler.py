@@ -15,6 +15,7 @@ time is reported on its own. The reference may run under another interpreter
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from typing import Callable, Optional
@@ -22,9 +23,12 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
+from flax import nnx
+
 from benchmarks.torch_reference import best_time, reference
 from benchmarks.torch_reference import torch_python as find_torch_python
 from jaxreplay.models.hf import load_hf_model
+from jaxreplay.models.transformer import Transformer, split
 from jaxreplay.rollout.sampling import make_sampler
 
 # The issue's calibration model: 3.1M parameters.
@@ -54,12 +58,13 @@ def compiled_sampler(sample, params, tokens: np.ndarray, mask: np.ndarray) -> tu
     return compile_s, decode
 
 
-def run(quick: bool = False, torch_python: Optional[str] = None, family: str = "qwen2") -> list[dict]:
+def run(quick: bool = False, torch_python: Optional[str] = None, family: str = "qwen2",
+        moe_dispatch: Optional[str] = None) -> list[dict]:
     """One row per batch size: tokens/s of both sides, their ratio, and our compile seconds.
 
     The reference runs under `torch_python` (default: this interpreter if it has torch, else
     the Reverb lane's venv); ours is timed before and after it, so neither side is favoured
-    by running first.
+    by running first. `moe_dispatch` (qwen3_moe): the experts' dispatch, else the model's default.
     """
     python = find_torch_python(torch_python)
     if python is None:
@@ -72,6 +77,9 @@ def run(quick: bool = False, torch_python: Optional[str] = None, family: str = "
         with tempfile.TemporaryDirectory() as tmp:
             ref.write_model(tmp, s)
             cfg, graphdef, params = load_hf_model(tmp, max_seq_len=s["prompt"] + s["new_tokens"])
+            if moe_dispatch is not None:  # the same parameters, dispatched another way
+                cfg = dataclasses.replace(cfg, moe_dispatch=moe_dispatch)
+                graphdef, _ = split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))))
             # No stop ids: every row emits exactly new_tokens tokens, as generate does.
             sample = make_sampler(graphdef, cfg, max_new_tokens=s["new_tokens"], temperature=1.0, stop_ids=(),
                                   pad_id=0)
@@ -94,7 +102,9 @@ def run(quick: bool = False, torch_python: Optional[str] = None, family: str = "
 
 
 def main(argv=None) -> None:
-    """`python -m benchmarks.sampler [--runs N] [--torch-python PATH] [--family gemma3|qwen3_moe]`: only this benchmark, N
+    """`python -m benchmarks.sampler [--runs N] [--torch-python PATH] [--family gemma3|qwen3_moe]
+    [--moe-dispatch dense]`: only this benchmark, N times (each side by side), then each batch's median
+    ratio: one run on a shared machine is noise."""`python -m benchmarks.sampler [--runs N] [--torch-python PATH] [--family gemma3|qwen3_moe] [--moe-dispatch dense]`: only this benchmark, N
     times (each side by side), then each batch's median ratio: one run on a shared machine
     is noise."""
     import argparse
@@ -106,11 +116,12 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--torch-python", help="interpreter with torch + transformers (as benchmarks.run)")
     parser.add_argument("--family", choices=("qwen2", "gemma3", "qwen3_moe"), default="qwen2", help="the random model's family")
+    parser.add_argument("--moe-dispatch", choices=("ragged_dot", "dense"), help="qwen3_moe: the experts' dispatch")
     args = parser.parse_args(argv)
     tune_cpu_compiler()  # as benchmarks.run and the CLI do
     runs = []
     for k in range(args.runs):
-        runs.append(run(torch_python=args.torch_python, family=args.family))
+        runs.append(run(torch_python=args.torch_python, family=args.family, moe_dispatch=args.moe_dispatch))
         print(f"run {k + 1}:", ", ".join(f"batch {r['batch']} {r['ratio']:.2f}x ({r['ours_tok_s']:.0f} / "
                                           f"{r['generate_tok_s']:.0f} tok/s)" for r in runs[-1]), flush=True)
     for i, row in enumerate(runs[0]):

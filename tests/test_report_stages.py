@@ -379,6 +379,32 @@ def test_the_largest_fall_after_the_peak_is_a_paired_difference(tmp_path):
     assert row["paired numbers"].startswith(_numbers_of(diffs)) and row["verdict"] == "inconclusive"
 
 
+def test_final_accuracy_at_equal_wall_clock_reads_each_run_at_or_before_the_smaller_total_seconds(tmp_path):
+    """on_policy takes 3 s a step (90 s in all), spi2 5 s: at 90 s spi2's latest evaluation is step 10's
+    (50 s; step 20's comes at 100 s), on_policy's its last. The same cut at compute would read other ones."""
+    dirs = [make_run(tmp_path / "runs", s, s, seed, 3e-4, acc) for s, seeds in CLAIM_RUNS.items()
+            for seed, acc in enumerate(seeds)]
+    for d in dirs:
+        per_step = 3.0 if d.parent.name == "on_policy" else 5.0
+        records = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        for r in records[1:]:
+            r.update({"time/generate_timed_s": per_step * r["step"], "time/train_timed_s": 0.0, "time/replay_s": 0.0})
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "runs" / "claims.yaml").write_text(yaml.safe_dump({
+        "same_final_in_time": {"settings": ["spi2"], "measure": "final_at_wallclock", "above": -0.1},
+        "sooner": {"settings": ["spi2"], "measure": "wallclock_to_50", "below": 1.0}}))
+    report(dirs, tmp_path / "out")
+    rows = tables((tmp_path / "out" / "report.md").read_text())["Claims and verdicts"]
+    diffs = [CLAIM_RUNS["spi2"][s][1] - CLAIM_RUNS["on_policy"][s][3] for s in range(3)]  # -0.15, -0.15, 0.1
+    assert diffs == pytest.approx([-0.15, -0.15, 0.1])
+    row = rows["same_final_in_time"]
+    assert row["rule (declared in the sweep file)"] == "paired IQM of final_at_wallclock − on_policy's > -0.1"
+    assert row["paired numbers"].startswith(_numbers_of(diffs))
+    # Half of each seed's on-policy gain (0.45, 0.425, 0.375): both reach it at their first evaluation after
+    # the start (step 10), spi2 at 50 s against on_policy's 30 s, a ratio of 5/3 on every seed.
+    assert rows["sooner"]["paired numbers"].startswith(_numbers_of([5 / 3] * 3))
+
+
 @pytest.mark.parametrize("rule,message", [
     ({"settings": ["a"], "measure": "final_at_compute", "above": 0}, "x.mu: final_at_compute needs the positive µ"),
     ({"settings": ["a"], "measure": "entropy_at_compute", "above": 0}, "x.mu: entropy_at_compute needs"),
@@ -386,6 +412,7 @@ def test_the_largest_fall_after_the_peak_is_a_paired_difference(tmp_path):
     ({"settings": ["a"], "measure": "entropy_at_compute", "mu": 5.28, "above": 0, "ceiling": 0.9},
      "x.ceiling: entropy_at_compute has no"),
     ({"settings": ["a"], "measure": "fall", "below": 0}, "x.measure: 'fall' is not"),
+    ({"settings": ["a"], "measure": "final_at_time", "above": 0}, "x.measure: 'final_at_time' is not"),
 ])
 def test_new_claim_measures_are_parsed_with_their_mu_and_without_a_meaningless_ceiling(rule, message):
     with pytest.raises(ConfigError, match=re.escape(f"sweep.claims.{message}")):

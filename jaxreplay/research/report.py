@@ -171,26 +171,28 @@ def accuracy_measures(settings: Sequence[Setting]) -> list[tuple[str, Callable[[
             *[(f"pass@{k}", lambda r, k=str(k): _pass(r, k)) for k in ks]]
 
 
-def total_compute(run: RunData, mu: float) -> float:
-    """The run's modelled compute at µ at its last logged step."""
-    return float(run.x("compute", [int(run.records[-1]["step"])], mu)[0])
+def total_cost(run: RunData, axis: str, mu: Optional[float] = None) -> float:
+    """The run's `axis` (modelled compute at µ, or wall-clock seconds) at its last logged step."""
+    return float(_x(run, axis, [int(run.records[-1]["step"])], mu)[0])
 
 
-def accuracy_at_compute(run: RunData, budget: float, mu: float) -> Optional[float]:
-    """Test accuracy at the run's latest evaluation at or before `budget` modelled compute at µ."""
+def accuracy_at_cost(run: RunData, budget: float, axis: str, mu: Optional[float]) -> Optional[float]:
+    """Test accuracy at the run's latest evaluation at or before `budget` on `axis`."""
     steps, acc = run.evals()
-    keep = run.x("compute", steps, mu) <= budget
+    keep = _x(run, axis, steps, mu) <= budget
     return float(acc[keep][-1]) if keep.any() else None
 
 
-def entropy_at_compute(run: RunData, budget: float, mu: float) -> Optional[float]:
-    """The mean logged `entropy` over the run's last END_WINDOW logged steps at or before `budget`."""
+def entropy_at_cost(run: RunData, budget: float, axis: str, mu: Optional[float]) -> Optional[float]:
+    """The mean logged `entropy` over the run's last END_WINDOW logged steps at or before `budget` on `axis`."""
     steps, values = run.series("entropy")
-    values = values[run.x("compute", steps, mu) <= budget][-END_WINDOW:]
+    values = values[_x(run, axis, steps, mu) <= budget][-END_WINDOW:]
     return float(values.mean()) if len(values) else None
 
 
-AT_EQUAL_COMPUTE = {"final_at_compute": accuracy_at_compute, "entropy_at_compute": entropy_at_compute}
+# Measures read at equal cost: (the axis both runs are cut at, the measure there).
+AT_EQUAL_COST = {"final_at_compute": ("compute", accuracy_at_cost), "entropy_at_compute": ("compute", entropy_at_cost),
+                 "final_at_wallclock": ("wallclock", accuracy_at_cost)}
 RUN_MEASURES = {"largest_fall": lambda r: largest_fall(r.evals()[1])}  # claim measures beside accuracy_measures
 
 
@@ -204,10 +206,12 @@ def run_measure(measure: str, settings: Sequence[Setting]) -> Callable[[RunData]
 def paired_measure(measure: str, mu: Optional[float], run: RunData, ref: RunData,
                    settings: Sequence[Setting]) -> Optional[tuple[float, float]]:
     """(the run's value, the baseline run's) of an accuracy-like claim measure, for one seed pair; None if
-    either is missing. At equal compute, both are read at the smaller of the two runs' total compute at µ."""
-    if measure in AT_EQUAL_COMPUTE:
-        budget = min(total_compute(run, mu), total_compute(ref, mu))
-        get = lambda r: AT_EQUAL_COMPUTE[measure](r, budget, mu)  # noqa: E731
+    either is missing. At equal cost, both are read at the smaller of the two runs' totals: compute at µ,
+    or wall-clock seconds."""
+    if measure in AT_EQUAL_COST:
+        axis, at = AT_EQUAL_COST[measure]
+        budget = min(total_cost(run, axis, mu), total_cost(ref, axis, mu))
+        get = lambda r: at(r, budget, axis, mu)  # noqa: E731
     else:
         get = run_measure(measure, settings)
     a, b = get(run), get(ref)
@@ -379,7 +383,7 @@ def contrast_values(claim: Claim, settings: dict[str, Setting]) -> list[list[flo
 def baseline_values(claim: Claim, settings: Sequence[Setting], base: Setting) -> list[float]:
     """The baseline's own values of an accuracy claim's measure, which its ceiling is read against: every
     baseline run's, or at equal compute each pair's baseline side."""
-    if claim.measure in AT_EQUAL_COMPUTE:
+    if claim.measure in AT_EQUAL_COST:
         by_name = {s.name: s for s in settings}
         return [v[1] for n in claim.settings for r, ref in pairs(by_name[n], base)
                 if (v := paired_measure(claim.measure, claim.mu, r, ref, settings)) is not None]

@@ -7,11 +7,12 @@ baseline (the report's `--baseline`, on-policy by default):
       keeps_peak:
         text: moderate reuse (spi 2) keeps the peak
         settings: [spi2_nr2, spi2_nr8]   # pooled: the bootstrap resamples seeds within each
-        measure: peak                    # peak | final | pass@K | {tokens,rollouts,compute}_to_{50,75,90}
-                                         # | final_at_compute | entropy_at_compute | largest_fall
+        measure: peak                    # peak | final | pass@K | {tokens,rollouts,compute,wallclock}_to_{50,75,90}
+                                         # | final_at_compute | entropy_at_compute | final_at_wallclock
+                                         # | largest_fall
         above: -0.02                     # or below: 1.0
         mu: 5.28                         # the µ of the modelled compute: compute_to_*, *_at_compute
-        ceiling: 0.98                    # optional: the baseline's median peak/final/pass@K/final_at_compute
+        ceiling: 0.98                    # optional: the baseline's median peak/final/pass@K/final_at_*
                                          # at or above it leaves no room to show the claim: "not testable here"
 
 Accuracy measures are differences (setting minus the same seed's baseline run); cost
@@ -19,7 +20,9 @@ measures are ratios to the same seed's baseline, +inf where the run never reache
 target. At equal compute (`final_at_compute`, `entropy_at_compute`), each seed pair is read
 at the smaller of the two runs' total modelled compute at µ: test accuracy at each run's
 latest evaluation at or before it, or the mean of the logged `entropy` over the last 10
-logged steps at or before it. `largest_fall` is the largest drop of test accuracy below an
+logged steps at or before it; `final_at_wallclock` the same at the smaller of the two runs'
+wall-clock seconds (compilation and evaluation left out, as the report's wallclock axis).
+`largest_fall` is the largest drop of test accuracy below an
 earlier evaluation (after the peak so far); "smaller with a buffer" is `below: 0`.
 
 The verdict reads the IQM's 95% stratified bootstrap interval against the threshold:
@@ -63,10 +66,11 @@ from jaxreplay.research.report_stats import Interval, fmt
 CLAIMS_FILE = "claims.yaml"  # beside a sweep's setting folders: the claims its sweep file declared
 REPLICATION_FILE = "replication.yaml"  # beside a replication's setting folders (`jaxreplay sweep --replicate`)
 TARGET_FRACTIONS = (0.5, 0.75, 0.9)  # targets: these shares of the same seed's baseline gain (peak - start)
-_COST = re.compile(r"(tokens|rollouts|compute)_to_(50|75|90)")
+_COST = re.compile(r"(tokens|rollouts|compute|wallclock)_to_(50|75|90)")
 _PASS = re.compile(r"pass@([1-9][0-9]*)")
 _KEYS = {"text", "settings", "measure", "above", "below", "mu", "ceiling", "baseline", "contrast", "regime"}
 AT_COMPUTE = ("final_at_compute", "entropy_at_compute")  # paired at the smaller of the two runs' compute at µ
+AT_WALLCLOCK = ("final_at_wallclock",)  # paired at the smaller of the two runs' wall-clock seconds
 NO_CEILING = ("entropy_at_compute", "largest_fall")  # neither is an accuracy with a top to sit at
 
 
@@ -104,7 +108,7 @@ class Claim:
             side = ">" if self.above else "<"
             return (f"paired IQM of ({self.measure} − {baseline}'s) − (the same of {', '.join(self.contrast)} − "
                     f"{self.contrast_baseline}'s){' (' + at[2:] + ')' if at else ''} {side} {self.threshold:g}")
-        what = (f"{self.measure} − {baseline}'s" + (f" ({at[2:]})" if self.measure in AT_COMPUTE else "")
+        what = (f"{self.measure} − {baseline}'s" + (f" ({at[2:]})" if self.measure in AT_COMPUTE and at else "")
                 if self.cost is None else f"{self.measure} (× {baseline}'s{at})")
         side = ">" if self.above else "<"
         return f"paired IQM of {what} {side} {self.threshold:g}"
@@ -136,11 +140,11 @@ def parse_claims(raw: Any, where: str = "sweep.claims") -> tuple[Claim, ...]:
         if not (isinstance(settings, list) and settings and all(isinstance(s, str) for s in settings)):
             raise ConfigError(f"{key}.settings: expected a non-empty list of setting names, got {show(settings)}")
         measure = rule.get("measure")
-        if not isinstance(measure, str) or not (measure in ("peak", "final", "largest_fall", *AT_COMPUTE)
+        if not isinstance(measure, str) or not (measure in ("peak", "final", "largest_fall", *AT_COMPUTE, *AT_WALLCLOCK)
                                                 or _PASS.fullmatch(measure) or _COST.fullmatch(measure)):
             raise ConfigError(f"{key}.measure: {show(measure)} is not peak, final, pass@K, "
-                              "{tokens,rollouts,compute}_to_{50,75,90}, final_at_compute, entropy_at_compute "
-                              "or largest_fall")
+                              "{tokens,rollouts,compute,wallclock}_to_{50,75,90}, final_at_compute, "
+                              "entropy_at_compute, final_at_wallclock or largest_fall")
         if ("above" in rule) == ("below" in rule):
             raise ConfigError(f"{key}: give exactly one of above and below (the rule's threshold)")
         side = "above" if "above" in rule else "below"
