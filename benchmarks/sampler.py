@@ -104,9 +104,7 @@ def run(quick: bool = False, torch_python: Optional[str] = None, family: str = "
 def main(argv=None) -> None:
     """`python -m benchmarks.sampler [--runs N] [--torch-python PATH] [--family gemma3|qwen3_moe]
     [--moe-dispatch dense]`: only this benchmark, N times (each side by side), then each batch's median
-    ratio: one run on a shared machine is noise."""`python -m benchmarks.sampler [--runs N] [--torch-python PATH] [--family gemma3|qwen3_moe] [--moe-dispatch dense]`: only this benchmark, N
-    times (each side by side), then each batch's median ratio: one run on a shared machine
-    is noise."""
+    ratio: one run on a shared machine is noise."""
     import argparse
     import statistics
 
@@ -115,7 +113,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--torch-python", help="interpreter with torch + transformers (as benchmarks.run)")
-    parser.add_argument("--family", choices=("qwen2", "gemma3", "qwen3_moe"), default="qwen2", help="the random model's family")
+    parser.add_argument("--family", choices=("qwen2", "gemma3", "qwen3_moe"), default="qwen2",
+                        help="the random model's family")
     parser.add_argument("--moe-dispatch", choices=("ragged_dot", "dense"), help="qwen3_moe: the experts' dispatch")
     args = parser.parse_args(argv)
     tune_cpu_compiler()  # as benchmarks.run and the CLI do
