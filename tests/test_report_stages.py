@@ -392,7 +392,8 @@ def test_final_accuracy_at_equal_wall_clock_reads_each_run_at_or_before_the_smal
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "runs" / "claims.yaml").write_text(yaml.safe_dump({
         "same_final_in_time": {"settings": ["spi2"], "measure": "final_at_wallclock", "above": -0.1},
-        "sooner": {"settings": ["spi2"], "measure": "wallclock_to_50", "below": 1.0}}))
+        "sooner": {"settings": ["spi2"], "measure": "wallclock_to_50", "below": 1.0},
+        "more_entropy_in_time": {"settings": ["spi2"], "measure": "entropy_at_wallclock", "above": 0.0}}))
     report(dirs, tmp_path / "out")
     rows = tables((tmp_path / "out" / "report.md").read_text())["Claims and verdicts"]
     diffs = [CLAIM_RUNS["spi2"][s][1] - CLAIM_RUNS["on_policy"][s][3] for s in range(3)]  # -0.15, -0.15, 0.1
@@ -403,6 +404,8 @@ def test_final_accuracy_at_equal_wall_clock_reads_each_run_at_or_before_the_smal
     # Half of each seed's on-policy gain (0.45, 0.425, 0.375): both reach it at their first evaluation after
     # the start (step 10), spi2 at 50 s against on_policy's 30 s, a ratio of 5/3 on every seed.
     assert rows["sooner"]["paired numbers"].startswith(_numbers_of([5 / 3] * 3))
+    # Entropy 1 - 0.01 step over the last ten logged steps by 90 s: on_policy's 21..30, spi2's 9..18.
+    assert rows["more_entropy_in_time"]["paired numbers"].startswith(_numbers_of([0.12] * 3))
 
 
 @pytest.mark.parametrize("rule,message", [

@@ -192,7 +192,8 @@ def entropy_at_cost(run: RunData, budget: float, axis: str, mu: Optional[float])
 
 # Measures read at equal cost: (the axis both runs are cut at, the measure there).
 AT_EQUAL_COST = {"final_at_compute": ("compute", accuracy_at_cost), "entropy_at_compute": ("compute", entropy_at_cost),
-                 "final_at_wallclock": ("wallclock", accuracy_at_cost)}
+                 "final_at_wallclock": ("wallclock", accuracy_at_cost),
+                 "entropy_at_wallclock": ("wallclock", entropy_at_cost)}
 RUN_MEASURES = {"largest_fall": lambda r: largest_fall(r.evals()[1])}  # claim measures beside accuracy_measures
 
 

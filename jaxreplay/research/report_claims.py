@@ -9,7 +9,7 @@ baseline (the report's `--baseline`, on-policy by default):
         settings: [spi2_nr2, spi2_nr8]   # pooled: the bootstrap resamples seeds within each
         measure: peak                    # peak | final | pass@K | {tokens,rollouts,compute,wallclock}_to_{50,75,90}
                                          # | final_at_compute | entropy_at_compute | final_at_wallclock
-                                         # | largest_fall
+                                         # | entropy_at_wallclock | largest_fall
         above: -0.02                     # or below: 1.0
         mu: 5.28                         # the µ of the modelled compute: compute_to_*, *_at_compute
         ceiling: 0.98                    # optional: the baseline's median peak/final/pass@K/final_at_*
@@ -20,10 +20,10 @@ measures are ratios to the same seed's baseline, +inf where the run never reache
 target. At equal compute (`final_at_compute`, `entropy_at_compute`), each seed pair is read
 at the smaller of the two runs' total modelled compute at µ: test accuracy at each run's
 latest evaluation at or before it, or the mean of the logged `entropy` over the last 10
-logged steps at or before it; `final_at_wallclock` the same at the smaller of the two runs'
-wall-clock seconds (compilation and evaluation left out, as the report's wallclock axis).
-`largest_fall` is the largest drop of test accuracy below an
-earlier evaluation (after the peak so far); "smaller with a buffer" is `below: 0`.
+logged steps at or before it; `final_at_wallclock` and `entropy_at_wallclock` the same at the
+smaller of the two runs' wall-clock seconds (compilation and evaluation left out, as the report's
+wallclock axis). `largest_fall` is the largest drop of test accuracy below an earlier evaluation
+(after the peak so far); "smaller with a buffer" is `below: 0`.
 
 The verdict reads the IQM's 95% stratified bootstrap interval against the threshold:
 wholly on the rule's side, "holds"; wholly on the other, "fails"; across it, "inconclusive".
@@ -70,8 +70,8 @@ _COST = re.compile(r"(tokens|rollouts|compute|wallclock)_to_(50|75|90)")
 _PASS = re.compile(r"pass@([1-9][0-9]*)")
 _KEYS = {"text", "settings", "measure", "above", "below", "mu", "ceiling", "baseline", "contrast", "regime"}
 AT_COMPUTE = ("final_at_compute", "entropy_at_compute")  # paired at the smaller of the two runs' compute at µ
-AT_WALLCLOCK = ("final_at_wallclock",)  # paired at the smaller of the two runs' wall-clock seconds
-NO_CEILING = ("entropy_at_compute", "largest_fall")  # neither is an accuracy with a top to sit at
+AT_WALLCLOCK = ("final_at_wallclock", "entropy_at_wallclock")  # ... at the smaller of their wall-clock seconds
+NO_CEILING = ("entropy_at_compute", "entropy_at_wallclock", "largest_fall")  # none is an accuracy with a top
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,11 +140,12 @@ def parse_claims(raw: Any, where: str = "sweep.claims") -> tuple[Claim, ...]:
         if not (isinstance(settings, list) and settings and all(isinstance(s, str) for s in settings)):
             raise ConfigError(f"{key}.settings: expected a non-empty list of setting names, got {show(settings)}")
         measure = rule.get("measure")
-        if not isinstance(measure, str) or not (measure in ("peak", "final", "largest_fall", *AT_COMPUTE, *AT_WALLCLOCK)
+        if not isinstance(measure, str) or not (measure in ("peak", "final", "largest_fall", *AT_COMPUTE,
+                                                             *AT_WALLCLOCK)
                                                 or _PASS.fullmatch(measure) or _COST.fullmatch(measure)):
             raise ConfigError(f"{key}.measure: {show(measure)} is not peak, final, pass@K, "
                               "{tokens,rollouts,compute,wallclock}_to_{50,75,90}, final_at_compute, "
-                              "entropy_at_compute, final_at_wallclock or largest_fall")
+                              "entropy_at_compute, final_at_wallclock, entropy_at_wallclock or largest_fall")
         if ("above" in rule) == ("below" in rule):
             raise ConfigError(f"{key}: give exactly one of above and below (the rule's threshold)")
         side = "above" if "above" in rule else "below"
