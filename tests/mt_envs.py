@@ -87,3 +87,14 @@ class EvenNumberWins:
     def step(self, turn_text):
         return Step(reward=float(self.number % 2 == 0), done=True)
 
+
+
+class EvenCharWins:
+    """Ends at the first turn with reward 1 when the turn's text starts with a character of even
+    code: a random policy sampled at temperature 1 wins some of an item's episodes, not all."""
+
+    def reset(self, item, seed):
+        return (Message("user", f"{item[0]},{item[1]}:"),)
+
+    def step(self, turn_text):
+        return Step(reward=float(bool(turn_text) and ord(turn_text[0]) % 2 == 0), done=True)

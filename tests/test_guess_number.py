@@ -185,22 +185,28 @@ class EveryIdEndsATurn(CharTokenizer):
         return tuple(range(self.vocab_size))
 
 
+def small_evaluation_setup(env: str, eval_size: int = 24):
+    from jaxreplay.models.transformer import init_params
+
+    config = load_config(TESTBED, [
+        "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+        "model.d_ff=64", "model.max_seq_len=10", "sampling.max_new_tokens=4", f"task.eval_size={eval_size}",
+        "task.validation_size=40"])
+    config = dataclasses.replace(config, environment=dataclasses.replace(
+        config.environment, name=env, options={}, workers=2, eval_slots=16))
+    graphdef, params = init_params(config.model, 0)
+    task = GuessNumberTask(config.task)
+    task.tokenizer = EveryIdEndsATurn()  # a random policy's first token ends its turn
+    return config, task, graphdef, params
+
+
 def test_evaluation_plays_greedy_episodes_on_the_test_and_the_validation_split():
     """Each split's success is its own items' (a hand count: the even numbers), under the keys
     stage 1 chooses on; a task without a validation split writes no validation key. The engine
     plays `environment.eval_slots` episodes at once, on as many thread workers."""
-    from jaxreplay.models.transformer import init_params
     from jaxreplay.train.eval import TEST_KEY, TURNS_KEY, VALIDATION_KEY, EpisodeEvaluator
 
-    config = load_config(TESTBED, [
-        "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
-        "model.d_ff=64", "model.max_seq_len=10", "sampling.max_new_tokens=4", "task.eval_size=24",
-        "task.validation_size=40"])
-    config = dataclasses.replace(config, environment=dataclasses.replace(
-        config.environment, name="mt_envs:EvenNumberWins", options={}, workers=2, eval_slots=16))
-    graphdef, params = init_params(config.model, 0)
-    task = GuessNumberTask(config.task)
-    task.tokenizer = EveryIdEndsATurn()  # a random policy's first token ends its turn
+    config, task, graphdef, params = small_evaluation_setup("mt_envs:EvenNumberWins")
     evaluator = EpisodeEvaluator(config, task, graphdef, params, live_vocab=task.tokenizer.vocab_size)
     assert evaluator.engine.slots == 16 and evaluator.runner.pool.workers == 16  # eval_slots episodes at once
     even = lambda split: float(np.mean([n % 2 == 0 for _, _, n in split]))
@@ -210,6 +216,30 @@ def test_evaluation_plays_greedy_episodes_on_the_test_and_the_validation_split()
     assert scores[TEST_KEY] != scores[VALIDATION_KEY]  # the splits' own counts, not one split's twice
     task.validation_problems = []
     assert VALIDATION_KEY not in evaluator.evaluations(params)
+
+
+def test_episode_pass_at_k_samples_each_items_episodes_as_one_group_of_its_own():
+    """n episodes an item at temperature 1, scored per item: where the reward is the item's alone
+    (even numbers win) every item wins all or none of its n, so pass@k is the hand count for every
+    k; where it is the sampled turn's, items win some of their n, pass@1 is the share won and
+    pass@k grows with k; the same seed plays the same episodes."""
+    from jaxreplay.train.eval import PASSK_KEY, EpisodeEvaluator, episode_pass_at_k
+
+    config, task, graphdef, params = small_evaluation_setup("mt_envs:EvenNumberWins")
+    result = episode_pass_at_k(config, task, graphdef, params, (1, 4), seed=3)
+    even = [n % 2 == 0 for _, _, n in task.eval_problems]
+    assert result["correct_per_problem"] == [4 * e for e in even]
+    assert result[PASSK_KEY] == {"1": float(np.mean(even)), "4": float(np.mean(even))}
+
+    config, task, graphdef, params = small_evaluation_setup("mt_envs:EvenCharWins")
+    result = episode_pass_at_k(config, task, graphdef, params, (1, 2, 4), seed=3)
+    wins = np.array(result["correct_per_problem"])
+    assert ((wins > 0) & (wins < 4)).any()  # sampled, not greedy: an item's episodes differ
+    passk = result[PASSK_KEY]
+    assert passk["1"] == pytest.approx(wins.mean() / 4) and passk["1"] < passk["2"] < passk["4"] <= 1
+    assert episode_pass_at_k(config, task, graphdef, params, (1, 2, 4), seed=3) == result
+    with pytest.raises(ValueError, match="give a temperature"):
+        EpisodeEvaluator(config, task, graphdef, params, live_vocab=task.tokenizer.vocab_size, samples=4)
 
 
 @pytest.mark.slow

@@ -400,12 +400,16 @@ def test_a_multi_turn_run_trains_evaluates_episodes_and_holds_the_limiter(tmp_pa
         assert r.keys() <= DOCUMENTED_KEYS, r.keys() - DOCUMENTED_KEYS
     assert "eval/turns" in records[0] and 0 <= records[-1]["eval/accuracy"] <= 1
     assert records[-1]["episode/turns"] > 0 and "cost/mu" in records[-1]
-    if placement == "colocated":  # `jaxreplay eval` plays greedy episodes of the saved policy, as the loop does
+    if placement == "colocated":  # `jaxreplay eval`: greedy episodes of the saved policy, as the loop plays, and pass@k
         proc = subprocess.run([sys.executable, "-m", "jaxreplay", "eval", str(DEMO_MT), *RUN_MT,
-                               "--checkpoint", str(run_dir)], capture_output=True, text=True, timeout=600)
+                               "--checkpoint", str(run_dir), "--k", "1,4", "--out", str(tmp_path / "eval.json")],
+                              capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         assert result["episodes"] == 16 and 0 <= result["success_greedy"] <= 1 and result["turns_greedy"] > 0
+        assert 0 <= result["pass@k_t1.0"]["1"] <= result["pass@k_t1.0"]["4"] <= 1
+        successes = json.loads((tmp_path / "eval.json").read_text())["correct_per_problem"]
+        assert len(successes) == 16 and max(successes) <= 4  # each test item's 4 episodes
 
 
 def train_mt(tmp_path, name, *overrides, log=lambda _: None):

@@ -1,4 +1,5 @@
 """Held-out evaluation: greedy accuracy during training; pass@1 and pass@k of a saved policy.
+Multi-turn tasks: greedy success and pass@k over episodes (`EpisodeEvaluator`).
 
 `evaluate` is the loop's cheap check. `pass_at_k_eval` is the paper's protocol
 (`jaxreplay eval`): pass@1 from one sample per problem at temperature 0.1, top-p
@@ -217,8 +218,9 @@ def run_eval(config: Config, *, checkpoint: Optional[str] = None, hf: Optional[s
         scores = EpisodeEvaluator(one, task, graphdef, params, live_vocab=task.tokenizer.vocab_size)(params, pending)
         results = {"task": config.task.name, "split": "test", "environment": config.environment.name, **source,
                    "episodes": len(task.eval_problems), "success_greedy": scores[TEST_KEY],
-                   "turns_greedy": scores[TURNS_KEY], "max_new_tokens": s.max_new_tokens,
-                   "seconds": round(time.perf_counter() - start, 1)}
+                   "turns_greedy": scores[TURNS_KEY],
+                   **episode_pass_at_k(one, task, graphdef, params, ks, config.run.seed, pending),
+                   "max_new_tokens": s.max_new_tokens, "seconds": round(time.perf_counter() - start, 1)}
         if out is not None:
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(json.dumps(results, indent=2) + "\n")
@@ -253,29 +255,34 @@ TURNS_KEY = "eval/turns"  # multi-turn: mean model turns per evaluation episode
 
 
 class EpisodeEvaluator:
-    """Greedy evaluation of multi-turn episodes through the same engine and environments the
-    rollouts use: one episode per held-out item (reset with seed = its index in its split),
-    success = reward 1. Its engine (group size 1) is built once and takes the weights it is given."""
+    """Evaluation of multi-turn episodes through the same engine and environments the rollouts
+    use: `samples` episodes per held-out item (each reset with seed = the item's index in its
+    split), success = reward 1. Greedy, one episode an item, unless a `temperature` is given
+    (pass@k). Its engine (group size `samples`) is built once and takes the weights it is given."""
 
     def __init__(self, config: Config, task: Task, graphdef, params, *, live_vocab: int, mesh=None,
-                 slots: Optional[int] = None):
-        """`slots`: episodes in flight (default `environment.eval_slots`); thread workers are at least as many,
-        so that steps which take time run side by side (process workers stay as configured)."""
+                 slots: Optional[int] = None, samples: int = 1, temperature: Optional[float] = None):
+        """`slots`: episodes in flight (default `environment.eval_slots`, at least `samples`); thread workers
+        are at least as many, so that steps which take time run side by side (process workers stay as
+        configured)."""
         from jaxreplay.rollout.actor import make_episode_runner
         from jaxreplay.rollout.engine import JaxEngine
 
+        if temperature is None and samples != 1:
+            raise ValueError(f"greedy evaluation plays one episode an item, not {samples}: give a temperature")
         e = config.environment
-        slots = slots or e.eval_slots
+        slots = max(slots or e.eval_slots, samples)
         workers = max(e.workers, slots) if e.workers and not e.processes else e.workers
-        one = dataclasses.replace(config, train=dataclasses.replace(config.train, group_size=1),
+        one = dataclasses.replace(config, train=dataclasses.replace(config.train, group_size=samples),
                                   environment=dataclasses.replace(e, workers=workers))
-        self.task, self.runner = task, make_episode_runner(one, task)
+        self.task, self.runner, self.samples = task, make_episode_runner(one, task), samples
         s, tok = config.sampling, task.tokenizer
-        self.engine = JaxEngine(graphdef, config.model, params, slots=slots, group_size=1, prompt_len=task.prompt_len,
-                                max_new_tokens=s.max_new_tokens, chunk_steps=s.engine_chunk_steps, greedy=True,
-                                stop_ids=tok.eos_ids, pad_id=tok.pad_id, kv_cache_dtype=s.kv_cache_dtype,
-                                prefill_chunk_size=s.prefill_chunk_size, live_vocab=live_vocab, mesh=mesh,
-                                turns=self.runner)
+        self.engine = JaxEngine(graphdef, config.model, params, slots=slots, group_size=samples,
+                                prompt_len=task.prompt_len, max_new_tokens=s.max_new_tokens,
+                                chunk_steps=s.engine_chunk_steps, greedy=temperature is None,
+                                temperature=temperature or 1.0, stop_ids=tok.eos_ids, pad_id=tok.pad_id,
+                                kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size,
+                                live_vocab=live_vocab, mesh=mesh, turns=self.runner)
 
     def evaluations(self, params, stopping: Callable[[], Optional[int]] = lambda: None) -> dict[str, float]:
         """Success and turns on the test split and, where the task has one, success on the
@@ -288,24 +295,47 @@ class EpisodeEvaluator:
 
     def __call__(self, params, stopping: Callable[[], Optional[int]] = lambda: None,
                  problems: Optional[Sequence[Any]] = None) -> dict[str, float]:
-        """Greedy success (under TEST_KEY) and mean turns of one episode per item of `problems`
-        (the test split unless given)."""
+        """Success (under TEST_KEY: the mean over items of each item's share of successful
+        episodes) and mean turns, over `problems` (the test split unless given)."""
+        successes, turns = self.success_counts(params, stopping, problems)
+        return {TEST_KEY: float((successes / self.samples).mean()), TURNS_KEY: float(turns.mean())}
+
+    def success_counts(self, params, stopping: Callable[[], Optional[int]] = lambda: None,
+                       problems: Optional[Sequence[Any]] = None, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(successful episodes of each item's `samples` [P], each item's mean turns [P]); an item's
+        episodes are one group, sampled with keys from `seed` and the item's index."""
         from jaxreplay.rollout.engine import PromptGroup
 
         problems = self.task.eval_problems if problems is None else problems
         self.engine.update_weights(params, 0)
-        key = jax.random.key(0)  # greedy: never read
+        key = jax.random.key(seed)  # greedy: never read
         groups = []
         for i, item in enumerate(problems):
             tokens, mask = self.runner.open(i, item, i)
-            groups.append(PromptGroup(tag=i, tokens=tokens, mask=mask, key=key))
+            groups.append(PromptGroup(tag=i, tokens=tokens, mask=mask, key=jax.random.fold_in(key, i)))
         self.engine.submit(groups)
-        rewards, turns = np.zeros(len(problems)), np.zeros(len(problems))
+        successes, turns = np.zeros(len(problems), np.int64), np.zeros(len(problems))
         while self.engine.pending():
             if signum := stopping():
                 raise Preempted(f"{describe(signum)} during an evaluation", signum)
             self.engine.step()
             for group in self.engine.collect():
                 result = self.runner.result(group.tag)
-                rewards[group.tag], turns[group.tag] = result["reward"][0], result["turns"][0]
-        return {TEST_KEY: float((rewards == 1.0).mean()), TURNS_KEY: float(turns.mean())}
+                successes[group.tag] = int((np.asarray(result["reward"]) == 1.0).sum())
+                turns[group.tag] = float(np.mean(result["turns"]))
+        return successes, turns
+
+
+def episode_pass_at_k(config: Config, task: Task, graphdef, params, ks: Sequence[int], seed: int,
+                      stopping: Callable[[], Optional[int]] = lambda: None) -> dict[str, Any]:
+    """Multi-turn pass@k for every k in `ks`: max(ks) episodes per test item at temperature 1.0
+    (top-p 1), the unbiased estimator over each item's successes, as `pass_at_k_eval` for one turn."""
+    n = max(ks)
+    evaluator = EpisodeEvaluator(config, task, graphdef, params, live_vocab=task.tokenizer.vocab_size,
+                                 samples=n, temperature=PASSK_TEMPERATURE)
+    successes, _ = evaluator.success_counts(params, stopping, seed=seed)
+    return {
+        PASSK_KEY: {str(k): float(np.mean([pass_at_k(n, int(c), k) for c in successes])) for k in sorted(set(ks))},
+        f"{PASSK_KEY}_settings": {"temperature": PASSK_TEMPERATURE, "top_p": 1.0, "samples_per_problem": n},
+        "correct_per_problem": successes.tolist(),
+    }
