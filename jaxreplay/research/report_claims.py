@@ -140,9 +140,9 @@ def parse_claims(raw: Any, where: str = "sweep.claims") -> tuple[Claim, ...]:
         if not (isinstance(settings, list) and settings and all(isinstance(s, str) for s in settings)):
             raise ConfigError(f"{key}.settings: expected a non-empty list of setting names, got {show(settings)}")
         measure = rule.get("measure")
-        if not isinstance(measure, str) or not (measure in ("peak", "final", "largest_fall", *AT_COMPUTE,
-                                                             *AT_WALLCLOCK)
-                                                or _PASS.fullmatch(measure) or _COST.fullmatch(measure)):
+        named = ("peak", "final", "largest_fall", *AT_COMPUTE, *AT_WALLCLOCK)
+        if not isinstance(measure, str) or not (measure in named or _PASS.fullmatch(measure)
+                                                or _COST.fullmatch(measure)):
             raise ConfigError(f"{key}.measure: {show(measure)} is not peak, final, pass@K, "
                               "{tokens,rollouts,compute,wallclock}_to_{50,75,90}, final_at_compute, "
                               "entropy_at_compute, final_at_wallclock, entropy_at_wallclock or largest_fall")

@@ -117,10 +117,17 @@ def pass_at_k_eval(params, task: Task, make_sampler_fn: Callable[..., Any], ks: 
         "problems": len(task.eval_problems),
         PASS1_KEY: float(pass1_correct.mean()),
         f"{PASS1_KEY}_settings": {"temperature": PASS1_TEMPERATURE, "top_p": PASS1_TOP_P, "samples_per_problem": 1},
+        **pass_at_k_scores(correct, n, ks),
+        "reward/errors": pass1_errors + errors,
+    }
+
+
+def pass_at_k_scores(correct: np.ndarray, n: int, ks: Sequence[int]) -> dict[str, Any]:
+    """eval.json's pass@k keys from each problem's correct samples out of n (temperature 1.0)."""
+    return {
         PASSK_KEY: {str(k): float(np.mean([pass_at_k(n, int(c), k) for c in correct])) for k in sorted(set(ks))},
         f"{PASSK_KEY}_settings": {"temperature": PASSK_TEMPERATURE, "top_p": 1.0, "samples_per_problem": n},
         "correct_per_problem": correct.tolist(),
-        "reward/errors": pass1_errors + errors,
     }
 
 
@@ -334,8 +341,4 @@ def episode_pass_at_k(config: Config, task: Task, graphdef, params, ks: Sequence
     evaluator = EpisodeEvaluator(config, task, graphdef, params, live_vocab=task.tokenizer.vocab_size,
                                  samples=n, temperature=PASSK_TEMPERATURE)
     successes, _ = evaluator.success_counts(params, stopping, seed=seed)
-    return {
-        PASSK_KEY: {str(k): float(np.mean([pass_at_k(n, int(c), k) for c in successes])) for k in sorted(set(ks))},
-        f"{PASSK_KEY}_settings": {"temperature": PASSK_TEMPERATURE, "top_p": 1.0, "samples_per_problem": n},
-        "correct_per_problem": successes.tolist(),
-    }
+    return pass_at_k_scores(successes, n, ks)
