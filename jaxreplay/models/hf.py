@@ -128,15 +128,16 @@ def hf_names(path: tuple, shape: tuple[int, ...]) -> tuple[list[str], bool, bool
 # config.json <-> ModelConfig
 
 
-def _checked_config_json(text: bytes | str, file: str) -> dict:
+def _checked_config_json(data: bytes, file: str) -> dict:
     """config.json's object, refused in one line where its family or expert counts cannot run:
-    the checks that need neither transformers nor the weights, so a run makes them at its edge."""
+    the checks that need neither transformers nor the weights, so a run makes them at its edge.
+    Decoded as UTF-8 first, as transformers reads it: json.loads(bytes) would guess UTF-16 from a BOM."""
     try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise HFModelError(f"{file}: malformed JSON at line {e.lineno}") from None
+        raw = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
         raise HFModelError(f"{file}: not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise HFModelError(f"{file}: malformed JSON at line {e.lineno}") from None
     if not isinstance(raw, dict):
         raise HFModelError(f"{file}: not a JSON object")
     model_type = raw.get("model_type")
