@@ -481,8 +481,7 @@ class TrainConfig:
     # outputs, recompute the rest)
     remat: Literal["none", "full", "dots"] = "none"
     # a mixture of experts: the learner routes each token to the experts the sampler chose for it (recorded on the
-    # row), not its router's own top k; off, `router_disagreement` says how often the two differ. Needs
-    # `sampling.engine: static`, whose sampler records them
+    # row by either sampler), not its router's own top k; off, `router_disagreement` says how often the two differ
     routing_replay: bool = False
     # positions whose logits the learner computes at a time (0: all at once)
     logits_chunk_size: int = 0
@@ -1081,8 +1080,6 @@ def validate(c: Config, local: bool = True) -> None:
              f"every layer index must lie in 0..{m.n_layers - 1}, got {list(m.moe_dense_layers)}")
     _require(not c.train.routing_replay or m.n_experts > 0 or m.hf_path is not None, "train.routing_replay",
              "needs a mixture of experts (model.n_experts > 0)")
-    _require(not c.train.routing_replay or c.sampling.engine == "static", "train.routing_replay",
-             "needs sampling.engine: static (the continuous engine does not record routes yet)")
     _validate_lora(m.lora)
     _require(t.loss != "asymre" or t.advantage != "group_normalized", "train.advantage",
              "AsymRE needs r - V: use group_centered or leave_one_out, not group_normalized")

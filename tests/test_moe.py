@@ -290,6 +290,59 @@ def test_with_routing_replay_the_learner_routes_as_the_sampler_did(moe_rollouts,
         float(moe.route_disagreement(choice, recorded, jnp.asarray(ran))), rel=1e-4)
 
 
+def test_the_continuous_engine_records_the_experts_of_every_token_it_runs_and_routing_replay_takes_them():
+    """Multi-turn episodes of a mixture of experts on a pool too small for a step's groups (rows wait in
+    prefix entries, then decode out of step), prompts and answers prefilled in chunks of 3: each row's
+    routes are its tokens' experts under the learner's router on the same weights, at every real token but
+    its last (no step ran it), the environment's tokens included; its behaviour log-probs are the learner's."""
+    from jaxreplay.config import load_config
+    from jaxreplay.learn.scoring import sequence_scores
+
+    from test_multiturn import DEMO_MT, LONG_ANSWERS, TINY_MT, run_episodes
+
+    moe_mt = [*LONG_ANSWERS, "model.n_layers=2", "model.n_experts=6", "model.experts_per_token=2",
+              "model.moe_d_ff=16", "sampling.engine_slots=6", "sampling.prefill_chunk_size=3",
+              "train.routing_replay=true"]
+    validate(load_config(DEMO_MT, [*TINY_MT, *moe_mt]))
+    stats = []
+    config, task, graphdef, params, rows, _ = run_episodes(moe_mt, engine_stats=stats)
+    (stats,) = stats
+    assert stats.entry_groups > 0 and stats.answer_prefills > 0, "the placement and answer-prefill paths ran"
+    routes, mask = rows["routes"], rows["attention_mask"]
+    assert routes.shape == (*mask.shape, 2, 2) and routes.dtype == np.int16
+    ran = routes[:, :, 0, 0] >= 0
+    last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+    expected = mask.copy()
+    expected[np.arange(len(mask)), last] = False
+    np.testing.assert_array_equal(ran, expected)
+    assert (ran & ~rows["completion_mask"])[:, task.prompt_len:].sum() > 20, "environment tokens routed too"
+    tokens = jnp.asarray(rows["tokens"])
+    h, unembed, own = routed_score_hidden(graphdef, params, tokens, jnp.asarray(mask))
+    own = np.sort(np.moveaxis(np.asarray(own.experts), 0, 2), axis=-1)
+    np.testing.assert_array_equal(own[ran], np.sort(routes, axis=-1)[ran])
+    learner, _ = sequence_scores(h, tokens, unembed, temperature=config.sampling.temperature, with_entropy=False,
+                                 live_vocab=task.tokenizer.vocab_size)
+    completion = rows["completion_mask"]
+    np.testing.assert_allclose(np.where(completion, rows["logprobs"], 0.0),
+                               np.where(completion, np.asarray(learner), 0.0), atol=1e-5)
+
+    # routing replay on these rows: with the routers moved, the update's ratios are those of the recorded routes
+    from jaxreplay.learn.learner import make_optimizer, make_train_step
+    from jaxreplay.rollout.rollouts import to_device_batch
+
+    moved = _moved_router(params)
+    h, unembed, _ = routed_score_hidden(graphdef, moved, tokens, jnp.asarray(mask),
+                                        routes=jnp.moveaxis(jnp.asarray(routes), 2, 0))
+    replayed, _ = sequence_scores(h, tokens, unembed, temperature=config.sampling.temperature, with_entropy=False,
+                                  live_vocab=task.tokenizer.vocab_size)
+    want = float(np.mean(np.exp(np.asarray(replayed) - rows["logprobs"])[completion]))
+    optimizer = make_optimizer(config.train)
+    step = make_train_step(graphdef, config, optimizer, live_vocab=task.tokenizer.vocab_size)
+    _, _, m = step(moved, optimizer.init(moved), to_device_batch(rows), None)
+    assert float(m["ratio_mean"]) == pytest.approx(want, rel=1e-5)
+    assert float(m["router_disagreement"]) > 0.1, "the moved routers would have routed elsewhere"
+
+
 def test_lora_adapts_attention_and_the_dense_mlps_and_freezes_the_experts(tmp_path):
     import json
 

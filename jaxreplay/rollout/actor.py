@@ -24,7 +24,7 @@ from jaxreplay.config import Config, ConfigError, owner_check
 from jaxreplay.rollout.advantages import ADVANTAGES
 from jaxreplay.rollout.engine import JaxEngine, PromptGroup, RolloutEngine
 from jaxreplay.rollout.episodes import EPISODE_ERRORS, EpisodeRunner
-from jaxreplay.rollout.rollouts import ROUTES, make_rows, row_spec
+from jaxreplay.rollout.rollouts import ROUTES, make_rows, records_routes, row_spec
 from jaxreplay.rollout.sampling import Rollout, completion_ids
 from jaxreplay.tasks.base import Task, score
 from jaxreplay.tasks.chat import chat_format_for
@@ -240,7 +240,8 @@ class StreamingActor:
             ids.append(rollout_ids(step, prompt * g, g, c.rollouts_per_step))
         cat = lambda name: np.concatenate([getattr(group.rollout, name) for group in completed])
         rollout = Rollout(tokens=cat("tokens"), attention_mask=cat("attention_mask"),
-                          completion_mask=cat("completion_mask"), logprobs=cat("logprobs"))
+                          completion_mask=cat("completion_mask"), logprobs=cat("logprobs"),
+                          routes=cat(ROUTES) if ROUTES in self.spec else None)
         extra = {}
         if self.episodes is not None:
             results = [self.episodes.result(group.tag) for group in completed]
@@ -254,7 +255,7 @@ class StreamingActor:
             completion_mask=rollout.completion_mask, logprobs=rollout.logprobs, advantage=advantages,
             reward=rewards, policy_version=np.concatenate([group.first_version for group in completed]),
             last_version=np.concatenate([group.last_version for group in completed]),
-            rollout_id=np.concatenate(ids))
+            rollout_id=np.concatenate(ids), **({ROUTES: rollout.routes} if ROUTES in self.spec else {}))
         return items, {**rollout_stats(items), "reward/errors": reward_errors, **extra}
 
 
@@ -272,7 +273,7 @@ def make_streaming_actor(graphdef, config: Config, task: Task, params, *, stop_i
                        max_new_tokens=s.max_new_tokens, chunk_steps=s.engine_chunk_steps, temperature=s.temperature,
                        top_p=s.top_p, top_k=s.top_k, stop_ids=stop_ids, pad_id=pad_id,
                        kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size, live_vocab=live_vocab,
-                       mesh=mesh, turns=episodes)
+                       mesh=mesh, turns=episodes, record_routes=records_routes(config))
     return StreamingActor(config, task, engine, shard=shard, episodes=episodes)
 
 

@@ -14,7 +14,9 @@ was submitted and of the tokens drawn, never of the clock: the same seed gives t
 Keys: row j of a group draws its token t with fold_in(fold_in(group key, j), t), whatever slot
 or chunk it runs in. Weights: `update_weights` takes effect at the next chunk; rows mid-sequence
 continue under the new weights over the K/V the old ones wrote, and each token's log-prob is
-that of the distribution it was drawn from. Each row records the version of every token.
+that of the distribution it was drawn from. Each row records the version of every token, and
+(`record_routes`, a mixture of experts) the experts each sparse layer sent each token to when
+it ran through the model: in its own column, -1 where none ran (padding, the row's last token).
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxreplay.config import ModelConfig
-from jaxreplay.models import sharding
+from jaxreplay.models import moe, sharding
 from jaxreplay.models.transformer import (
     KV_CACHE_AXES, KVCache, Rotation, dtype_of, init_cache, positions_from_mask, rotation)
-from jaxreplay.rollout.sampling import Rollout, _prefill, choose_token, constrain_cache, uniforms
+from jaxreplay.rollout.sampling import NO_ROUTE, Rollout, _as_routes, _prefill, choose_token, constrain_cache, uniforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +127,7 @@ class Pool(NamedTuple):
     done: jax.Array  # [S] bool: stopped, or free (or waiting for its environment's answer)
     keys: jax.Array  # [S] typed keys: the row's key
     forced_until: jax.Array  # [S] int32: completion tokens before this index are an environment's, fed not drawn
+    routes: Optional[jax.Array] = None  # [S, P + N, L_sparse, k] int16 (`Rollout.routes`); None unless recorded
 
 
 class Prefixes(NamedTuple):
@@ -136,6 +139,7 @@ class Prefixes(NamedTuple):
     tokens: jax.Array  # [Q, P] int32
     mask: jax.Array  # [Q, P] bool
     version: jax.Array  # [Q] int32: the weights that prefilled it
+    routes: Optional[jax.Array] = None  # [Q, P, L_sparse, k] int16: the prompt's; None unless recorded
 
 
 @dataclasses.dataclass
@@ -145,7 +149,7 @@ class _Group:
     prompt: PromptGroup
     entry: int = -1  # its prefix entry while rows wait for slots
     to_place: int = 0  # the next row to put in a slot
-    rows: dict = dataclasses.field(default_factory=dict)  # row j -> (tokens, mask, logprobs, versions) once stopped
+    rows: dict = dataclasses.field(default_factory=dict)  # row j -> (tokens, mask, logprobs, versions, routes) once stopped
     env_cols: dict = dataclasses.field(default_factory=dict)  # row j -> [(start, end)] completion columns fed by its environment
     turn_start: dict = dataclasses.field(default_factory=dict)  # row j -> the completion column its current turn began at
 
@@ -184,13 +188,18 @@ class JaxEngine:
     leave their slots, and a group whose G rows have all stopped is complete. A group that only
     partly fits waits in a prefix entry, so its rows may start in different chunks; each row's
     slot is freed as soon as it stops.
+
+    `record_routes` (a mixture of experts; a no-op for a dense model): the rows carry `routes`,
+    for a learner that routes as the sampler did (`train.routing_replay`). Off by default: the
+    pool then holds P + N x sparse layers x k more int16 per slot.
     """
 
     def __init__(self, graphdef, model_cfg: ModelConfig, params, *, slots: int, group_size: int, prompt_len: int,
                  max_new_tokens: int, chunk_steps: int = 8, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, greedy: bool = False, stop_ids: Sequence[int] = (), pad_id: int = 0,
                  kv_cache_dtype: Optional[str] = None, prefill_chunk_size: int = 0, version: int = 0,
-                 live_vocab: int = 0, mesh: Optional[Mesh] = None, turns: Optional[TurnTaker] = None):
+                 live_vocab: int = 0, mesh: Optional[Mesh] = None, turns: Optional[TurnTaker] = None,
+                 record_routes: bool = False):
         if group_size <= 0 or slots <= 0:
             raise ValueError(f"slots ({slots}) and group_size ({group_size}) must be positive")
         if chunk_steps <= 0 or max_new_tokens <= 0:
@@ -206,11 +215,12 @@ class JaxEngine:
         self.params, self.version = params, version
         self.stats = EngineStats()
         entries = _prefix_entries(slots, group_size)
-        layout = _layout(mesh, model_cfg, slots, entries, prompt_len, max_new_tokens, kv_cache_dtype)
+        routes = _route_shape(model_cfg, record_routes)
+        layout = _layout(mesh, model_cfg, slots, entries, prompt_len, max_new_tokens, kv_cache_dtype, routes)
         self._prefill, self._place, self._start, self._decode, self._append, self._feed = _programs(
             graphdef, model_cfg, group_size, prompt_len, max_new_tokens, chunk_steps,
             (bool(greedy), float(temperature), int(top_k), float(top_p), int(live_vocab)),
-            tuple(int(s) for s in stop_ids), pad_id, kv_cache_dtype, prefill_chunk_size, layout)
+            tuple(int(s) for s in stop_ids), pad_id, kv_cache_dtype, prefill_chunk_size, layout, routes)
         self._replicated = None if mesh is None else sharding.replicated(mesh)
         self._answer_rows = answer_prefill_rows(slots, mesh)
         # Choices that change the speed, never the rows; on by default, off to measure them side
@@ -227,9 +237,9 @@ class JaxEngine:
         self.narrow_drain = turns is None
         # Made in place: a pool laid out over a mesh is never whole on one device.
         pool_sharding, prefix_sharding = layout or (None, None)
-        self._empty = (jax.jit(lambda: _empty_pool(model_cfg, slots, prompt_len, max_new_tokens, pad_id, kv_cache_dtype),
-                               out_shardings=pool_sharding),
-                       jax.jit(lambda: _empty_prefixes(model_cfg, entries, prompt_len, pad_id, kv_cache_dtype),
+        self._empty = (jax.jit(lambda: _empty_pool(model_cfg, slots, prompt_len, max_new_tokens, pad_id, kv_cache_dtype,
+                                                   routes), out_shardings=pool_sharding),
+                       jax.jit(lambda: _empty_prefixes(model_cfg, entries, prompt_len, pad_id, kv_cache_dtype, routes),
                                out_shardings=prefix_sharding))
         self._entries = entries
         self.clear()
@@ -524,18 +534,19 @@ class JaxEngine:
                     self._parked[(g.prompt.tag, j)] = s
                     continue
             self._ending.discard(s)
-            g.rows[j] = tuple(f[k] for f in fields)
+            g.rows[j] = tuple(None if f is None else f[k] for f in fields)
             self._slot_row[s] = None
         g_size = self.group_size
         for g in [g for g in self._open if len(g.rows) == g_size]:
-            tokens, mask, logprobs, versions = (np.stack([g.rows[j][i] for j in range(g_size)]) for i in range(4))
+            tokens, mask, logprobs, versions, routes = (
+                None if g.rows[0][i] is None else np.stack([g.rows[j][i] for j in range(g_size)]) for i in range(5))
             completion = mask & (np.arange(mask.shape[1]) >= self.prompt_len)[None, :]
             for j, spans in g.env_cols.items():  # an environment's tokens are attended, never trained
                 for start, end in spans:
                     completion[j, self.prompt_len + start:self.prompt_len + end] = False
             self._completed.append(CompletedGroup(
                 g.prompt.tag, Rollout(tokens=tokens, attention_mask=mask, completion_mask=completion,
-                                      logprobs=logprobs), token_versions=versions))
+                                      logprobs=logprobs, routes=routes), token_versions=versions))
         self._open = [g for g in self._open if len(g.rows) < g_size]
 
 
@@ -602,12 +613,20 @@ class EnginePrograms(NamedTuple):
     feed: Any  # answers' tokens prefilled onto their rows (multi-turn)
 
 
+def _route_shape(cfg: ModelConfig, record_routes: bool) -> Optional[tuple[int, int]]:
+    """(sparse layers, k) of the routes a row records, or None: not asked for, or no experts."""
+    sparse = moe.sparse_layers(cfg)
+    return (len(sparse), cfg.experts_per_token) if record_routes and sparse else None
+
+
 @functools.lru_cache(maxsize=32)
 def _programs(graphdef, cfg: ModelConfig, g: int, p: int, n_new: int, k_steps: int, draw: tuple, stop_ids: tuple,
-              pad_id: int, kv_cache_dtype, prefill_chunk_size: int, layout: Optional[tuple] = None):
+              pad_id: int, kv_cache_dtype, prefill_chunk_size: int, layout: Optional[tuple] = None,
+              routes: Optional[tuple[int, int]] = None):
     """The jitted programs of one engine shape, shared by engines of that shape (jit caches
     compiled programs per function object). With a `layout` (`_layout`'s), each program writes
-    the pool and the prefix entries back in it, so the state keeps its layout."""
+    the pool and the prefix entries back in it, so the state keeps its layout. `routes`
+    (`_route_shape`'s): the state records them, and every program that runs the model writes them."""
     greedy, temperature, top_k, top_p, live_vocab = draw
     choose = functools.partial(choose_token, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
                                live_vocab=live_vocab)
@@ -616,7 +635,7 @@ def _programs(graphdef, cfg: ModelConfig, g: int, p: int, n_new: int, k_steps: i
     scalar = None if layout is None else jax.tree.leaves(prefix_out)[0]  # the prefix entries are replicated
     mesh = None if layout is None else scalar.mesh
     prefill = functools.partial(_prefill_prompts, graphdef, cfg, kv_cache_dtype, prefill_chunk_size,
-                                functools.partial(constrain_cache, mesh))
+                                functools.partial(constrain_cache, mesh), routes)
     place = functools.partial(_place_rows, choose, stops, p, n_new, pad_id)
     return EnginePrograms(
         prefill=jax.jit(functools.partial(_prefill_entries, prefill), donate_argnums=1,
@@ -634,14 +653,15 @@ def _programs(graphdef, cfg: ModelConfig, g: int, p: int, n_new: int, k_steps: i
 
 
 def _layout(mesh: Optional[Mesh], cfg: ModelConfig, slots: int, entries: int, p: int, n_new: int,
-            kv_cache_dtype) -> Optional[tuple[Pool, Prefixes]]:
+            kv_cache_dtype, routes: Optional[tuple[int, int]] = None) -> Optional[tuple[Pool, Prefixes]]:
     """The engine's state over `mesh` (None: no mesh), as shardings shaped like (Pool, Prefixes):
     the pool's rows split like a batch and its cache like the static sampler's (slots over the
     data-parallel axes, kv heads over tensor), so a pool S slots wide costs each device what a
     batch of S rows does; the few prefix entries replicated."""
     if mesh is None:
         return None
-    pool, prefixes, _ = abstract_state(cfg, slots, 0, p, n_new, kv_cache_dtype, entries=entries)
+    pool, prefixes = jax.eval_shape(lambda: (_empty_pool(cfg, slots, p, n_new, 0, kv_cache_dtype, routes),
+                                             _empty_prefixes(cfg, entries, p, 0, kv_cache_dtype, routes)))
     return state_shardings(mesh, pool, prefixes)
 
 
@@ -651,14 +671,15 @@ def state_shardings(mesh: Mesh, pool: Pool, prefixes: Prefixes) -> tuple[Pool, P
     cache = lambda x: sharding.cache_sharding(mesh, KV_CACHE_AXES, x.shape)
     rep = sharding.replicated(mesh)
     return (pool._replace(cache=jax.tree.map(cache, pool.cache),
-                          **{f: rows(getattr(pool, f)) for f in pool._fields if f != "cache"}),
+                          **{f: jax.tree.map(rows, getattr(pool, f)) for f in pool._fields if f != "cache"}),
             jax.tree.map(lambda _: rep, prefixes))
 
 
 def programs(graphdef, cfg: ModelConfig, *, group_size: int, prompt_len: int, max_new_tokens: int,
              chunk_steps: int = 8, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
              stop_ids: Sequence[int] = (), pad_id: int = 0, kv_cache_dtype: Optional[str] = None,
-             prefill_chunk_size: int = 0, live_vocab: int = 0, mesh: Optional[Mesh] = None, slots: int = 0):
+             prefill_chunk_size: int = 0, live_vocab: int = 0, mesh: Optional[Mesh] = None, slots: int = 0,
+             record_routes: bool = False):
     """The engine's jitted programs, as `JaxEngine` runs them (with a `mesh`, laid out as an engine
     of `slots` slots on it lays out its state):
     `prefill(params, prefixes, tokens [n, P], mask [n, P], entries [n], version)`,
@@ -671,20 +692,22 @@ def programs(graphdef, cfg: ModelConfig, *, group_size: int, prompt_len: int, ma
     What `jaxreplay compile` lowers, with `abstract_state`'s arrays."""
     if mesh is not None and slots <= 0:
         raise ValueError("a mesh needs the engine's slots: the layout depends on them")
+    routes = _route_shape(cfg, record_routes)
     return _programs(graphdef, cfg, group_size, prompt_len, max_new_tokens, chunk_steps,
                      (bool(greedy), float(temperature), int(top_k), float(top_p), int(live_vocab)),
                      tuple(int(s) for s in stop_ids), pad_id, kv_cache_dtype, prefill_chunk_size,
                      _layout(mesh, cfg, slots, _prefix_entries(slots, group_size), prompt_len, max_new_tokens,
-                             kv_cache_dtype))
+                             kv_cache_dtype, routes), routes)
 
 
 def abstract_state(cfg: ModelConfig, slots: int, group_size: int, prompt_len: int, max_new_tokens: int,
-                   kv_cache_dtype: Optional[str] = None, *, entries: int = 0) -> tuple[Pool, Prefixes, int]:
+                   kv_cache_dtype: Optional[str] = None, *, record_routes: bool = False) -> tuple[Pool, Prefixes, int]:
     """The pool's and the prefix entries' shapes and dtypes (nothing allocated), and the most
     prompts one prefill call takes (the largest power of two up to the entries)."""
-    entries = entries or _prefix_entries(slots, group_size)
-    pool, prefixes = jax.eval_shape(lambda: (_empty_pool(cfg, slots, prompt_len, max_new_tokens, 0, kv_cache_dtype),
-                                             _empty_prefixes(cfg, entries, prompt_len, 0, kv_cache_dtype)))
+    entries, routes = _prefix_entries(slots, group_size), _route_shape(cfg, record_routes)
+    pool, prefixes = jax.eval_shape(lambda: (
+        _empty_pool(cfg, slots, prompt_len, max_new_tokens, 0, kv_cache_dtype, routes),
+        _empty_prefixes(cfg, entries, prompt_len, 0, kv_cache_dtype, routes)))
     return pool, prefixes, 1 << (entries.bit_length() - 1)
 
 
@@ -696,7 +719,8 @@ def _stack(*keys: jax.Array) -> jax.Array:
 
 @jax.jit
 def _gather(pool: Pool, rows: jax.Array):
-    return pool.tokens[rows], pool.mask[rows], pool.logprobs[rows], pool.versions[rows]
+    return (pool.tokens[rows], pool.mask[rows], pool.logprobs[rows], pool.versions[rows],
+            None if pool.routes is None else pool.routes[rows])
 
 
 def pool_cache_bytes(model_cfg: ModelConfig, slots: int, prompt_len: int, max_new_tokens: int,
@@ -708,37 +732,47 @@ def pool_cache_bytes(model_cfg: ModelConfig, slots: int, prompt_len: int, max_ne
         model_cfg.head_dim * itemsize
 
 
-def _empty_pool(cfg: ModelConfig, slots: int, p: int, n: int, pad_id: int, kv_cache_dtype) -> Pool:
+def _no_routes(shape: Optional[tuple[int, int]], *lead: int) -> Optional[jax.Array]:
+    """[*lead, L_sparse, k] of `NO_ROUTE` (None where routes are not recorded)."""
+    return None if shape is None else jnp.full((*lead, *shape), NO_ROUTE, jnp.int16)
+
+
+def _empty_pool(cfg: ModelConfig, slots: int, p: int, n: int, pad_id: int, kv_cache_dtype,
+                routes: Optional[tuple[int, int]] = None) -> Pool:
     length = p + n
     return Pool(cache=init_cache(cfg, slots, length, kv_cache_dtype),
                 tokens=jnp.full((slots, length), pad_id, jnp.int32), mask=jnp.zeros((slots, length), bool),
                 logprobs=jnp.zeros((slots, length), jnp.float32), versions=jnp.full((slots, n), -1, jnp.int32),
                 n_prompt=jnp.zeros((slots,), jnp.int32), emitted=jnp.zeros((slots,), jnp.int32),
                 done=jnp.ones((slots,), bool), keys=jax.random.split(jax.random.key(0), slots),
-                forced_until=jnp.zeros((slots,), jnp.int32))
+                forced_until=jnp.zeros((slots,), jnp.int32), routes=_no_routes(routes, slots, length))
 
 
 def _stopped(token: jax.Array, stops: np.ndarray) -> jax.Array:
     return (token[:, None] == stops[None, :]).any(axis=-1) if stops.size else jnp.zeros(token.shape, bool)
 
 
-def _empty_prefixes(cfg: ModelConfig, entries: int, p: int, pad_id: int, kv_cache_dtype) -> Prefixes:
+def _empty_prefixes(cfg: ModelConfig, entries: int, p: int, pad_id: int, kv_cache_dtype,
+                    routes: Optional[tuple[int, int]] = None) -> Prefixes:
     return Prefixes(cache=init_cache(cfg, entries, p, kv_cache_dtype),
                     logits=jnp.zeros((entries, cfg.vocab_size), jnp.float32),
                     tokens=jnp.full((entries, p), pad_id, jnp.int32), mask=jnp.zeros((entries, p), bool),
-                    version=jnp.zeros((entries,), jnp.int32))
+                    version=jnp.zeros((entries,), jnp.int32), routes=_no_routes(routes, entries, p))
 
 
-def _prefill_prompts(graphdef, cfg: ModelConfig, kv_cache_dtype, prefill_chunk_size: int, constrain, params, tokens,
-                     mask, version) -> Prefixes:
+def _prefill_prompts(graphdef, cfg: ModelConfig, kv_cache_dtype, prefill_chunk_size: int, constrain,
+                     route_shape: Optional[tuple[int, int]], params, tokens, mask, version) -> Prefixes:
     """Prefills `tokens`/`mask` [n, P], one row per prompt (not per completion): n prefixes."""
     n, p = tokens.shape
     model = nnx.merge(graphdef, params)
     mask = mask.astype(bool)
     cache = constrain(init_cache(cfg, n, p, kv_cache_dtype))
-    h, cache, _ = _prefill(model, tokens, positions_from_mask(mask), mask, cache, prefill_chunk_size, constrain)
+    h, cache, routes = _prefill(model, tokens, positions_from_mask(mask), mask, cache, prefill_chunk_size, constrain,
+                                _no_routes(route_shape, n, p))
+    if routes is not None:  # the left padding ran through the model too; its routes are none
+        routes = jnp.where(mask[:, :, None, None], routes, jnp.int16(NO_ROUTE))
     return Prefixes(cache=cache, logits=model.unembed(h)[:, 0], tokens=tokens.astype(jnp.int32), mask=mask,
-                    version=jnp.full((n,), version, jnp.int32))
+                    version=jnp.full((n,), version, jnp.int32), routes=routes)
 
 
 def _prefill_entries(prefill, params, prefixes: Prefixes, tokens, mask, entries, version) -> tuple[Prefixes, jax.Array]:
@@ -783,6 +817,9 @@ def _place_rows(choose, stops, p: int, n_new: int, pad_id: int, pool: Pool, pref
         done=put(pool.done, _stopped(token, stops) | (n_new == 1)),
         keys=put(pool.keys, row_keys),
         forced_until=put(pool.forced_until, jnp.zeros((n,), jnp.int32)),
+        routes=None if pool.routes is None else put(
+            pool.routes, jnp.full((n, length, *pool.routes.shape[2:]), NO_ROUTE, jnp.int16).at[:, :p].set(
+                prefixes.routes[entry])),
     )
 
 
@@ -825,15 +862,28 @@ def _feed_answers(graphdef, p: int, chunk: int, constrain, length: int, params, 
     new = (col > first[:, None]) & (col <= (first + counts)[:, None])  # the columns the inputs' steps would fill
     mask = spare(pool.mask[take], 1) | new
     cache = constrain(jax.tree.map(lambda x: spare(x[take], 2), pool.cache))
+    routes = None if pool.routes is None else spare(pool.routes[take], 1)
+
+    def record(routes, routing, start):
+        """The experts of inputs `start`.. (each row's first `counts` only) into their own columns."""
+        if routes is None:
+            return None
+        ran = _as_routes(routing)  # [R, T, L_sparse, k]
+        offset = start + jnp.arange(ran.shape[1])[None, :]
+        cols = jnp.where(offset < counts[:, None], first[:, None] + offset, routes.shape[1])  # past the end: dropped
+        return routes.at[jnp.arange(ran.shape[0])[:, None], cols].set(ran, mode="drop")
+
     if 0 < chunk < length:
 
-        def one(k, cache):
+        def one(k, carry):
             part = lambda x: jax.lax.dynamic_slice_in_dim(x, k * chunk, chunk, axis=1)
-            return model.hidden(part(inputs), part(positions), mask, cache, first + k * chunk)[1]
+            _, cache, routing = model.routed_hidden(part(inputs), part(positions), mask, carry[0], first + k * chunk)
+            return cache, record(carry[1], routing, k * chunk)
 
-        cache = jax.lax.fori_loop(0, length // chunk, one, cache)
+        cache, routes = jax.lax.fori_loop(0, length // chunk, one, (cache, routes))
     else:
-        cache = model.hidden(inputs, positions, mask, cache, first)[1]
+        _, cache, routing = model.routed_hidden(inputs, positions, mask, cache, first)
+        routes = record(routes, routing, 0)
     new = new[:, :n_cols]
     put = lambda buf, value: buf.at[slots].set(value.astype(buf.dtype), mode="drop")
     return pool._replace(
@@ -841,7 +891,8 @@ def _feed_answers(graphdef, p: int, chunk: int, constrain, length: int, params, 
         mask=put(pool.mask, mask[:, :n_cols]),
         logprobs=put(pool.logprobs, jnp.where(new, 0.0, pool.logprobs[take])),
         versions=put(pool.versions, jnp.where(new[:, p:], version, pool.versions[take])),
-        emitted=put(pool.emitted, emitted + counts))
+        emitted=put(pool.emitted, emitted + counts),
+        routes=None if routes is None else put(pool.routes, routes[:, :n_cols]))
 
 
 def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int, k_max: int, width: int,
@@ -892,7 +943,16 @@ def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int,
             # nothing reads its cache again before a placement rewrites it.
             index = jnp.minimum(last, width - 1)
         rot = Rotation(*(jax.lax.dynamic_slice_in_dim(x, k, 1, axis=1) for x in rotations))
-        h, window = model.hidden(token, rot, pool.mask[:, :width], window, index)
+        h, window, routing = model.routed_hidden(token, rot, pool.mask[:, :width], window, index)
+        routes = pool.routes
+        if routes is not None:  # the input token's experts, in its own column (live rows only)
+            ran = _as_routes(routing)[:, 0]
+            if lockstep:
+                old = jax.lax.dynamic_index_in_dim(routes, last, axis=1, keepdims=False)
+                routes = jax.lax.dynamic_update_slice_in_dim(
+                    routes, jnp.where(live[:, None, None], ran, old)[:, None], last, axis=1)
+            else:
+                routes = routes.at[rows, last].set(jnp.where(live[:, None, None], ran, routes[rows, last]))
         new, logp = choose(model.unembed(h)[:, 0], jax.lax.dynamic_index_in_dim(ahead, k, axis=1, keepdims=False))
         # An environment's token (multi-turn): fed in its column, not drawn; log-prob 0, never a stop.
         forced = pool.emitted < pool.forced_until
@@ -916,7 +976,7 @@ def _decode_chunk(graphdef, cfg: ModelConfig, choose, stops, p: int, n_new: int,
         pool = pool._replace(
             tokens=keep(pool.tokens, new), mask=keep(pool.mask, live),
             logprobs=keep(pool.logprobs, logp), versions=keep(pool.versions, version, 0), emitted=emitted,
-            done=pool.done | (live & ((_stopped(new, stops) & ~forced) | (emitted >= n_new))))
+            done=pool.done | (live & ((_stopped(new, stops) & ~forced) | (emitted >= n_new))), routes=routes)
         return k + 1, pool, window
 
     k, pool, window = jax.lax.while_loop(lambda c: (c[0] < k_steps) & ~jnp.all(c[1].done), step,

@@ -43,8 +43,8 @@ FIELDS = (
           "(sampling.engine continuous only: weights change between decode chunks)"),
     Field("rollout_id", False, np.int32, False, "actor_step * R + the row's index in that step's prompt batch "
           "(every process's rows counted): one rollout's items in several tables share it"),
-    Field("routes", True, np.int16, True, "a mixture of experts' only (`sampling.engine: static`): [T, sparse "
-          "layers, k], the experts each sparse layer sent each token to at generation, -1 where none ran"),
+    Field("routes", True, np.int16, True, "a mixture of experts' only: [T, sparse layers, k], the experts each "
+          "sparse layer sent each token to at generation, -1 where none ran"),
 )
 TRAINED = tuple(f.name for f in FIELDS if f.trained)
 ROUTES = "routes"  # the one field that only some rows have (`records_routes`)
@@ -62,9 +62,8 @@ def row_spec(config: Config, prompt_len: int) -> dict[str, tuple[tuple[int, ...]
 
 
 def records_routes(config: Config) -> bool:
-    """Whether rows carry `routes`: a mixture of experts sampled by the static sampler, which records them
-    (the continuous engine does not yet)."""
-    return config.sampling.engine == "static" and bool(moe.sparse_layers(config.model))
+    """Whether rows carry `routes`: a mixture of experts, whichever sampler made them (both record them)."""
+    return bool(moe.sparse_layers(config.model))
 
 
 def make_rows(spec: RowSpec, **fields: np.ndarray) -> Rows:

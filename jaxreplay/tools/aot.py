@@ -282,14 +282,16 @@ def _engine_programs(graphdef, c: Config, mesh, params, slots: int, engine_held:
     (`engine.state_shardings`). Multi-turn (`environment.name`), also its largest answer
     prefill (`engine.largest_answer_prefill`), which gathers its rows' cache."""
     from jaxreplay.rollout import engine
+    from jaxreplay.rollout.rollouts import records_routes
 
     s = c.sampling
     programs = engine.programs(
         graphdef, c.model, group_size=c.train.group_size, prompt_len=p_len, max_new_tokens=s.max_new_tokens,
         chunk_steps=ENGINE_CHUNK_STEPS, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size, mesh=mesh, slots=slots)
+        kv_cache_dtype=s.kv_cache_dtype, prefill_chunk_size=s.prefill_chunk_size, mesh=mesh, slots=slots,
+        record_routes=records_routes(c))
     pool, prefixes, n = engine.abstract_state(c.model, slots, c.train.group_size, p_len, s.max_new_tokens,
-                                              s.kv_cache_dtype)
+                                              s.kv_cache_dtype, record_routes=records_routes(c))
     pool_at, prefixes_at = engine.state_shardings(mesh, pool, prefixes)
     place = lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
     pool, prefixes = jax.tree.map(place, pool, pool_at), jax.tree.map(place, prefixes, prefixes_at)
