@@ -910,8 +910,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
-        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
-            value = float(value)  # YAML 1.1 reads "1e-3" as a string
+        # YAML 1.1 reads "1e-3" as a string. Only ASCII blanks around it: str.strip also takes control
+        # characters such as \x1f, which float() refuses.
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip(" \t\r\n")):
+            value = float(value)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
                 return float(value)

@@ -5,7 +5,7 @@ import re
 import sys
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxreplay.config import Config, ConfigError, load_config, to_dict
@@ -152,6 +152,7 @@ _FIELDS = [
         st.none(), st.lists(st.integers(), max_size=3),
     ),
 )
+@example(field=("train", "tis_cap"), value="0\x1f")  # str.strip took the control character, float() did not
 def test_any_single_override_either_loads_or_raises_config_error(field, value):
     """The parser never crashes with anything but ConfigError, and what it accepts is well typed."""
     import yaml
