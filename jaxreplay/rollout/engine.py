@@ -660,9 +660,7 @@ def _layout(mesh: Optional[Mesh], cfg: ModelConfig, slots: int, entries: int, p:
     batch of S rows does; the few prefix entries replicated."""
     if mesh is None:
         return None
-    pool, prefixes = jax.eval_shape(lambda: (_empty_pool(cfg, slots, p, n_new, 0, kv_cache_dtype, routes),
-                                             _empty_prefixes(cfg, entries, p, 0, kv_cache_dtype, routes)))
-    return state_shardings(mesh, pool, prefixes)
+    return state_shardings(mesh, *_abstract(cfg, slots, entries, p, n_new, kv_cache_dtype, routes))
 
 
 def state_shardings(mesh: Mesh, pool: Pool, prefixes: Prefixes) -> tuple[Pool, Prefixes]:
@@ -704,11 +702,16 @@ def abstract_state(cfg: ModelConfig, slots: int, group_size: int, prompt_len: in
                    kv_cache_dtype: Optional[str] = None, *, record_routes: bool = False) -> tuple[Pool, Prefixes, int]:
     """The pool's and the prefix entries' shapes and dtypes (nothing allocated), and the most
     prompts one prefill call takes (the largest power of two up to the entries)."""
-    entries, routes = _prefix_entries(slots, group_size), _route_shape(cfg, record_routes)
-    pool, prefixes = jax.eval_shape(lambda: (
-        _empty_pool(cfg, slots, prompt_len, max_new_tokens, 0, kv_cache_dtype, routes),
-        _empty_prefixes(cfg, entries, prompt_len, 0, kv_cache_dtype, routes)))
+    entries = _prefix_entries(slots, group_size)
+    pool, prefixes = _abstract(cfg, slots, entries, prompt_len, max_new_tokens, kv_cache_dtype,
+                               _route_shape(cfg, record_routes))
     return pool, prefixes, 1 << (entries.bit_length() - 1)
+
+
+def _abstract(cfg: ModelConfig, slots: int, entries: int, p: int, n_new: int, kv_cache_dtype,
+              routes: Optional[tuple[int, int]]) -> tuple[Pool, Prefixes]:
+    return jax.eval_shape(lambda: (_empty_pool(cfg, slots, p, n_new, 0, kv_cache_dtype, routes),
+                                   _empty_prefixes(cfg, entries, p, 0, kv_cache_dtype, routes)))
 
 
 @jax.jit
